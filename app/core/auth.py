@@ -1,0 +1,61 @@
+"""Clients, tokens and scopes (LMSP §3). Only sha256 hashes of tokens are ever stored."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass
+
+SCOPES = ("models:read", "models:write", "responses:read", "responses:write",
+          "tasks:read", "tasks:cancel", "metrics:read", "admin")
+OWNER_ID = "client_owner"
+
+
+@dataclass(frozen=True)
+class Client:
+    id: str
+    name: str
+    scopes: frozenset[str]
+
+    @property
+    def is_admin(self) -> bool:
+        return "admin" in self.scopes
+
+    def allows(self, scope: str) -> bool:
+        return self.is_admin or scope in self.scopes
+
+
+def new_token() -> str:
+    return "lmsp_" + secrets.token_urlsafe(32)  # 256 random bits
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def install_owner(conn: sqlite3.Connection, token: str) -> None:
+    """Make `token` the owner's (admin) token, replacing any earlier one."""
+    conn.execute(
+        "INSERT INTO clients(id, name, token_hash, scopes, is_owner, created_at) VALUES (?, 'Owner', ?, ?, 1, ?) "
+        "ON CONFLICT(id) DO UPDATE SET token_hash = excluded.token_hash, revoked_at = NULL",
+        (OWNER_ID, token_hash(token), json.dumps(["admin"]), time.time()))
+
+
+def owner_matches(conn: sqlite3.Connection, token: str) -> bool:
+    row = conn.execute("SELECT token_hash FROM clients WHERE id = ?", (OWNER_ID,)).fetchone()
+    return row is not None and hmac.compare_digest(row["token_hash"], token_hash(token))
+
+
+def authenticate(conn: sqlite3.Connection, token: str) -> Client | None:
+    """The client a bearer token belongs to, or None. The lookup is by hash (an index probe
+    on a value an attacker cannot steer), then compared in constant time."""
+    digest = token_hash(token)
+    row = conn.execute("SELECT id, name, scopes, token_hash FROM clients WHERE token_hash = ? AND revoked_at IS NULL",
+                       (digest,)).fetchone()
+    if row is None or not hmac.compare_digest(row["token_hash"], digest):
+        return None
+    return Client(row["id"], row["name"], frozenset(json.loads(row["scopes"])))

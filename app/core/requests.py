@@ -1,0 +1,129 @@
+"""Reading a `POST /v1/responses` body into a generation request, naming any bad field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from app.errors import InvalidRequest
+from app.store.config import ON_RESTART
+
+KNOWN = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed", "stop",
+         "metadata", "stream", "background", "store", "on_restart", "user", "text", "tools", "tool_choice",
+         "parallel_tool_calls", "truncation", "reasoning", "include", "previous_response_id", "service_tier",
+         "stream_options", "prompt_cache_key", "safety_identifier", "top_logprobs", "max_tool_calls"}
+ROLES = {"system", "developer", "user", "assistant"}
+
+
+@dataclass
+class ResponseRequest:
+    model: str | None
+    messages: list[dict[str, str]]
+    max_output_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: list[str]
+    metadata: dict[str, str]
+    stream: bool
+    background: bool
+    on_restart: str | None
+    instructions: str | None
+
+    def generation(self) -> dict[str, Any]:
+        """What the engine needs; stored with the response so a restart can redo or resume it."""
+        return {"messages": self.messages, "instructions": self.instructions, "temperature": self.temperature,
+                "top_p": self.top_p, "seed": self.seed, "stop": self.stop}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _text_of(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                    or not isinstance(part.get("text"), str):
+                raise InvalidRequest("Only text content parts are supported.", param=f"{param}[{i}]")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise InvalidRequest("Message content must be a string or a list of text parts.", param=param)
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("`input` must be a string or a non-empty list of messages.", param="input")
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or item.get("role") not in ROLES:
+            raise InvalidRequest(f"Each message needs a role, one of {sorted(ROLES)}.", param=f"input[{i}].role")
+        role = "system" if item["role"] == "developer" else item["role"]
+        out.append({"role": role, "content": _text_of(item.get("content"), f"input[{i}].content")})
+    return out
+
+
+def parse(body: Any) -> ResponseRequest:
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    for key in body:
+        if key not in KNOWN:
+            raise InvalidRequest(f"Unknown parameter {key!r}.", param=key)
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise InvalidRequest("`model` must be a model id.", param="model")
+    if "input" not in body:
+        raise InvalidRequest("`input` is required.", param="input")
+    messages = _messages(body["input"])
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise InvalidRequest("`instructions` must be a string.", param="instructions")
+        messages = [{"role": "system", "content": instructions}, *messages]
+    max_tokens = body.get("max_output_tokens")
+    if max_tokens is not None and (not _is_int(max_tokens) or not 1 <= max_tokens <= 1_000_000):
+        raise InvalidRequest("`max_output_tokens` must be an integer from 1 to 1000000.", param="max_output_tokens")
+    temperature = body.get("temperature", 1.0)
+    if temperature is None:
+        temperature = 1.0
+    if not _is_number(temperature) or not 0 <= temperature <= 2:
+        raise InvalidRequest("`temperature` must be a number from 0 to 2.", param="temperature")
+    top_p = body.get("top_p", 1.0)
+    if top_p is None:
+        top_p = 1.0
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise InvalidRequest("`top_p` must be a number above 0 and at most 1.", param="top_p")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**32):
+        raise InvalidRequest("`seed` must be an integer from 0 to 2^32-1.", param="seed")
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidRequest("`stop` must be a string or a list of up to 4 non-empty strings.", param="stop")
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()):
+        raise InvalidRequest("`metadata` must be an object of up to 16 string keys (64 chars) and string values "
+                             "(512 chars).", param="metadata")
+    flags = {}
+    for name in ("stream", "background", "store"):
+        flags[name] = body.get(name, name == "store")
+        if flags[name] is None:
+            flags[name] = name == "store"
+        if not isinstance(flags[name], bool):
+            raise InvalidRequest(f"`{name}` must be true or false.", param=name)
+    on_restart = body.get("on_restart")
+    if on_restart is not None and on_restart not in ON_RESTART:
+        raise InvalidRequest(f"`on_restart` must be one of {list(ON_RESTART)}.", param="on_restart")
+    return ResponseRequest(model, messages, max_tokens, float(temperature), float(top_p), seed, stop, metadata,
+                           flags["stream"], flags["background"], on_restart, instructions)

@@ -1,0 +1,1 @@
+"""Inference: llama.cpp in a child process, and the model registry."""

@@ -1,0 +1,237 @@
+"""A pure-Python GGUF header validator, run before llama.cpp ever opens a file.
+
+llama.cpp's loader trusts more of the header than it should, and a crafted file can crash the
+process. So every length and count is checked against the bytes the file really has before we
+allocate, loop or seek, and only the header is read: inspecting a large model costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO
+
+MAX_KV, MAX_TENSORS, MAX_KEY_LEN, MAX_DEPTH, MAX_GGML_TYPE = 1_000_000, 1_000_000, 65535, 3, 64
+MAX_ELEMENTS = 1 << 62
+# The smallest a KV or tensor info can be on disk (1-byte key/name, 1-byte value or 1 dim):
+# a count that would need more bytes than the file has left is rejected without looping.
+MIN_KV, MIN_TENSOR = 8 + 1 + 4 + 1, 8 + 1 + 4 + 8 + 4 + 8
+STRING, ARRAY = 8, 9
+_SCALARS = {t: struct.Struct(f) for t, f in
+            {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+             10: "<Q", 11: "<q", 12: "<d"}.items()}
+_MIN_SIZE = {**{t: s.size for t, s in _SCALARS.items()}, STRING: 8, ARRAY: 4 + 8}
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+# ggml type -> (elements per block, bytes per block), copied from ggml's GGML_QUANT_SIZES.
+# Types missing here (new or exotic quantisations) are still accepted, just without a size check.
+BLOCK_SIZES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24),
+               8: (32, 34), 9: (32, 36), 10: (256, 84), 11: (256, 110), 12: (256, 144),
+               13: (256, 176), 14: (256, 210), 15: (256, 292), 24: (1, 1), 25: (1, 2),
+               26: (1, 4), 27: (1, 8), 28: (1, 8), 30: (1, 2)}
+_CHUNK = 1 << 20
+
+
+class GgufError(Exception):
+    """The file is not a GGUF model we are willing to hand to llama.cpp; str() says why."""
+
+
+@dataclass(frozen=True)
+class GgufInfo:
+    version: int
+    tensor_count: int
+    kv_count: int
+    architecture: str | None
+    name: str | None
+    context_length: int | None
+    has_chat_template: bool
+    file_size: int
+    metadata: dict[str, str | int | float | bool]
+
+
+def _num(n: int) -> str:
+    # Attack values are usually powers of two; "2^63" reads better than 9223372036854775808.
+    return f"2^{n.bit_length() - 1}" if n >= 1 << 32 and n & (n - 1) == 0 else str(n)
+
+
+class _Reader:
+    """Forward-only reader over a window of the file; never reads or skips past `size`."""
+
+    def __init__(self, f: BinaryIO, size: int) -> None:
+        self._f, self.size = f, size
+        self._buf, self._off, self._base = b"", 0, 0
+
+    @property
+    def pos(self) -> int:
+        return self._base + self._off
+
+    @property
+    def remaining(self) -> int:
+        return self.size - self.pos
+
+    def _need(self, n: int, what: str) -> None:
+        if n > self.remaining:
+            raise GgufError(f"truncated: {what} at offset {self.pos} ends past the end of the file")
+
+    def take(self, n: int, what: str) -> bytes:
+        self._need(n, what)
+        if self._off + n > len(self._buf):
+            rest = self._buf[self._off:]
+            self._base, self._off = self.pos, 0
+            self._f.seek(self._base + len(rest))
+            self._buf = rest + self._f.read(max(n - len(rest), _CHUNK))
+            if len(self._buf) < n:  # the file shrank after we measured it
+                raise GgufError(f"truncated: {what} at offset {self.pos} could not be read")
+        self._off += n
+        return self._buf[self._off - n:self._off]
+
+    def skip(self, n: int, what: str) -> None:
+        self._need(n, what)
+        if self._off + n <= len(self._buf):
+            self._off += n
+        else:  # drop the window; the next take() seeks, so a huge skip costs nothing
+            self._base, self._buf, self._off = self.pos + n, b"", 0
+
+    def u32(self, what: str) -> int:
+        return int(_U32.unpack(self.take(4, what))[0])
+
+    def u64(self, what: str) -> int:
+        return int(_U64.unpack(self.take(8, what))[0])
+
+    def str_len(self, what: str) -> int:
+        n = self.u64(f"length of {what}")
+        if n > self.remaining:
+            at = f"string length {_num(n)} at offset {self.pos - 8} ({what})"
+            raise GgufError(f"{at} is larger than the file" if n > self.size
+                            else f"truncated: {at} runs past the end of the file")
+        return n
+
+    def name(self, what: str) -> str:
+        n = self.str_len(what)
+        if not 0 < n <= MAX_KEY_LEN:
+            raise GgufError(f"{what} has length {_num(n)} (must be 1 to {MAX_KEY_LEN})")
+        return self.take(n, what).decode("utf-8", "replace")
+
+
+def _value(r: _Reader, vtype: int, what: str, depth: int = 0) -> str | int | float | bool | None:
+    """Reads one value; returns scalars and short strings, None for what we only skip."""
+    if vtype in _SCALARS:
+        s = _SCALARS[vtype]
+        scalar: int | float | bool = s.unpack(r.take(s.size, what))[0]
+        return scalar
+    if vtype == STRING:
+        n = r.str_len(what)
+        if n > 4 * 256:  # cannot be <= 256 characters: skip without reading it into memory
+            r.skip(n, what)
+            return None
+        text = r.take(n, what).decode("utf-8", "replace")
+        return text if len(text) <= 256 else None
+    if vtype != ARRAY:
+        raise GgufError(f"{what} has unknown value type {vtype}")
+    if depth >= MAX_DEPTH:
+        raise GgufError(f"{what} nests arrays deeper than {MAX_DEPTH} levels")
+    etype, start = r.u32(what), r.pos
+    count = r.u64(what)
+    if etype not in _MIN_SIZE:
+        raise GgufError(f"{what} is an array of unknown value type {etype}")
+    if count * _MIN_SIZE[etype] > r.remaining:
+        raise GgufError(f"array count {_num(count)} at offset {start} cannot fit in the file ({what})")
+    if etype in _SCALARS:
+        r.skip(count * _MIN_SIZE[etype], what)
+    elif etype == STRING:
+        elem = f"an element of {what}"  # built once: tokenizer arrays hold ~100k strings
+        for _ in range(count):
+            r.skip(r.str_len(elem), elem)
+    else:
+        for i in range(count):
+            _value(r, ARRAY, f"{what}[{i}]", depth + 1)
+    return None
+
+
+def _parse(r: _Reader) -> GgufInfo:
+    if r.size == 0:
+        raise GgufError("empty file")
+    if r.size < 4 or r.take(4, "magic") != b"GGUF":
+        raise GgufError("not a GGUF file (bad magic)")
+    version = r.u32("version")
+    if version not in (2, 3):
+        hint = " (big-endian file?)" if _U32.unpack(struct.pack(">I", version))[0] in (2, 3) else ""
+        raise GgufError(f"unsupported GGUF version {version}{hint}; only versions 2 and 3 are supported")
+    tensor_count, kv_count = r.u64("tensor count"), r.u64("metadata count")
+    if kv_count > MAX_KV or kv_count * MIN_KV > r.remaining:
+        raise GgufError(f"kv_count {_num(kv_count)} cannot fit in a {r.size}-byte file")
+    if tensor_count > MAX_TENSORS or kv_count * MIN_KV + tensor_count * MIN_TENSOR > r.remaining:
+        raise GgufError(f"tensor_count {_num(tensor_count)} cannot fit in a {r.size}-byte file")
+
+    metadata: dict[str, str | int | float | bool] = {}
+    seen: set[str] = set()
+    has_template, alignment = False, 32
+    for i in range(kv_count):
+        key = r.name(f"key {i}")
+        if key in seen:
+            raise GgufError(f"duplicate metadata key {key!r}")
+        seen.add(key)
+        vtype = r.u32(f"type of {key!r}")
+        value = _value(r, vtype, f"value of {key!r}")
+        if key == "general.alignment":
+            if vtype != 4 or not isinstance(value, int) or value == 0 or value & (value - 1):
+                raise GgufError(f"general.alignment must be a uint32 nonzero power of two, not {value!r}"
+                                f" of value type {vtype}")
+            alignment = value
+        if key == "tokenizer.chat_template":
+            has_template = vtype == STRING  # never stored: it is big and only its presence matters
+        elif value is not None:
+            metadata[key] = value
+
+    tensors: list[tuple[str, tuple[int, ...], int, int]] = []
+    names: set[str] = set()
+    if tensor_count * MIN_TENSOR > r.remaining:
+        raise GgufError(f"tensor_count {_num(tensor_count)} cannot fit in the rest of the file")
+    for i in range(tensor_count):
+        what = f"tensor info {i}"
+        name = r.name(f"name of {what}")
+        if name in names:
+            raise GgufError(f"duplicate tensor name {name!r}")
+        names.add(name)
+        n_dims = r.u32(what)
+        if not 1 <= n_dims <= 4:
+            raise GgufError(f"tensor {name!r} has {n_dims} dimensions (must be 1 to 4)")
+        dims = struct.unpack(f"<{n_dims}Q", r.take(8 * n_dims, what))
+        tensors.append((name, dims, r.u32(what), r.u64(what)))
+
+    data_start = -(-r.pos // alignment) * alignment
+    for name, dims, gtype, offset in tensors:
+        elements = math.prod(dims)  # Python ints cannot overflow; the cap keeps ggml's int64 safe
+        if 0 in dims or elements > MAX_ELEMENTS:
+            raise GgufError(f"tensor {name!r} has an invalid shape {list(dims)}")
+        if gtype >= MAX_GGML_TYPE:
+            raise GgufError(f"tensor {name!r} has unknown ggml type {gtype}")
+        if offset % alignment:
+            raise GgufError(f"tensor {name!r} offset {offset} is not aligned to {alignment} bytes")
+        if data_start + offset >= r.size:
+            raise GgufError(f"truncated: tensor {name!r} starts past the end of the file")
+        if gtype in BLOCK_SIZES:
+            block, nbytes = BLOCK_SIZES[gtype]
+            if dims[0] % block:
+                raise GgufError(f"tensor {name!r} row of {dims[0]} is not a multiple of block size {block}")
+            if data_start + offset + elements // block * nbytes > r.size:
+                raise GgufError(f"truncated: tensor {name!r} data ends past the end of the file")
+
+    arch, model_name = (v if isinstance(v := metadata.get(k), str) else None
+                        for k in ("general.architecture", "general.name"))
+    ctx = metadata.get(f"{arch}.context_length") if arch else None
+    ctx = ctx if type(ctx) is int and ctx > 0 else None  # bool is an int subclass: excluded
+    return GgufInfo(version, tensor_count, kv_count, arch, model_name, ctx, has_template, r.size, metadata)
+
+
+def inspect(path: str | os.PathLike[str]) -> GgufInfo:
+    """Validates the GGUF header of `path` and returns what it says; raises GgufError if unsafe."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or device would block or never end
+            raise GgufError("not a regular file")
+        with open(path, "rb") as f:
+            return _parse(_Reader(f, os.fstat(f.fileno()).st_size))
+    except OSError as e:
+        raise GgufError(f"cannot read the file: {e.strerror or e}") from e

@@ -1,0 +1,70 @@
+"""Errors as values: a code, an HTTP status, a message a person understands.
+
+Each boundary translates them once: the server into the LMSP error body, the GUI into a dialog.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LmspError(Exception):
+    status = 400
+    type = "invalid_request_error"
+
+    def __init__(self, code: str, message: str, *, param: str | None = None,
+                 status: int | None = None, title: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.title = title or "Request not accepted"
+        if status is not None:
+            self.status = status
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"type": self.type, "code": self.code,
+                          "message": self.message, "param": self.param}}
+
+
+class InvalidRequest(LmspError):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request") -> None:
+        super().__init__(code, message, param=param, status=400)
+
+
+class NotFound(LmspError):
+    type = "not_found_error"
+
+    def __init__(self, what: str, ident: str) -> None:
+        super().__init__("not_found", f"No {what} with id {ident!r}.", status=404,
+                         title=f"{what.capitalize()} not found")
+
+
+class Conflict(LmspError):
+    type = "conflict_error"
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(code, message, status=409)
+
+
+class Unauthorized(LmspError):
+    type = "authentication_error"
+
+    def __init__(self, message: str = "A valid bearer token is required.") -> None:
+        super().__init__("unauthorized", message, status=401)
+
+
+class Forbidden(LmspError):
+    type = "permission_error"
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(code, message, status=403)
+
+
+class StoreError(LmspError):
+    """The database refused: newer schema, full disk, locked. Nothing stored was changed."""
+
+    type = "server_error"
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(code, message, status=503, title="Storage problem")

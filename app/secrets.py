@@ -1,0 +1,62 @@
+"""Where the owner token is kept: the OS keyring, or a user-only file where none exists.
+
+Tests select a backend with the `keyring` library's own mechanism (PYTHON_KEYRING_BACKEND or
+keyring.set_keyring), so they never touch a real keychain.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import keyring
+from keyring.errors import KeyringError
+
+log = logging.getLogger(__name__)
+SERVICE = "lmsp-tray"
+TOKEN_FILE = "owner_token"
+
+
+class TokenVault:
+    """The owner token of one data directory. `where` says which backend holds it."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.account = f"owner-token:{data_dir}"
+        self.where = "keyring"
+
+    @property
+    def file(self) -> Path:
+        return self.data_dir / TOKEN_FILE
+
+    def get(self) -> str | None:
+        try:
+            token = keyring.get_password(SERVICE, self.account)
+            if token:
+                self.where = "keyring"
+                return token
+        except (KeyringError, RuntimeError) as exc:
+            log.info("no usable keyring backend (%s); using the token file", type(exc).__name__)
+        if self.file.exists():
+            self.where = "file"
+            return self.file.read_text(encoding="utf-8").strip() or None
+        return None
+
+    def put(self, token: str) -> str:
+        """Store the token; returns where it went ("keyring" or "file")."""
+        try:
+            keyring.set_password(SERVICE, self.account, token)
+            if keyring.get_password(SERVICE, self.account) == token:
+                self.where = "keyring"
+                return self.where
+        except (KeyringError, RuntimeError) as exc:
+            log.warning("no keyring backend available (%s): the owner token is kept in %s, "
+                        "readable only by you", type(exc).__name__, self.file)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(token)
+        os.chmod(self.file, 0o600)
+        self.where = "file"
+        return self.where

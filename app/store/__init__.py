@@ -1,0 +1,1 @@
+"""Persistence: one SQLite file per user (LMSP §11.1)."""

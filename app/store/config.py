@@ -1,0 +1,73 @@
+"""Settings in `service_config`: defaults, validation, reads and writes (LMSP §2b)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from typing import Any
+
+from app.errors import InvalidRequest
+
+ON_RESTART = ("fail", "retry", "resume")
+
+DEFAULTS: dict[str, Any] = {
+    "host": "127.0.0.1",
+    "port": 11535,
+    "retention_seconds": 604800,
+    "default_on_restart": "fail",
+    "max_concurrent_tasks": 1,
+    "allowed_origins": [],
+    "idempotency_ttl_seconds": 86400,
+    "model_idle_ttl_seconds": 0,  # 0: never unload for idleness
+    "allowed_hosts": [],
+}
+
+
+def _int_in(lo: int, hi: int) -> Any:
+    def check(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+    return check
+
+
+def _str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(s, str) and s for s in v)
+
+
+VALIDATORS: dict[str, Any] = {
+    "host": lambda v: isinstance(v, str) and 0 < len(v) < 256,
+    "port": _int_in(0, 65535),
+    "retention_seconds": _int_in(60, 10 * 365 * 86400),
+    "default_on_restart": lambda v: v in ON_RESTART,
+    "max_concurrent_tasks": _int_in(1, 16),
+    "allowed_origins": _str_list,
+    "idempotency_ttl_seconds": _int_in(60, 365 * 86400),
+    "model_idle_ttl_seconds": _int_in(0, 365 * 86400),
+    "allowed_hosts": _str_list,
+}
+
+
+def validate(changes: Any) -> dict[str, Any]:
+    if not isinstance(changes, dict):
+        raise InvalidRequest("Settings must be a JSON object.")
+    for key, value in changes.items():
+        if key not in VALIDATORS:
+            raise InvalidRequest(f"Unknown setting {key!r}.", param=key)
+        if not VALIDATORS[key](value):
+            raise InvalidRequest(f"Invalid value for {key!r}: {value!r}.", param=key)
+    return changes
+
+
+def load(conn: sqlite3.Connection) -> dict[str, Any]:
+    stored = {row["key"]: json.loads(row["value"]) for row in conn.execute("SELECT key, value FROM service_config")}
+    return {**DEFAULTS, **{k: v for k, v in stored.items() if k in DEFAULTS}}
+
+
+def save(conn: sqlite3.Connection, changes: dict[str, Any]) -> None:
+    conn.executemany(
+        "INSERT INTO service_config(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+        [(k, json.dumps(v)) for k, v in changes.items()])
+
+
+def get_value(conn: sqlite3.Connection, key: str) -> Any:
+    row = conn.execute("SELECT value FROM service_config WHERE key = ?", (key,)).fetchone()
+    return json.loads(row["value"]) if row else None

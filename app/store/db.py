@@ -1,0 +1,162 @@
+"""Opening the database: connection setup, corruption handling, numbered migrations.
+
+`synchronous=FULL` in WAL mode: every commit is fsynced before it returns, so a task
+acknowledged with 202 survives a power cut, not only a crash of the process. NORMAL would
+lose the last commits on power loss, which would break LMSP rule 11.2 in the one case that
+matters most. The cost is one fsync per transaction; deltas are coalesced to keep that low.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from app.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+# Result codes (sqlite3.h): a corrupt file is moved aside, a busy one never is.
+SQLITE_CORRUPT = 11
+SQLITE_NOTADB = 26
+
+
+def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
+    """The one connection-setup function: every connection of the app is made here."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA busy_timeout = 10000")
+    conn.execute("PRAGMA foreign_keys = ON")
+    if readonly:
+        conn.execute("PRAGMA query_only = ON")
+    else:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute("PRAGMA wal_autocheckpoint = 1000")
+    return conn
+
+
+def migrations() -> list[tuple[int, str]]:
+    """(version, sql) for every numbered file in migrations/, in order."""
+    found = []
+    for entry in resources.files("app.store.migrations").iterdir():
+        if entry.name.endswith(".sql"):
+            found.append((int(entry.name.split("_", 1)[0]), entry.read_text(encoding="utf-8")))
+    found.sort()
+    assert [v for v, _ in found] == list(range(1, len(found) + 1)), "migrations must be numbered 1..N"
+    return found
+
+
+def latest_version() -> int:
+    return len(migrations())
+
+
+@dataclass
+class Opened:
+    conn: sqlite3.Connection
+    recovered_from_corruption: str | None  # name of the file moved aside, if any
+
+
+def _utc_stamp() -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (SQLITE_CORRUPT, SQLITE_NOTADB)
+    text = str(exc).lower()
+    return "malformed" in text or "not a database" in text
+
+
+def move_aside(path: Path) -> str:
+    """Rename the database and its -wal/-shm to `<name>.corrupt-<UTC>`. Nothing is deleted."""
+    stamp = _utc_stamp()
+    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while aside.exists():
+        aside = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        n += 1
+    for suffix in ("", "-wal", "-shm"):
+        part = Path(str(path) + suffix)
+        if part.exists():
+            part.rename(str(aside) + suffix)
+    log.error("database %s was corrupt; moved aside to %s and started fresh", path, aside.name)
+    return aside.name
+
+
+def _check(conn: sqlite3.Connection) -> None:
+    """Raise sqlite3.DatabaseError if the file is not a healthy database."""
+    rows = conn.execute("PRAGMA quick_check").fetchall()
+    if [tuple(r) for r in rows] != [("ok",)]:
+        raise sqlite3.DatabaseError("database disk image is malformed: " + "; ".join(str(r[0]) for r in rows[:5]))
+
+
+def open_database(path: Path) -> Opened:
+    """Open (creating if needed), check, and migrate the database at `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    aside = None
+    try:
+        conn = connect(path)
+        _check(conn)
+    except sqlite3.DatabaseError as exc:
+        if not _is_corruption(exc):
+            raise StoreError("database_unavailable", f"The database {path} cannot be opened: {exc}") from exc
+        try:
+            conn.close()
+        except Exception:  # noqa: BLE001 - the handle may never have opened
+            pass
+        aside = move_aside(path)
+        conn = connect(path)
+    migrate(conn, path)
+    return Opened(conn, aside)
+
+
+def migrate(conn: sqlite3.Connection, path: Path) -> None:
+    steps = migrations()
+    current = conn.execute("PRAGMA user_version").fetchone()[0]
+    if current > len(steps):
+        conn.close()
+        raise StoreError(
+            "database_too_new",
+            f"The database {path} was written by a newer LMSP Tray (schema {current}, this version "
+            f"knows up to {len(steps)}). It was left untouched; please install the newer version.")
+    if current == len(steps):
+        return
+    if current > 0:
+        backup = path.with_name(f"{path.name}.backup-v{current}-{_utc_stamp()}")
+        dest = sqlite3.connect(backup)
+        with dest:
+            conn.backup(dest)
+        dest.close()
+        log.info("backed up the database to %s before migrating", backup.name)
+    for version, sql in steps[current:]:
+        # DDL and the version bump commit together: a crash leaves the old or the new schema.
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in _statements(sql):
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {version}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        log.info("database migrated to schema %d", version)
+
+
+def _statements(sql: str) -> list[str]:
+    """Split a migration file into statements (executescript would commit on its own)."""
+    out, buf = [], ""
+    for line in sql.splitlines(keepends=True):
+        if line.lstrip().startswith("--"):
+            continue
+        buf += line
+        if sqlite3.complete_statement(buf):
+            out.append(buf.strip())
+            buf = ""
+    if buf.strip():
+        out.append(buf.strip())
+    return out

@@ -1,0 +1,72 @@
+"""Recovery at startup (LMSP §11.3), run before the service accepts or runs anything.
+
+Each leftover task is moved by its `on_restart` policy, its new state and event in one
+transaction:
+
+    found \\ policy   fail        retry       resume
+    queued           failed      queued      queued
+    loading          failed      queued      queued
+    running          failed      queued      running (continues from the snapshot)
+    cancelling       cancelled   cancelled   cancelled
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from collections import Counter
+
+from app.tasks import machine
+from app.tasks.machine import RESPONSE
+from app.tasks.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING, UNFINISHED
+
+log = logging.getLogger(__name__)
+
+RESTARTED = {"code": "server_restarted", "message": "The service restarted while this task was unfinished."}
+
+
+def target(status: str, policy: str) -> str:
+    """The state table 11.3 moves a leftover task to."""
+    if status == CANCELLING:
+        return CANCELLED
+    if policy == "fail":
+        return FAILED
+    if policy == "resume" and status == RUNNING:
+        return RUNNING
+    return QUEUED
+
+
+def _move(conn: sqlite3.Connection, task: sqlite3.Row) -> str:
+    status, to = task["status"], target(task["status"], task["on_restart"])
+    now = time.time()
+    if to == CANCELLED:
+        machine.transition(conn, task["id"], CANCELLED, [("response.cancelled", {"response": RESPONSE})],
+                           only_from=(CANCELLING,), finished_at=now)
+    elif to == FAILED:
+        machine.transition(conn, task["id"], FAILED,
+                           [("response.failed", {"response": RESPONSE, "error": RESTARTED})],
+                           error_code=RESTARTED["code"], error_message=RESTARTED["message"], finished_at=now)
+    elif to == QUEUED and status in (LOADING, RUNNING):
+        # `retry` starts again from nothing: a new attempt, whose opening event says so.
+        attempt = task["attempt"] + 1 if task["on_restart"] == "retry" else task["attempt"]
+        machine.transition(conn, task["id"], QUEUED,
+                           [("response.queued", {"response": RESPONSE, "output_reset": True})],
+                           only_from=(status,), attempt=attempt, output_ids="[]", output_text="",
+                           output_tokens=0, tokens_per_second=None, started_at=None)
+    # queued stays queued and a resumed running task stays running: no transition to write.
+    return f"{status}->{to}"
+
+
+def recover(conn: sqlite3.Connection) -> dict[str, int]:
+    """Apply table 11.3 to every unfinished task. Returns counts like {"running->failed": 2}.
+
+    Each task's move is its own savepoint-free statement group inside the caller's
+    transaction; the caller runs this on the writer, so all moves commit together."""
+    marks = ",".join("?" * len(UNFINISHED))
+    leftovers = conn.execute(f"SELECT id, status, on_restart, attempt FROM tasks WHERE status IN ({marks})",
+                             UNFINISHED).fetchall()
+    counts = Counter(_move(conn, task) for task in leftovers)
+    if leftovers:
+        log.info("recovered %d unfinished tasks: %s", len(leftovers), dict(counts))
+    return dict(counts)

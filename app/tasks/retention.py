@@ -1,0 +1,20 @@
+"""Retention (LMSP §8): finished work older than the retention period goes; unfinished never."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+from app.tasks.states import TERMINAL
+
+
+def purge(conn: sqlite3.Connection, retention_seconds: int, idempotency_ttl_seconds: int,
+          now: float | None = None) -> dict[str, int]:
+    now = time.time() if now is None else now
+    marks = ",".join("?" * len(TERMINAL))
+    # Deleting the response cascades to its task and the task's events.
+    gone = conn.execute(
+        f"DELETE FROM responses WHERE id IN (SELECT response_id FROM tasks WHERE status IN ({marks}) "
+        "AND finished_at IS NOT NULL AND finished_at < ?)", (*TERMINAL, now - retention_seconds)).rowcount
+    keys = conn.execute("DELETE FROM idempotency_keys WHERE created_at < ?", (now - idempotency_ttl_seconds,)).rowcount
+    return {"responses": gone, "idempotency_keys": keys}

@@ -1,0 +1,255 @@
+"""The runner: takes queued (and resumed) tasks to the engines and writes what they produce.
+
+Output is coalesced: tokens are buffered and written as one delta event plus the snapshot
+(all tokens so far, their text) every `flush_seconds`, which bounds the write rate whatever
+the decode speed. Whatever a crash loses after the last flush, `resume` regenerates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.engine import models
+from app.engine.engine import Engine, EngineError, Generation
+from app.errors import LmspError
+from app.store.store import Store
+from app.tasks import machine, records
+from app.tasks.bus import EventBus
+from app.tasks.machine import RESPONSE
+from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """A task on an engine, with its output so far (the snapshot, in memory)."""
+    task_id: str
+    engine: Engine
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    pending: str = ""       # text not yet written as a delta
+    unsaved: int = 0        # tokens not yet in the snapshot
+    started: float = field(default_factory=time.monotonic)
+    new_tokens: int = 0
+
+
+def _delta(job: Job) -> list[tuple[str, dict[str, Any]]]:
+    if not job.pending:
+        return []
+    return [("response.output_text.delta", {"delta": job.pending, "output_index": 0, "content_index": 0,
+                                            "item_id": "msg_" + job.task_id[5:]})]
+
+
+class Runner:
+    def __init__(self, store: Store, bus: EventBus, engines: list[Engine], flush_seconds: float = 0.2) -> None:
+        self.store = store
+        self.bus = bus
+        self.engines = engines
+        self.flush_seconds = flush_seconds
+        self.jobs: dict[str, Job] = {}
+        self.paused = False
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._main: asyncio.Task[None] | None = None
+        self._workers: set[asyncio.Task[None]] = set()
+
+    async def write(self, fn: Any, *args: Any) -> Any:
+        """A transaction whose returned events are published once it has committed."""
+        result = await self.store.write(fn, *args)
+        if result:
+            self.bus.publish(result)
+        return result
+
+    def start(self) -> None:
+        self._main = asyncio.create_task(self._schedule(), name="lmsp-runner")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        self.wake()
+
+    def cancel(self, task_id: str) -> None:
+        """The database already says `cancelling`; stop the generation."""
+        job = self.jobs.get(task_id)
+        if job is not None:
+            job.engine.cancel()
+
+    async def _schedule(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            busy = {job.engine for job in self.jobs.values()}
+            free = [e for e in self.engines if e not in busy]
+            claimed = None
+            if free and not self.paused:
+                claimed = await self.store.write(_claim, list(self.jobs))
+            if claimed is None:
+                await self._wake.wait()
+                continue
+            task_id, events = claimed
+            self.bus.publish(events)
+            engine = free[0]
+            job = self.jobs[task_id] = Job(task_id, engine)
+            worker = asyncio.create_task(self._run(job), name=f"lmsp-task-{task_id}")
+            self._workers.add(worker)
+            worker.add_done_callback(self._workers.discard)
+
+    async def _run(self, job: Job) -> None:
+        try:
+            await self._execute(job)
+        except Exception:
+            log.exception("task %s failed unexpectedly", job.task_id)
+            await self.write(_fail, job.task_id, "internal_error", "An unexpected error stopped this task.")
+        finally:
+            self.jobs.pop(job.task_id, None)
+            self.wake()
+
+    async def _execute(self, job: Job) -> None:
+        row = await self.store.read(records.one_task, job.task_id)
+        assert row is not None
+        try:
+            model = await self.store.read(models.usable, row["model_id"])
+            await job.engine.load(model["path"])
+        except (LmspError, EngineError) as exc:
+            code = exc.code if isinstance(exc, LmspError) or exc.code == "engine_crashed" else "model_load_failed"
+            await self.write(_fail, job.task_id, code, exc.message)
+            return
+        if row["status"] == LOADING:
+            started = await self.write(_start_running, job.task_id)
+            if started is None:  # cancelled while the model loaded
+                await self.write(_cancelled, job.task_id)
+                return
+        job.ids = json.loads(row["output_ids"])
+        job.text = row["output_text"]
+        request = json.loads(row["request"])
+        gen = Generation(messages=request["messages"], max_tokens=row["max_output_tokens"],
+                         temperature=request.get("temperature", 1.0), top_p=request.get("top_p", 1.0),
+                         seed=request.get("seed"), stop=request.get("stop"),
+                         prefix_ids=job.ids[:], emitted_chars=len(job.text))
+        reason, usage = "cancelled", {}
+        try:
+            last_flush = time.monotonic()
+            async for msg in job.engine.generate(gen):
+                if msg["ev"] == "done":
+                    reason, usage = msg["reason"], msg
+                    break
+                job.ids.extend(msg["ids"])
+                job.new_tokens += len(msg["ids"])
+                job.unsaved += len(msg["ids"])
+                job.text += msg["text"]
+                job.pending += msg["text"]
+                if time.monotonic() - last_flush >= self.flush_seconds:
+                    last_flush = time.monotonic()
+                    if not await self._flush(job):
+                        job.engine.cancel()  # the task left `running`: a cancel was accepted
+        except EngineError as exc:
+            await self._flush(job)
+            if await self.write(_fail, job.task_id, exc.code, exc.message) is None:
+                await self.write(_cancelled, job.task_id)
+            return
+        if reason == "cancelled":
+            if await self.write(_cancelled, job.task_id) is None:
+                await self._flush(job)  # shutting down: keep the snapshot, recovery decides
+            return
+        if await self.write(_complete, job, reason, usage.get("input_tokens", 0)) is None:
+            await self.write(_cancelled, job.task_id)
+
+    async def _flush(self, job: Job) -> bool:
+        """Write pending output as one delta + the snapshot. False if the task is no longer running."""
+        if not job.pending and not job.unsaved:
+            return True
+        events = await self.write(_save_output, job)
+        job.pending, job.unsaved = "", 0
+        return events is not None
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop taking tasks; running work stops at a token and its snapshot is committed."""
+        self._stopping = True
+        self.wake()
+        for job in list(self.jobs.values()):
+            job.engine.cancel()
+        if self._workers:
+            await asyncio.wait(list(self._workers), timeout=grace)
+        for worker in list(self._workers) + ([self._main] if self._main else []):
+            worker.cancel()
+
+
+def _tokens_per_second(job: Job) -> float | None:
+    elapsed = time.monotonic() - job.started
+    return round(job.new_tokens / elapsed, 2) if job.new_tokens and elapsed > 0 else None
+
+
+def _snapshot(job: Job) -> dict[str, Any]:
+    return {"output_ids": json.dumps(job.ids), "output_text": job.text, "output_tokens": len(job.ids),
+            "tokens_per_second": _tokens_per_second(job)}
+
+
+# Transactions: each runs on the writer thread and returns the events it wrote.
+
+def _claim(conn: sqlite3.Connection, busy: list[str]) -> tuple[str, list[machine.Event]] | None:
+    """The next task to run: a resumed `running` task first, else the oldest queued one."""
+    marks = ",".join("?" * len(busy))
+    exclude = f" AND id NOT IN ({marks})" if busy else ""
+    row = conn.execute(f"SELECT id FROM tasks WHERE status = 'running'{exclude} ORDER BY created_at LIMIT 1",
+                       busy).fetchone()
+    if row is not None:
+        return row["id"], []
+    row = conn.execute("SELECT id FROM tasks WHERE status = 'queued' ORDER BY created_at LIMIT 1").fetchone()
+    if row is None:
+        return None
+    events = machine.transition(conn, row["id"], LOADING, [("response.loading", {"progress": 0.0})])
+    assert events is not None
+    return row["id"], events
+
+
+def _start_running(conn: sqlite3.Connection, task_id: str) -> list[machine.Event] | None:
+    return machine.transition(conn, task_id, RUNNING, [("response.loading", {"progress": 1.0}),
+                                                       ("response.in_progress", {"response": RESPONSE})],
+                              only_from=(LOADING,), started_at=time.time())
+
+
+def _save_output(conn: sqlite3.Connection, job: Job) -> list[machine.Event] | None:
+    return machine.record(conn, job.task_id, (RUNNING,), _delta(job), **_snapshot(job))
+
+
+def _complete(conn: sqlite3.Connection, job: Job, reason: str, input_tokens: int) -> list[machine.Event] | None:
+    saved = _save_output(conn, job)
+    if saved is None:
+        return None
+    done = machine.transition(
+        conn, job.task_id, COMPLETED,
+        [("response.output_text.done", {"text": job.text, "output_index": 0, "content_index": 0,
+                                        "item_id": "msg_" + job.task_id[5:]}),
+         ("response.incomplete" if reason == "length" else "response.completed", {"response": RESPONSE})],
+        finish_reason=reason, input_tokens=input_tokens, finished_at=time.time())
+    assert done is not None
+    return saved + done
+
+
+def _fail(conn: sqlite3.Connection, task_id: str, code: str, message: str) -> list[machine.Event] | None:
+    return machine.transition(conn, task_id, FAILED, [("response.failed", {"response": RESPONSE,
+                                                                           "error": {"code": code, "message": message}})],
+                              error_code=code, error_message=message, finished_at=time.time())
+
+
+def _cancelled(conn: sqlite3.Connection, task_id: str) -> list[machine.Event] | None:
+    return machine.transition(conn, task_id, CANCELLED, [("response.cancelled", {"response": RESPONSE})],
+                              only_from=(CANCELLING,), finished_at=time.time())
+
+
+def request_cancel(conn: sqlite3.Connection, task_id: str) -> list[machine.Event] | None:
+    """Accept a cancel atomically: queued ends at once, loading/running go to `cancelling`.
+    None when the task is already finished."""
+    events = machine.transition(conn, task_id, CANCELLED, [("response.cancelled", {"response": RESPONSE})],
+                                only_from=(QUEUED,), finished_at=time.time())
+    if events is None:
+        events = machine.transition(conn, task_id, CANCELLING, [("response.cancelling", {})])
+    return events
