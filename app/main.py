@@ -1,0 +1,118 @@
+"""Startup and shutdown, in order, and the command line.
+
+    lmsp-tray                      the desktop app (tray, dashboard, service)
+    lmsp-tray --headless           the service alone
+    lmsp-tray token                print the owner token
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from app import __version__, paths
+from app.core.service import AppService
+from app.errors import LmspError
+from app.secrets import TokenVault
+from app.server.app import Server
+
+log = logging.getLogger("app")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lmsp-tray", description="Local language models for your apps (LMSP 1.0).")
+    parser.add_argument("--data-dir", help="per-user state folder (default: $LMSP_DATA_DIR or the platform's)")
+    parser.add_argument("--host", help="address to bind for this run (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port for this run (default 11535; 0 = any free port)")
+    parser.add_argument("--headless", action="store_true", help="run the service with no window")
+    parser.add_argument("--version", action="version", version=f"lmsp-tray {__version__}")
+    parser.add_argument("command", nargs="?", choices=["token"], help="token: print the owner token")
+    return parser.parse_args(argv)
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=os.environ.get("LMSP_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+class Lifecycle:
+    """The service and its HTTP server, started and stopped in a fixed order.
+    The desktop app drives the same object from Qt's loop."""
+
+    def __init__(self, data_dir: Path, host: str | None, port: int | None) -> None:
+        self.data_dir = data_dir
+        self.service = AppService(data_dir)
+        self.server = Server(self.service)
+        self.host, self.port = host, port
+
+    async def start(self) -> str:
+        # Recovery (inside service.start) finishes before the port is even open.
+        await self.service.start()
+        settings = self.service.settings
+        host = self.host or settings["host"]
+        port = settings["port"] if self.port is None else self.port
+        url = await self.server.start(host, port)
+        self._write_service_file(url)
+        log.info("serving LMSP on %s (data in %s)", url, self.data_dir)
+        return url
+
+    async def stop(self) -> None:
+        # Stop accepting, snapshot running work, close streams, close the store.
+        await self.server.stop_accepting()
+        await self.service.stop()
+        await self.server.stop()
+        (self.data_dir / paths.SERVICE_FILE).unlink(missing_ok=True)
+        log.info("stopped cleanly")
+
+    def _write_service_file(self, url: str) -> None:
+        info = {"url": url, "pid": os.getpid(), "version": __version__,
+                "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        target = self.data_dir / paths.SERVICE_FILE
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=2), encoding="utf-8")
+        tmp.replace(target)
+
+
+async def run_headless(life: Lifecycle) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await life.start()
+    await stop.wait()
+    await life.stop()
+    return 0
+
+
+def print_token(data_dir: Path) -> int:
+    token = TokenVault(data_dir).get()
+    if token is None:
+        print("No owner token yet: start LMSP Tray once to create it.", file=sys.stderr)
+        return 1
+    print(token)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    data_dir = paths.data_dir(args.data_dir)
+    if args.command == "token":
+        return print_token(data_dir)
+    setup_logging()
+    life = Lifecycle(data_dir, args.host, args.port)
+    try:
+        if args.headless:
+            return asyncio.run(run_headless(life))
+        from app.gui.desktop import run_desktop  # Qt is imported only for the desktop app
+        return run_desktop(life)
+    except LmspError as exc:
+        log.error("%s: %s", exc.title, exc.message)
+        print(f"lmsp-tray: {exc.message}", file=sys.stderr)
+        return 2

@@ -1,0 +1,11 @@
+"""Typed keys for what the aiohttp application carries."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from app.core.service import AppService
+
+SERVICE = web.AppKey("service", AppService)
+# (method, route pattern) -> the scope it needs, or None for the open routes
+SCOPES = web.AppKey("scopes", dict)

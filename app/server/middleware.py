@@ -1,0 +1,110 @@
+"""What runs before any handler: errors as JSON, the Host and Origin checks, auth and scopes."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from app.errors import Forbidden, LmspError, Unauthorized
+from app.server.keys import SCOPES, SERVICE
+
+log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+LOCAL_HOSTS = {"localhost", "127.0.0.1", "[::1]", "::1"}
+
+
+def error_response(status: int, code: str, message: str, *, param: str | None = None,
+                   etype: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"type": etype, "code": code, "message": message, "param": param}},
+                             status=status)
+
+
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 400: "invalid_request"}
+
+
+@web.middleware
+async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure leaves as the LMSP error body: never a stack trace, never an HTML page."""
+    try:
+        return await handler(request)
+    except LmspError as exc:
+        return web.json_response(exc.body(), status=exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = HTTP_CODES.get(exc.status, "http_error")
+        message = "The request body is larger than the limit." if exc.status == 413 else exc.reason
+        return error_response(exc.status, code, message)
+    except ConnectionResetError:
+        raise  # the client went away: nobody to answer
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return error_response(500, "internal_error", "Something went wrong inside the service.",
+                              etype="server_error")
+
+
+def _host_name(host: str) -> str:
+    if host.startswith("["):
+        return host[: host.index("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if ":" in host else host
+
+
+@web.middleware
+async def boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """DNS-rebinding defence (Host) and cross-site defence (Origin), before any work."""
+    settings = request.app[SERVICE].settings
+    host = _host_name(request.headers.get("Host", "")).lower()
+    if host not in LOCAL_HOSTS and host not in settings["allowed_hosts"]:
+        return error_response(421, "misdirected_request", "This service only answers requests addressed to localhost.")
+    origin = request.headers.get("Origin")
+    if origin is not None and origin not in settings["allowed_origins"]:
+        return error_response(403, "origin_not_allowed", f"Requests from the origin {origin!r} are not allowed.",
+                              etype="permission_error")
+    if request.method == "OPTIONS" and origin is not None:
+        response: web.StreamResponse = web.Response(status=204)
+    else:
+        response = await handler(request)
+    if origin is not None and not response.prepared:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Vary"] = "Origin"
+        response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, Idempotency-Key, Last-Event-ID"
+        response.headers["Access-Control-Allow-Methods"] = "GET, POST, PATCH, DELETE, OPTIONS"
+    return response
+
+
+@web.middleware
+async def authorize(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every route has a row in the scope table; routes with a scope need a token that has it."""
+    route = request.match_info.route.resource
+    key = (request.method, route.canonical if route is not None else "")
+    scopes = request.app[SCOPES]
+    if key not in scopes:
+        return await handler(request)  # 404/405 from the router: nothing to guard
+    scope = scopes[key]
+    if scope is None:
+        return await handler(request)
+    header = request.headers.get("Authorization", "")
+    if not header.startswith("Bearer ") or not header[7:].strip():
+        raise Unauthorized()
+    client = await request.app[SERVICE].authenticate(header[7:].strip())
+    if client is None:
+        raise Unauthorized("The token is not valid (unknown or revoked).")
+    if not client.allows(scope):
+        raise Forbidden("insufficient_scope", f"This token lacks the scope {scope!r}.")
+    request["client"] = client
+    return await handler(request)
+
+
+async def read_json(request: web.Request) -> Any:
+    """The body as JSON, or a 400 `invalid_json` / 413 `payload_too_large`."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise LmspError("payload_too_large", "The request body is larger than the limit.", status=413) from None
+    try:
+        return json.loads(raw or b"null")
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LmspError("invalid_json", f"The body is not valid JSON: {exc}", status=400) from None

@@ -1,0 +1,58 @@
+"""Server-sent events for a task: replay from the database, then follow the bus live.
+
+The feed is subscribed *before* the replay is read, so an event committed in between is in
+one or the other (or both: duplicates are dropped by sequence number). No gap, no duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+from app.core.service import TERMINAL_EVENTS, AppService
+
+HEARTBEAT_SECONDS = 15.0
+
+
+def frame(event: dict[str, Any]) -> bytes:
+    return (f"id: {event['sequence_number']}\nevent: {event['type']}\n"
+            f"data: {json.dumps(event, ensure_ascii=False)}\n\n").encode()
+
+
+async def stream_task(request: web.Request, service: AppService, task_id: str, after: int, *,
+                      status: int = 200, headers: dict[str, str] | None = None,
+                      heartbeat: float = HEARTBEAT_SECONDS) -> web.StreamResponse:
+    response = web.StreamResponse(status=status, headers={
+        "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no", **(headers or {})})
+    with service.feed(task_id) as feed:
+        await response.prepare(request)
+        last = after
+        while True:  # replay, page by page
+            batch = await service.events_after(task_id, last)
+            for event in batch:
+                await response.write(frame(event))
+                last = event["sequence_number"]
+                if event["type"] in TERMINAL_EVENTS:
+                    return response
+            if len(batch) < 1000:
+                break
+        while True:  # live
+            try:
+                event = await asyncio.wait_for(feed.queue.get(), heartbeat)
+            except asyncio.TimeoutError:
+                # A lone comment line, no blank line after it: see LMSP §6 on the openai SDK.
+                await response.write(b": keep-alive\n")
+                continue
+            if event["type"] == "service.stopping":
+                return response
+            if event["sequence_number"] <= last:
+                continue
+            for missed in await service.events_after(task_id, last) if event["sequence_number"] > last + 1 else [event]:
+                await response.write(frame(missed))
+                last = missed["sequence_number"]
+                if missed["type"] in TERMINAL_EVENTS:
+                    return response
