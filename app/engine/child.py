@@ -114,6 +114,14 @@ class Child:
         emitted = int(msg.get("emitted_chars", len(text)))
         count, reason = len(prefix), "length"
 
+        # Rebuild the context exactly as an uninterrupted run built it: the prompt in one batch,
+        # then each earlier output token on its own. Batch shapes change the floating-point
+        # results, so reusing a cache or batching the prefix could flip a near-tie at
+        # temperature 0 and break the promise that a resumed task ends with the same text.
+        llm.reset()
+        llm.eval(prompt)
+        for tok in prefix:
+            llm.eval([tok])
         if msg.get("seed") is not None:
             llm.set_seed(int(msg["seed"]))
         temperature = float(msg.get("temperature", 1.0))

@@ -1,0 +1,157 @@
+"""Recovery at startup: every cell of LMSP table 11.3, then `resume` for real across a SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from app.store import db
+from app.tasks import machine, records, recovery
+from app.tasks.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING
+
+from tests.conftest import Headless, wait_until
+
+TABLE = {  # (found, policy) -> expected state
+    (QUEUED, "fail"): FAILED, (QUEUED, "retry"): QUEUED, (QUEUED, "resume"): QUEUED,
+    (LOADING, "fail"): FAILED, (LOADING, "retry"): QUEUED, (LOADING, "resume"): QUEUED,
+    (RUNNING, "fail"): FAILED, (RUNNING, "retry"): QUEUED, (RUNNING, "resume"): RUNNING,
+    (CANCELLING, "fail"): CANCELLED, (CANCELLING, "retry"): CANCELLED, (CANCELLING, "resume"): CANCELLED,
+}
+
+
+def _tx(conn: sqlite3.Connection, fn, *args):  # type: ignore[no-untyped-def]
+    conn.execute("BEGIN IMMEDIATE")
+    result = fn(conn, *args)
+    conn.execute("COMMIT")
+    return result
+
+
+def _leftover(conn: sqlite3.Connection, state: str, policy: str) -> str:
+    """A task left in `state`, as a crash would leave it, with some output if it ran."""
+    task_id = f"task_{state}_{policy}"
+    response_id = f"resp_{state}_{policy}"
+    conn.execute("INSERT INTO responses(id, client_id, model_id, request, background, created_at) "
+                 "VALUES (?, 'client_owner', 'm', '{\"messages\": []}', 1, ?)", (response_id, time.time()))
+    machine.create(conn, task_id, response_id, policy, 50)
+    if state in (LOADING, RUNNING, CANCELLING):
+        machine.transition(conn, task_id, LOADING, [("response.loading", {"progress": 0.0})])
+    if state in (RUNNING, CANCELLING):
+        machine.transition(conn, task_id, RUNNING, [("response.in_progress", {})], started_at=time.time())
+        machine.record(conn, task_id, (RUNNING,), [("response.output_text.delta", {"delta": "Hello"})],
+                       output_ids="[1, 2]", output_text="Hello", output_tokens=2)
+    if state == CANCELLING:
+        machine.transition(conn, task_id, CANCELLING, [("response.cancelling", {})])
+    return task_id
+
+
+@pytest.mark.parametrize(("found", "policy"), list(TABLE))
+def test_table_11_3(tmp_path: Path, found: str, policy: str) -> None:
+    conn = db.open_database(tmp_path / "lmsp.sqlite3").conn
+    task_id = _tx(conn, _leftover, found, policy)
+    before = conn.execute("SELECT last_sequence_number, attempt FROM tasks WHERE id = ?", (task_id,)).fetchone()
+
+    _tx(conn, recovery.recover)
+
+    row = records.one_task(conn, task_id)
+    expected = TABLE[(found, policy)]
+    assert row["status"] == expected
+    events = records.events_after(conn, task_id, -1)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))  # no gap, no duplicate
+    assert row["last_sequence_number"] == events[-1]["sequence_number"]
+    new = events[before["last_sequence_number"] + 1:]
+    if expected == FAILED:
+        assert [e["type"] for e in new] == ["response.failed"]
+        assert row["error_code"] == "server_restarted" and new[0]["error"]["code"] == "server_restarted"
+        assert new[0]["response"]["status"] == "failed"
+    elif expected == CANCELLED:
+        assert [e["type"] for e in new] == ["response.cancelled"]
+        assert row["finished_at"] is not None
+    elif expected == QUEUED and found != QUEUED:
+        assert [e["type"] for e in new] == ["response.queued"] and new[0]["output_reset"] is True
+        assert row["output_text"] == "" and row["output_tokens"] == 0  # retry starts from nothing
+        assert row["attempt"] == before["attempt"] + (1 if policy == "retry" else 0)
+        assert new[0]["attempt"] == row["attempt"]
+    else:  # unchanged: queued stays queued, a resumed task keeps its snapshot
+        assert new == []
+        if found == RUNNING:
+            assert row["output_text"] == "Hello" and json.loads(row["output_ids"]) == [1, 2]
+
+
+def test_recovery_is_idempotent(tmp_path: Path) -> None:
+    conn = db.open_database(tmp_path / "lmsp.sqlite3").conn
+    ids = [_tx(conn, _leftover, state, policy) for state, policy in TABLE]
+    _tx(conn, recovery.recover)
+    first = {i: records.one_task(conn, i)["last_sequence_number"] for i in ids}
+    _tx(conn, recovery.recover)  # a second crash right after recovery changes nothing more
+    assert {i: records.one_task(conn, i)["last_sequence_number"] for i in ids} == first
+
+
+PROMPT = {"input": "Write a long story about a lighthouse keeper and a storm.", "temperature": 0,
+          "max_output_tokens": 160}
+
+
+def _final_text(svc: Headless, task_id: str) -> dict:
+    wait_until(lambda: svc.get(f"/v1/tasks/{task_id}")[1]["status"] in ("completed", "failed", "cancelled"),
+               timeout=120)
+    return svc.get(f"/v1/responses/{svc.get(f'/v1/tasks/{task_id}')[1]['response_id']}")[1]
+
+
+def test_resume_after_sigkill_gives_the_uninterrupted_text(headless: Headless) -> None:
+    headless.start()
+    status, reference = headless.post("/v1/responses", PROMPT)
+    assert status == 200 and reference["usage"]["output_tokens"] == 160
+
+    status, created = headless.post("/v1/responses", {**PROMPT, "background": True, "on_restart": "resume"})
+    assert status == 202
+    task_id = created["task"]["id"]
+    wait_until(lambda: headless.get(f"/v1/tasks/{task_id}")[1]["progress"]["output_tokens"] >= 40, timeout=60)
+    headless.kill()
+
+    headless.start()  # recovery leaves it running; the runner continues from the snapshot
+    final = _final_text(headless, task_id)
+    assert final["status"] == "incomplete"
+    assert final["output_text"] == reference["output_text"]
+    status, events = headless.get(f"/v1/tasks/{task_id}/events")
+    seqs = [e["sequence_number"] for e in events["data"]]
+    assert seqs == list(range(len(seqs)))
+    deltas = "".join(e["delta"] for e in events["data"] if e["type"] == "response.output_text.delta")
+    assert deltas == reference["output_text"]
+    assert {e["attempt"] for e in events["data"]} == {1}
+
+
+def test_retry_after_sigkill_starts_a_new_attempt(headless: Headless) -> None:
+    headless.start()
+    status, created = headless.post("/v1/responses", {**PROMPT, "background": True, "on_restart": "retry"})
+    task_id = created["task"]["id"]
+    wait_until(lambda: headless.get(f"/v1/tasks/{task_id}")[1]["progress"]["output_tokens"] >= 20, timeout=60)
+    headless.kill()
+    headless.start()
+    final = _final_text(headless, task_id)
+    events = headless.get(f"/v1/tasks/{task_id}/events")[1]["data"]
+    reset = [e for e in events if e.get("output_reset")]
+    assert len(reset) == 1 and reset[0]["attempt"] == 2
+    last_attempt = "".join(e["delta"] for e in events
+                           if e["type"] == "response.output_text.delta" and e["attempt"] == 2)
+    assert final["output_text"] == last_attempt and final["usage"]["output_tokens"] == 160
+
+
+def test_sigterm_commits_a_snapshot_and_exits_zero(headless: Headless) -> None:
+    headless.start()
+    _, created = headless.post("/v1/responses", {**PROMPT, "background": True, "on_restart": "resume",
+                                                 "max_output_tokens": 2000, "temperature": 0.7})
+    task_id = created["task"]["id"]
+    wait_until(lambda: headless.get(f"/v1/tasks/{task_id}")[1]["progress"]["output_tokens"] >= 10, timeout=60)
+    assert headless.terminate() == 0
+    assert not (headless.data_dir / "service.json").exists()
+    conn = sqlite3.connect(headless.data_dir / "lmsp.sqlite3")
+    status, tokens, text = conn.execute("SELECT status, output_tokens, output_text FROM tasks WHERE id = ?",
+                                        (task_id,)).fetchone()
+    assert status == "running" and tokens >= 10 and text  # left for recovery to resume
+    last = conn.execute("SELECT max(sequence_number) FROM task_events WHERE task_id = ?", (task_id,)).fetchone()[0]
+    deltas = "".join(json.loads(d)["delta"] for (d,) in conn.execute(
+        "SELECT data FROM task_events WHERE task_id = ? AND type = 'response.output_text.delta'", (task_id,)))
+    assert deltas == text and last is not None
