@@ -71,6 +71,7 @@ class Engine:
         proc = ctx.Process(target=child.main, args=(kid,), name=f"lmsp-{self.name}", daemon=True)
         proc.start()
         kid.close()
+        log.info("%s: started inference process %s", self.name, proc.pid)
         inbox: asyncio.Queue[Message] = asyncio.Queue()
         self._proc, self._conn, self._inbox, self.model_path = proc, parent, inbox, None
 
@@ -118,6 +119,7 @@ class Engine:
             msg = await self._next()
             if msg["ev"] != "loaded":
                 raise EngineError(msg["code"], msg["message"])
+            log.info("%s: loaded %s in %.2f s", self.name, path, msg["load_seconds"])
             self.model_path = path
             return msg
 

@@ -9,7 +9,7 @@ from aiohttp import web
 from app.core.service import AppService
 from app.server import handlers as h
 from app.server.keys import SCOPES, SERVICE
-from app.server.middleware import authorize, boundary, errors
+from app.server.middleware import authorize, boundary, cors_headers, errors
 
 MAX_BODY = 8 * 1024 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -31,6 +31,7 @@ def make_app(service: AppService) -> web.Application:
     app = web.Application(middlewares=[errors, boundary, authorize], client_max_size=MAX_BODY)
     app[SERVICE] = service
     app[SCOPES] = {}
+    app.on_response_prepare.append(cors_headers)
     for method, path, handler, scope in ROUTES:
         app.router.add_route(method, path, handler)
         app[SCOPES][(method, path)] = scope

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Awaitable, TypeVar
 
 from aiohttp import web
 
@@ -13,6 +13,8 @@ from app.server import sse
 from app.server.keys import SERVICE
 from app.server.middleware import read_json
 from app.tasks import records
+
+T = TypeVar("T")
 
 
 def _client(request: web.Request) -> Client:
@@ -58,11 +60,26 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     try:
         if body.get("stream"):
             return await sse.stream_task(request, service, task_id, -1)
-        row = await service.wait(task_id)
+        row = await _unless_client_leaves(request, service.wait(task_id))
     except (ConnectionResetError, asyncio.CancelledError):
         await _cancel_quietly(service, _client(request), task_id)
         raise
     return web.json_response(records.response_object(row))
+
+
+async def _unless_client_leaves(request: web.Request, work: Awaitable[T]) -> T:
+    """Await `work`, unless the client disconnects first: aiohttp does not cancel a handler when
+    its client goes away (`handler_cancellation` is off), so the connection is watched here."""
+    waiter = asyncio.ensure_future(work)
+    try:
+        while not waiter.done():
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise asyncio.CancelledError("the client disconnected")
+            await asyncio.wait([waiter], timeout=0.25)
+        return waiter.result()
+    finally:
+        waiter.cancel()
 
 
 async def _cancel_quietly(service: Any, client: Client, task_id: str) -> None:

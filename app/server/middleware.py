@@ -14,6 +14,7 @@ from app.server.keys import SCOPES, SERVICE
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "[::1]", "::1"}
+CORS_ORIGIN = web.RequestKey("cors_origin", str)  # set once the Origin passed the check
 
 
 def error_response(status: int, code: str, message: str, *, param: str | None = None,
@@ -37,7 +38,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             raise
         code = HTTP_CODES.get(exc.status, "http_error")
         message = "The request body is larger than the limit." if exc.status == 413 else exc.reason
-        return error_response(exc.status, code, message)
+        response = error_response(exc.status, code, message)
+        if "Allow" in exc.headers:  # a 405 must say which methods the route takes (RFC 9110)
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
     except ConnectionResetError:
         raise  # the client went away: nobody to answer
     except Exception:
@@ -63,16 +67,24 @@ async def boundary(request: web.Request, handler: Handler) -> web.StreamResponse
     if origin is not None and origin not in settings["allowed_origins"]:
         return error_response(403, "origin_not_allowed", f"Requests from the origin {origin!r} are not allowed.",
                               etype="permission_error")
-    if request.method == "OPTIONS" and origin is not None:
-        response: web.StreamResponse = web.Response(status=204)
-    else:
-        response = await handler(request)
-    if origin is not None and not response.prepared:
-        response.headers["Access-Control-Allow-Origin"] = origin
-        response.headers["Vary"] = "Origin"
-        response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, Idempotency-Key, Last-Event-ID"
-        response.headers["Access-Control-Allow-Methods"] = "GET, POST, PATCH, DELETE, OPTIONS"
-    return response
+    if origin is None:
+        return await handler(request)
+    request[CORS_ORIGIN] = origin  # `cors_headers` adds the headers to whatever answer this request gets
+    if request.method == "OPTIONS":
+        return web.Response(status=204)
+    return await handler(request)
+
+
+async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """On every response about to be sent to an allowed origin, errors and event streams included
+    (a browser hides a response without them from the page). Hooked to `on_response_prepare`."""
+    origin = request.get(CORS_ORIGIN)
+    if origin is None:
+        return
+    response.headers["Access-Control-Allow-Origin"] = origin
+    response.headers["Vary"] = "Origin"
+    response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, Idempotency-Key, Last-Event-ID"
+    response.headers["Access-Control-Allow-Methods"] = "GET, POST, PATCH, DELETE, OPTIONS"
 
 
 @web.middleware

@@ -20,6 +20,7 @@ from app.errors import StoreError
 log = logging.getLogger(__name__)
 
 # Result codes (sqlite3.h): a corrupt file is moved aside, a busy one never is.
+SQLITE_READONLY = 8
 SQLITE_CORRUPT = 11
 SQLITE_NOTADB = 26
 
@@ -95,13 +96,46 @@ def _check(conn: sqlite3.Connection) -> None:
         raise sqlite3.DatabaseError("database disk image is malformed: " + "; ".join(str(r[0]) for r in rows[:5]))
 
 
+def _probe(path: Path) -> int | None:
+    """Check an existing file through a read-only connection, before a writable one touches it.
+
+    Closing a writable connection to a corrupt WAL database checkpoints its -wal into it and
+    deletes the -wal and -shm, and opening one switches a rollback-journal file to WAL: a file
+    that is to be moved aside, or refused as too new, must stay as it was found. Returns the
+    schema version, or None if there is no file or only a writer can read it (a hot journal).
+    """
+    if not path.exists():
+        return None
+    probe = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=10.0)
+    try:
+        _check(probe)
+        return int(probe.execute("PRAGMA user_version").fetchone()[0])
+    except sqlite3.OperationalError as exc:
+        if (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF == SQLITE_READONLY:
+            return None
+        raise
+    finally:
+        probe.close()
+
+
+def _too_new(path: Path, current: int, known: int) -> StoreError:
+    return StoreError(
+        "database_too_new",
+        f"The database {path} was written by a newer LMSP Tray (schema {current}, this version "
+        f"knows up to {known}). It was left untouched; please install the newer version.")
+
+
 def open_database(path: Path) -> Opened:
     """Open (creating if needed), check, and migrate the database at `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     aside = None
     try:
+        version = _probe(path)
+        if version is not None and version > latest_version():
+            raise _too_new(path, version, latest_version())
         conn = connect(path)
-        _check(conn)
+        if version is None:
+            _check(conn)
     except sqlite3.DatabaseError as exc:
         if not _is_corruption(exc):
             raise StoreError("database_unavailable", f"The database {path} cannot be opened: {exc}") from exc
@@ -120,10 +154,7 @@ def migrate(conn: sqlite3.Connection, path: Path) -> None:
     current = conn.execute("PRAGMA user_version").fetchone()[0]
     if current > len(steps):
         conn.close()
-        raise StoreError(
-            "database_too_new",
-            f"The database {path} was written by a newer LMSP Tray (schema {current}, this version "
-            f"knows up to {len(steps)}). It was left untouched; please install the newer version.")
+        raise _too_new(path, current, len(steps))
     if current == len(steps):
         return
     if current > 0:

@@ -109,12 +109,16 @@ class Runner:
             log.exception("task %s failed unexpectedly", job.task_id)
             await self.write(_fail, job.task_id, "internal_error", "An unexpected error stopped this task.")
         finally:
+            log.info("task %s: left the engine", job.task_id)
             self.jobs.pop(job.task_id, None)
             self.wake()
 
     async def _execute(self, job: Job) -> None:
         row = await self.store.read(records.one_task, job.task_id)
         assert row is not None
+        log.info("task %s: %s on %s (attempt %d, %d tokens so far)", job.task_id,
+                 "resuming" if row["status"] == RUNNING else "starting", job.engine.name, row["attempt"],
+                 row["output_tokens"])
         try:
             model = await self.store.read(models.usable, row["model_id"])
             await job.engine.load(model["path"])

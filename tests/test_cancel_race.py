@@ -1,0 +1,48 @@
+"""Cancels at random moments against real generation: a task whose cancel was accepted never
+ends `completed`, and one that completed refuses the cancel with 409."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from app.core.service import TERMINAL_EVENTS, AppService
+from app.errors import Conflict
+from app.tasks.states import TERMINAL
+
+
+async def test_cancel_and_completion_never_both_win(service: AppService) -> None:
+    owner = await service.authenticate(await service.owner_token())
+    assert owner is not None
+    rng = random.Random(11)
+    created = [await service.create_response(owner, {
+        "input": f"Count to {n}.", "background": True, "temperature": 0, "max_output_tokens": rng.randrange(2, 30)})
+        for n in range(40)]
+    outcomes: dict[str, str] = {}
+
+    async def cancel_later(task_id: str) -> None:
+        await asyncio.sleep(rng.uniform(0, 8.0))
+        try:
+            await service.cancel(owner, "task", task_id)
+            outcomes[task_id] = "accepted"
+        except Conflict:
+            outcomes[task_id] = "refused"
+
+    await asyncio.gather(*(cancel_later(r["task"]["id"]) for r in created))
+    for r in created:
+        await asyncio.wait_for(service.wait(r["task"]["id"]), 60)
+
+    seen = set()
+    for r in created:
+        task_id = r["task"]["id"]
+        task = await service.task(owner, task_id)
+        assert task["status"] in TERMINAL
+        expected = "cancelled" if outcomes[task_id] == "accepted" else "completed"
+        assert task["status"] == expected, (outcomes[task_id], task["status"])
+        events = await service.events(owner, task_id, -1)
+        terminal = [e["type"] for e in events if e["type"] in TERMINAL_EVENTS]
+        assert len(terminal) == 1
+        assert (terminal[0] == "response.cancelled") == (expected == "cancelled")
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        seen.add(outcomes[task_id])
+    assert seen == {"accepted", "refused"}, "the random moments should hit both sides of the race"
