@@ -13,15 +13,16 @@ import logging
 import secrets
 import sqlite3
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from app import paths
-from app.core import auth, requests
+from app.core import auth, idempotency, pairing, requests
 from app.core.auth import Client
 from app.engine import models
-from app.engine.engine import Engine
-from app.errors import Conflict, LmspError, NotFound
+from app.engine.engine import Engine, EngineError
+from app.errors import Conflict, InvalidRequest, LmspError, NotFound
 from app.secrets import TokenVault
 from app.store import config
 from app.store.store import Store
@@ -32,6 +33,13 @@ from app.tasks.states import TERMINAL
 
 log = logging.getLogger(__name__)
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+
+
+@dataclass(frozen=True)
+class Created:
+    status: int                # 200 foreground, 202 background
+    body: dict[str, Any]       # the response object (or the replayed body)
+    replayed: bool             # answered from an idempotency key
 
 
 def _new_id(prefix: str) -> str:
@@ -50,7 +58,9 @@ class AppService:
         self.service_id = ""
         self.ready = False
         self.recovery_counts: dict[str, int] = {}
+        self.model_load_seconds: float | None = None
         self._janitor: asyncio.Task[None] | None = None
+        self._pairing_tokens: dict[str, str] = {}  # approved, not yet collected; memory only
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -61,10 +71,11 @@ class AppService:
         await self._ensure_owner_token()
         await self._ensure_default_model()
         self.recovery_counts = await self.store.write(recovery.recover)
+        await self.store.write(idempotency.forget_in_flight)
         await self.purge()
-        self.engines.extend(Engine(f"engine{i}") for i in range(self.settings["max_concurrent_tasks"]))
+        self.runner.resize(self.settings["max_concurrent_tasks"])
         self.runner.start()
-        self._janitor = asyncio.create_task(self._purge_periodically(), name="lmsp-retention")
+        self._janitor = asyncio.create_task(self._housekeeping(), name="lmsp-housekeeping")
         self.ready = True
 
     async def stop(self) -> None:
@@ -108,13 +119,23 @@ class AppService:
         return await self.store.write(retention.purge, self.settings["retention_seconds"],
                                       self.settings["idempotency_ttl_seconds"])
 
-    async def _purge_periodically(self) -> None:
+    async def _housekeeping(self, tick: float = 5.0) -> None:
+        """Retention every ten minutes; idle models unloaded after `model_idle_ttl_seconds`."""
+        last_purge = time.monotonic()
         while True:
-            await asyncio.sleep(600)
-            try:
-                await self.purge()
-            except LmspError as exc:
-                log.warning("retention cleanup failed: %s", exc.message)
+            await asyncio.sleep(tick)
+            ttl = self.settings["model_idle_ttl_seconds"]
+            for engine in self.engines:
+                if ttl and engine.model_path and not self.runner.busy(engine) and engine.idle_for() > ttl:
+                    log.info("%s: unloading %s after %d s idle", engine.name, engine.model_path, ttl)
+                    await engine.unload()
+                    self.bus.publish([{"type": "models.changed"}])
+            if time.monotonic() - last_purge > 600:
+                last_purge = time.monotonic()
+                try:
+                    await self.purge()
+                except LmspError as exc:
+                    log.warning("retention cleanup failed: %s", exc.message)
 
     # -- auth ------------------------------------------------------------------------------
 
@@ -123,15 +144,30 @@ class AppService:
 
     # -- responses and tasks ---------------------------------------------------------------
 
-    async def create_response(self, client: Client, body: Any) -> dict[str, Any]:
-        """Validate, then commit the response and its queued task before returning (rule 11.2)."""
+    async def create_response(self, client: Client, body: Any, idempotency_key: str | None = None,
+                              path: str = "/v1/responses") -> Created:
+        """Validate, then commit the response and its queued task before returning (rule 11.2).
+        With an idempotency key, a repeat gets the first request's answer instead."""
         req = requests.parse(body)
         model_id = req.model or models.DEFAULT_MODEL_ID
         on_restart = req.on_restart or (self.settings["default_on_restart"] if req.background else "fail")
-        row, events = await self.store.write(_insert_response, client.id, model_id, req, on_restart)
+        key = None
+        if idempotency_key is not None:
+            key = (idempotency.check_key(idempotency_key), idempotency.digest("POST", path, client.id, body),
+                   self.settings["idempotency_ttl_seconds"])
+        stored, row, events = await self.store.write(_insert_response, client.id, model_id, req, on_restart, key)
+        if stored is not None:
+            return Created(stored.status, stored.body, True)
         self.bus.publish(events)
         self.runner.wake()
-        return records.response_object(row)
+        return Created(202 if req.background else 200, records.response_object(row), False)
+
+    async def remember(self, client: Client, idempotency_key: str, status: int, body: dict[str, Any]) -> None:
+        """Store the final answer of a foreground request made with an idempotency key."""
+        await self.store.write(idempotency.finish, client.id, idempotency_key, status, body)
+
+    async def forget(self, client: Client, idempotency_key: str) -> None:
+        await self.store.write(idempotency.release, client.id, idempotency_key)
 
     async def response(self, client: Client, response_id: str) -> dict[str, Any]:
         return records.response_object(await self._owned(client, "response", response_id))
@@ -181,11 +217,178 @@ class AppService:
         assert row is not None
         return row
 
+    async def list_tasks(self, client: Client, status: str | None = None, limit: int = 20,
+                         after: str | None = None) -> tuple[list[dict[str, Any]], bool]:
+        """Newest first; `after` is the id of the last task of the previous page."""
+        rows = await self.store.read(_list_tasks, None if client.is_admin else client.id, status, limit + 1, after)
+        return [records.task_object(r) for r in rows[:limit]], len(rows) > limit
+
+    async def delete_response(self, client: Client, response_id: str) -> None:
+        row = await self._owned(client, "response", response_id)
+        if row["status"] not in TERMINAL:
+            raise Conflict("response_not_finished", "The response is still being generated; cancel it first.")
+        await self.store.write(lambda c: c.execute("DELETE FROM responses WHERE id = ?", (response_id,)))
+
+    def set_paused(self, paused: bool) -> None:
+        self.runner.set_paused(paused)
+        self.bus.publish([{"type": "service.paused", "paused": paused}])
+
+    # -- pairing and clients ---------------------------------------------------------------
+
+    async def request_pairing(self, body: Any) -> dict[str, Any]:
+        name, scopes = pairing.parse(body)
+        row = await self.store.write(pairing.create, name, scopes)
+        shown = pairing.pairing_object(row)
+        self.bus.publish([{"type": "pairing.requested", "pairing": shown}])
+        return shown
+
+    async def pairing_status(self, pairing_id: str) -> dict[str, Any]:
+        """What the requester sees; the token is in it exactly once, after approval."""
+        row = await self.store.read(pairing.get, pairing_id)
+        shown = pairing.pairing_object(row)
+        if shown["status"] == "approved" and pairing_id in self._pairing_tokens:
+            if await self.store.write(pairing.hand_over, pairing_id):
+                shown["token"] = self._pairing_tokens.pop(pairing_id)
+        return shown
+
+    async def pending_pairings(self) -> list[dict[str, Any]]:
+        return [pairing.pairing_object(r) for r in await self.store.read(pairing.pending)]
+
+    async def approve_pairing(self, pairing_id: str) -> dict[str, Any]:
+        return await self._decide(pairing_id, True)
+
+    async def deny_pairing(self, pairing_id: str) -> dict[str, Any]:
+        return await self._decide(pairing_id, False)
+
+    async def _decide(self, pairing_id: str, approve: bool) -> dict[str, Any]:
+        row, token = await self.store.write(pairing.decide, pairing_id, approve)
+        if token is not None:
+            self._pairing_tokens[pairing_id] = token
+        self.bus.publish([{"type": "pairing.resolved", "id": pairing_id, "status": row["status"]}])
+        return pairing.pairing_object(row)
+
+    async def list_clients(self) -> list[dict[str, Any]]:
+        rows = await self.store.read(lambda c: c.execute(
+            "SELECT * FROM clients WHERE revoked_at IS NULL ORDER BY created_at").fetchall())
+        return [{"id": r["id"], "object": "client", "name": r["name"], "scopes": json.loads(r["scopes"]),
+                 "owner": bool(r["is_owner"]), "created_at": r["created_at"], "last_used_at": r["last_used_at"]}
+                for r in rows]
+
+    async def revoke_client(self, client_id: str) -> None:
+        if client_id == auth.OWNER_ID:
+            raise Conflict("cannot_revoke_owner", "The owner token cannot be revoked.")
+        done = await self.store.write(lambda c: c.execute(
+            "UPDATE clients SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), client_id)).rowcount)
+        if not done:
+            raise NotFound("client", client_id)
+        self.bus.publish([{"type": "clients.changed"}])
+
+    # -- models ------------------------------------------------------------------------------
+
+    def loaded_paths(self) -> set[str]:
+        return {e.model_path for e in self.engines if e.model_path and e.alive}
+
+    async def list_models(self) -> list[dict[str, Any]]:
+        rows = await self.store.read(lambda c: c.execute("SELECT * FROM models ORDER BY created_at").fetchall())
+        loaded = self.loaded_paths()
+        return [models.model_object(r, loaded) for r in rows]
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        return models.model_object(await self.store.read(models.get, model_id), self.loaded_paths())
+
+    async def register_model(self, body: Any, progress: Any = None) -> dict[str, Any]:
+        if not isinstance(body, dict) or not isinstance(body.get("path"), str):
+            raise InvalidRequest("`path` (an absolute file path) is required.", param="path")
+        if set(body) - {"path", "id"}:
+            raise InvalidRequest(f"Unknown parameter {sorted(set(body) - {'path', 'id'})[0]!r}.")
+        model_id = body.get("id")
+        if model_id is not None and not isinstance(model_id, str):
+            raise InvalidRequest("`id` must be a string.", param="id")
+        loop = asyncio.get_running_loop()
+
+        def report(done: int, total: int) -> None:
+            event = {"type": "models.hashing", "path": body["path"], "done": done, "total": total}
+            loop.call_soon_threadsafe(self.bus.publish, [event])
+            if progress:
+                loop.call_soon_threadsafe(progress, done, total)
+
+        found = await asyncio.to_thread(models.examine, body["path"], report)
+        model_id = model_id or models.suggest_id(found.path)
+        await self.store.write(models.insert, model_id, found)
+        self.bus.publish([{"type": "models.changed"}])
+        return await self.model(model_id)
+
+    async def remove_model(self, model_id: str) -> None:
+        row = await self.store.read(models.get, model_id)
+        for engine in self.engines:
+            if engine.model_path == row["path"] and not self.runner.busy(engine):
+                await engine.unload()
+        await self.store.write(lambda c: c.execute("DELETE FROM models WHERE id = ?", (model_id,)))
+        self.bus.publish([{"type": "models.changed"}])
+
+    async def load_model(self, model_id: str) -> dict[str, Any]:
+        row = await self.store.read(models.usable, model_id)
+        engine = self.runner.idle_engine()
+        if engine is None:
+            raise Conflict("engines_busy", "Every engine is busy with a task; try again when one is free.")
+        started = time.monotonic()
+        try:
+            await engine.load(row["path"])
+        except EngineError as exc:
+            raise LmspError("model_load_failed", f"The model could not be loaded: {exc.message}", status=422) from exc
+        self.model_load_seconds = time.monotonic() - started
+        self.bus.publish([{"type": "models.changed"}])
+        return await self.model(model_id)
+
+    async def unload_model(self, model_id: str) -> dict[str, Any]:
+        row = await self.store.read(models.get, model_id)
+        for engine in self.engines:
+            if engine.model_path == row["path"]:
+                if self.runner.busy(engine):
+                    raise Conflict("model_in_use", "A task is running on this model; cancel it first.")
+                await engine.unload()
+        self.bus.publish([{"type": "models.changed"}])
+        return await self.model(model_id)
+
+    # -- settings ----------------------------------------------------------------------------
+
+    async def update_settings(self, changes: Any) -> dict[str, Any]:
+        """Validate all, then save all: a bad value changes nothing."""
+        changes = config.validate(changes)
+        await self.store.write(config.save, changes)
+        self.settings = {**self.settings, **changes}
+        if "max_concurrent_tasks" in changes:
+            self.runner.resize(changes["max_concurrent_tasks"])
+        self.bus.publish([{"type": "settings.changed", "changed": sorted(changes)}])
+        return self.settings_view()
+
+    def settings_view(self) -> dict[str, Any]:
+        return {**{k: v for k, v in self.settings.items()}, "restart_required_for": ["host", "port"]}
+
     def describe(self) -> dict[str, Any]:
         return {"protocol": "lmsp", "version": "1.0",
                 "service": {"id": self.service_id, "name": "LMSP Tray"},
                 "auth": {"pairing": "user_approval"}, "api_base": "/v1",
                 "recovered_from_corruption": self.store.recovered_from_corruption}
+
+
+def _list_tasks(conn: sqlite3.Connection, client_id: str | None, status: str | None, limit: int,
+                after: str | None) -> list[sqlite3.Row]:
+    where, params = ["1"], []
+    if client_id is not None:
+        where.append("r.client_id = ?")
+        params.append(client_id)
+    if status is not None:
+        where.append("t.status = ?")
+        params.append(status)
+    if after is not None:
+        anchor = conn.execute("SELECT created_at, id FROM tasks WHERE id = ?", (after,)).fetchone()
+        if anchor is None:
+            raise InvalidRequest(f"No task {after!r} to page after.", param="after")
+        where.append("(t.created_at, t.id) < (?, ?)")
+        params.extend([anchor["created_at"], anchor["id"]])
+    return conn.execute(f"{records.JOINED} WHERE {' AND '.join(where)} ORDER BY t.created_at DESC, t.id DESC LIMIT ?",
+                        (*params, limit)).fetchall()
 
 
 def _service_id(conn: sqlite3.Connection) -> str:
@@ -197,7 +400,12 @@ def _service_id(conn: sqlite3.Connection) -> str:
 
 
 def _insert_response(conn: sqlite3.Connection, client_id: str, model_id: str, req: requests.ResponseRequest,
-                     on_restart: str) -> tuple[sqlite3.Row, list[machine.Event]]:
+                     on_restart: str, key: tuple[str, str, int] | None
+                     ) -> tuple[idempotency.Stored | None, sqlite3.Row | None, list[machine.Event]]:
+    if key is not None:
+        stored = idempotency.claim(conn, client_id, key[0], key[1], key[2])
+        if stored is not None:
+            return stored, None, []
     try:
         models.usable(conn, model_id)
     except NotFound as exc:
@@ -211,4 +419,6 @@ def _insert_response(conn: sqlite3.Connection, client_id: str, model_id: str, re
     events = machine.create(conn, task_id, response_id, on_restart, req.max_output_tokens)
     row = records.one_task(conn, task_id)
     assert row is not None
-    return row, events
+    if key is not None and req.background:  # the key and the task it created commit together
+        idempotency.finish(conn, client_id, key[0], 202, records.response_object(row))
+    return None, row, events

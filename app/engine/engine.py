@@ -12,6 +12,7 @@ import itertools
 import logging
 import multiprocessing
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, AsyncIterator
@@ -55,6 +56,7 @@ class Engine:
         self._inbox: asyncio.Queue[Message] | None = None
         self._lock = asyncio.Lock()  # one request to the child at a time
         self._job: str | None = None
+        self._last_used = time.monotonic()
 
     @property
     def alive(self) -> bool:
@@ -121,6 +123,7 @@ class Engine:
                 raise EngineError(msg["code"], msg["message"])
             log.info("%s: loaded %s in %.2f s", self.name, path, msg["load_seconds"])
             self.model_path = path
+            self._last_used = time.monotonic()
             return msg
 
     async def unload(self) -> None:
@@ -142,7 +145,11 @@ class Engine:
                     raise EngineError(msg["code"], msg["message"])
                 yield msg
                 if msg["ev"] == "done":
+                    self._last_used = time.monotonic()
                     return
+
+    def idle_for(self) -> float:
+        return time.monotonic() - self._last_used
 
     def cancel(self) -> None:
         """Ask the running generation to stop; it ends with reason `cancelled` within a token."""

@@ -57,6 +57,12 @@ def examine(path_text: str, progress: Callable[[int, int], None] | None = None) 
     return ModelFile(str(path), stat.st_size, stat.st_mtime_ns, sha256_file(path, progress), info)
 
 
+def suggest_id(path: str) -> str:
+    """An id from the file name: `SmolLM2-135M-Instruct.Q4_1.gguf` -> `smollm2-135m-instruct.q4_1`."""
+    stem = re.sub(r"[^A-Za-z0-9._:-]+", "-", Path(path).stem).strip("-._:").lower()
+    return (stem or "model")[:128]
+
+
 def insert(conn: sqlite3.Connection, model_id: str, found: ModelFile) -> None:
     if not ID_PATTERN.match(model_id):
         raise InvalidRequest("A model id is 1-128 letters, digits and . _ : -", param="id")

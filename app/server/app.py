@@ -7,8 +7,11 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from app.core.service import AppService
+from app.server import admin as a
 from app.server import handlers as h
-from app.server.keys import SCOPES, SERVICE
+from app.server.chat import chat_completions
+from app.core.metrics import LatencyHistogram
+from app.server.keys import LATENCY, SCOPES, SERVICE
 from app.server.middleware import authorize, boundary, cors_headers, errors
 
 MAX_BODY = 8 * 1024 * 1024
@@ -24,12 +27,33 @@ ROUTES: list[tuple[str, str, Handler, str | None]] = [
     ("GET", "/v1/tasks/{task_id}", h.get_task, "tasks:read"),
     ("GET", "/v1/tasks/{task_id}/events", h.task_events, "tasks:read"),
     ("POST", "/v1/tasks/{task_id}/cancel", h.cancel_task, "tasks:cancel"),
+    ("GET", "/v1/tasks", h.list_tasks, "tasks:read"),
+    ("DELETE", "/v1/responses/{response_id}", h.delete_response, "responses:write"),
+    ("POST", "/v1/chat/completions", chat_completions, "responses:write"),
+    ("POST", "/v1/pairings", a.request_pairing, None),
+    ("GET", "/v1/pairings", a.list_pairings, "admin"),
+    ("GET", "/v1/pairings/{pairing_id}", a.pairing_status, None),
+    ("POST", "/v1/pairings/{pairing_id}/approve", a.approve_pairing, "admin"),
+    ("POST", "/v1/pairings/{pairing_id}/deny", a.deny_pairing, "admin"),
+    ("GET", "/v1/clients", a.list_clients, "admin"),
+    ("DELETE", "/v1/clients/{client_id}", a.revoke_client, "admin"),
+    ("GET", "/v1/models", a.list_models, "models:read"),
+    ("POST", "/v1/models", a.register_model, "models:write"),
+    ("GET", "/v1/models/{model_id}", a.get_model, "models:read"),
+    ("DELETE", "/v1/models/{model_id}", a.delete_model, "models:write"),
+    ("POST", "/v1/models/{model_id}/load", a.load_model, "models:write"),
+    ("POST", "/v1/models/{model_id}/unload", a.unload_model, "models:write"),
+    ("GET", "/v1/settings", a.get_settings, "admin"),
+    ("PATCH", "/v1/settings", a.patch_settings, "admin"),
+    ("GET", "/metrics", a.get_metrics, "metrics:read"),
+    ("GET", "/openapi.json", h.openapi, None),
 ]
 
 
 def make_app(service: AppService) -> web.Application:
-    app = web.Application(middlewares=[errors, boundary, authorize], client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[timing, errors, boundary, authorize], client_max_size=MAX_BODY)
     app[SERVICE] = service
+    app[LATENCY] = LatencyHistogram()
     app[SCOPES] = {}
     app.on_response_prepare.append(cors_headers)
     for method, path, handler, scope in ROUTES:

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, TypeVar
+import functools
+from typing import Any
 
 from aiohttp import web
 
+from app import paths
 from app.core.auth import Client
 from app.errors import InvalidRequest
 from app.server import sse
 from app.server.keys import SERVICE
 from app.server.middleware import read_json
 from app.tasks import records
+from app.tasks.states import TERMINAL, UNFINISHED
 
-T = TypeVar("T")
 
 
 def _client(request: web.Request) -> Client:
@@ -48,38 +50,34 @@ async def health(request: web.Request) -> web.Response:
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
+    client = _client(request)
     body: Any = await read_json(request)
-    created = await service.create_response(_client(request), body)
-    task_id = created["task"]["id"]
+    key = request.headers.get("Idempotency-Key")
+    created = await service.create_response(client, body, key)
+    if created.replayed:
+        return web.json_response(created.body, status=created.status, headers={"Idempotent-Replayed": "true"})
+    task_id = created.body["task"]["id"]
     location = {"Location": f"/v1/tasks/{task_id}"}
-    if created["background"]:
+    if created.status == 202:
         if body.get("stream"):
             return await sse.stream_task(request, service, task_id, -1, status=202, headers=location)
-        return web.json_response(created, status=202, headers=location)
+        return web.json_response(created.body, status=202, headers=location)
     # In the foreground the caller's connection is the only reader: if it goes, so does the work.
     try:
         if body.get("stream"):
-            return await sse.stream_task(request, service, task_id, -1)
-        row = await _unless_client_leaves(request, service.wait(task_id))
+            answer: web.StreamResponse = await sse.stream_task(request, service, task_id, -1)
+            final = await service.response(client, created.body["id"])
+        else:
+            final = records.response_object(await service.wait(task_id))
+            answer = web.json_response(final)
     except (ConnectionResetError, asyncio.CancelledError):
-        await _cancel_quietly(service, _client(request), task_id)
+        await _cancel_quietly(service, client, task_id)
+        if key:
+            await asyncio.shield(service.forget(client, key))
         raise
-    return web.json_response(records.response_object(row))
-
-
-async def _unless_client_leaves(request: web.Request, work: Awaitable[T]) -> T:
-    """Await `work`, unless the client disconnects first: aiohttp does not cancel a handler when
-    its client goes away (`handler_cancellation` is off), so the connection is watched here."""
-    waiter = asyncio.ensure_future(work)
-    try:
-        while not waiter.done():
-            transport = request.transport
-            if transport is None or transport.is_closing():
-                raise asyncio.CancelledError("the client disconnected")
-            await asyncio.wait([waiter], timeout=0.25)
-        return waiter.result()
-    finally:
-        waiter.cancel()
+    if key:
+        await service.remember(client, key, 200, final)
+    return answer
 
 
 async def _cancel_quietly(service: Any, client: Client, task_id: str) -> None:
@@ -121,3 +119,39 @@ async def task_events(request: web.Request) -> web.StreamResponse:
 
 async def cancel_task(request: web.Request) -> web.Response:
     return web.json_response(await request.app[SERVICE].cancel(_client(request), "task", request.match_info["task_id"]))
+
+
+async def list_tasks(request: web.Request) -> web.Response:
+    status = request.query.get("status")
+    if status is not None and status not in (*UNFINISHED, *TERMINAL):
+        raise InvalidRequest(f"Unknown status {status!r}.", param="status")
+    tasks, more = await request.app[SERVICE].list_tasks(_client(request), status, _limit(request),
+                                                       request.query.get("after"))
+    return web.json_response({"object": "list", "data": tasks, "has_more": more})
+
+
+def _limit(request: web.Request) -> int:
+    try:
+        limit = int(request.query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise InvalidRequest("`limit` must be an integer from 1 to 100.", param="limit")
+    return limit
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    await request.app[SERVICE].delete_response(_client(request), response_id)
+    return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(load_openapi())
+
+
+@functools.cache
+def load_openapi() -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load((paths.RESOURCES / "openapi.yaml").read_text(encoding="utf-8"))

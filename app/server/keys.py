@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from app.core.metrics import LatencyHistogram
 from app.core.service import AppService
 
 SERVICE = web.AppKey("service", AppService)
 # (method, route pattern) -> the scope it needs, or None for the open routes
 SCOPES = web.AppKey("scopes", dict)
+LATENCY = web.AppKey("latency", LatencyHistogram)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
 from app.errors import Forbidden, LmspError, Unauthorized
-from app.server.keys import SCOPES, SERVICE
+from app.server.keys import LATENCY, SCOPES, SERVICE
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -24,6 +25,16 @@ def error_response(status: int, code: str, message: str, *, param: str | None = 
 
 
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 400: "invalid_request"}
+
+
+@web.middleware
+async def timing(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Request latency for /metrics: until the handler returns (for a stream, until it starts)."""
+    started = time.perf_counter()
+    try:
+        return await handler(request)
+    finally:
+        request.app[LATENCY].observe(time.perf_counter() - started)
 
 
 @web.middleware

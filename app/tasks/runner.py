@@ -54,6 +54,9 @@ class Runner:
         self.engines = engines
         self.flush_seconds = flush_seconds
         self.jobs: dict[str, Job] = {}
+        self.capacity = len(engines)  # how many tasks may run at once (max_concurrent_tasks)
+        self.tokens_generated = 0     # since start, for /metrics
+        self.last_tokens_per_second: float | None = None
         self.paused = False
         self._wake = asyncio.Event()
         self._stopping = False
@@ -77,6 +80,19 @@ class Runner:
         self.paused = paused
         self.wake()
 
+    def busy(self, engine: Engine) -> bool:
+        return any(job.engine is engine for job in self.jobs.values())
+
+    def idle_engine(self) -> Engine | None:
+        return next((e for e in self.engines[:self.capacity] if not self.busy(e)), None)
+
+    def resize(self, capacity: int) -> None:
+        """Change how many tasks run at once; engines beyond it finish their task and then rest."""
+        while len(self.engines) < capacity:
+            self.engines.append(Engine(f"engine{len(self.engines)}"))
+        self.capacity = capacity
+        self.wake()
+
     def cancel(self, task_id: str) -> None:
         """The database already says `cancelling`; stop the generation."""
         job = self.jobs.get(task_id)
@@ -86,17 +102,15 @@ class Runner:
     async def _schedule(self) -> None:
         while not self._stopping:
             self._wake.clear()
-            busy = {job.engine for job in self.jobs.values()}
-            free = [e for e in self.engines if e not in busy]
+            engine = self.idle_engine()
             claimed = None
-            if free and not self.paused:
+            if engine is not None and not self.paused:
                 claimed = await self.store.write(_claim, list(self.jobs))
-            if claimed is None:
+            if claimed is None or engine is None:
                 await self._wake.wait()
                 continue
             task_id, events = claimed
             self.bus.publish(events)
-            engine = free[0]
             job = self.jobs[task_id] = Job(task_id, engine)
             worker = asyncio.create_task(self._run(job), name=f"lmsp-task-{task_id}")
             self._workers.add(worker)
@@ -147,6 +161,7 @@ class Runner:
                     break
                 job.ids.extend(msg["ids"])
                 job.new_tokens += len(msg["ids"])
+                self.tokens_generated += len(msg["ids"])
                 job.unsaved += len(msg["ids"])
                 job.text += msg["text"]
                 job.pending += msg["text"]
@@ -159,6 +174,7 @@ class Runner:
             if await self.write(_fail, job.task_id, exc.code, exc.message) is None:
                 await self.write(_cancelled, job.task_id)
             return
+        self.last_tokens_per_second = _tokens_per_second(job) or self.last_tokens_per_second
         if reason == "cancelled":
             if await self.write(_cancelled, job.task_id) is None:
                 await self._flush(job)  # shutting down: keep the snapshot, recovery decides

@@ -1,0 +1,91 @@
+"""Pairing (LMSP §3): a local app asks, the person approves, the app gets a scoped token once."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import time
+from typing import Any
+
+from app.core.auth import SCOPES, new_token, token_hash
+from app.errors import Conflict, InvalidRequest, LmspError, NotFound
+
+LIFETIME_SECONDS = 300
+MAX_PENDING = 20
+
+
+def parse(body: Any) -> tuple[str, list[str]]:
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    for key in body:
+        if key not in ("client_name", "scopes"):
+            raise InvalidRequest(f"Unknown parameter {key!r}.", param=key)
+    name = body.get("client_name")
+    if not isinstance(name, str) or not name.strip() or len(name) > 100:
+        raise InvalidRequest("`client_name` must be a name of 1 to 100 characters.", param="client_name")
+    scopes = body.get("scopes")
+    if not isinstance(scopes, list) or not scopes or not all(isinstance(s, str) and s in SCOPES for s in scopes):
+        raise InvalidRequest(f"`scopes` must be a non-empty list drawn from {list(SCOPES)}.", param="scopes")
+    return name.strip(), sorted(set(scopes))
+
+
+def status_of(row: sqlite3.Row, now: float | None = None) -> str:
+    if row["status"] == "pending" and (now or time.time()) >= row["expires_at"]:
+        return "expired"
+    return str(row["status"])
+
+
+def pairing_object(row: sqlite3.Row) -> dict[str, Any]:
+    return {"id": row["id"], "object": "pairing", "status": status_of(row), "client_name": row["client_name"],
+            "scopes": json.loads(row["scopes"]), "code": row["code"], "created_at": row["created_at"],
+            "expires_at": row["expires_at"], "client_id": row["client_id"]}
+
+
+def create(conn: sqlite3.Connection, name: str, scopes: list[str]) -> sqlite3.Row:
+    now = time.time()
+    waiting = conn.execute("SELECT count(*) FROM pairings WHERE status = 'pending' AND expires_at > ?",
+                           (now,)).fetchone()[0]
+    if waiting >= MAX_PENDING:
+        raise LmspError("too_many_pairings", "Too many pairing requests are waiting; try again later.", status=429)
+    pairing_id = "pair_" + secrets.token_urlsafe(24)
+    code = f"{secrets.randbelow(1000):03d}-{secrets.randbelow(1000):03d}"
+    conn.execute("INSERT INTO pairings(id, client_name, scopes, code, status, created_at, expires_at) "
+                 "VALUES (?, ?, ?, ?, 'pending', ?, ?)",
+                 (pairing_id, name, json.dumps(scopes), code, now, now + LIFETIME_SECONDS))
+    return get(conn, pairing_id)
+
+
+def get(conn: sqlite3.Connection, pairing_id: str) -> sqlite3.Row:
+    row = conn.execute("SELECT * FROM pairings WHERE id = ?", (pairing_id,)).fetchone()
+    if row is None:
+        raise NotFound("pairing", pairing_id)
+    return row
+
+
+def pending(conn: sqlite3.Connection) -> list[sqlite3.Row]:
+    return conn.execute("SELECT * FROM pairings WHERE status = 'pending' AND expires_at > ? ORDER BY created_at",
+                        (time.time(),)).fetchall()
+
+
+def decide(conn: sqlite3.Connection, pairing_id: str, approve: bool) -> tuple[sqlite3.Row, str | None]:
+    """Approve (creating the client; returns its token) or deny a pending, unexpired request."""
+    row = get(conn, pairing_id)
+    if status_of(row) != "pending":
+        raise Conflict("pairing_not_pending", f"This pairing request is already {status_of(row)}.")
+    token = None
+    client_id = None
+    if approve:
+        token = new_token()
+        client_id = "client_" + secrets.token_hex(8)
+        conn.execute("INSERT INTO clients(id, name, token_hash, scopes, created_at) VALUES (?, ?, ?, ?, ?)",
+                     (client_id, row["client_name"], token_hash(token), row["scopes"], time.time()))
+    conn.execute("UPDATE pairings SET status = ?, client_id = ? WHERE id = ? AND status = 'pending'",
+                 ("approved" if approve else "denied", client_id, pairing_id))
+    return get(conn, pairing_id), token
+
+
+def hand_over(conn: sqlite3.Connection, pairing_id: str) -> bool:
+    """Mark the token as given; True only the first time (a token is returned exactly once)."""
+    return conn.execute("UPDATE pairings SET token_given = 1 WHERE id = ? AND status = 'approved' "
+                        "AND token_given = 0", (pairing_id,)).rowcount == 1

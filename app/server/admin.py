@@ -1,0 +1,86 @@
+"""Routes for pairing, clients, models, settings and metrics."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from app.core import metrics
+from app.server.keys import LATENCY, SERVICE
+from app.server.middleware import read_json
+
+
+async def request_pairing(request: web.Request) -> web.Response:
+    created = await request.app[SERVICE].request_pairing(await read_json(request))
+    return web.json_response(created, status=202)
+
+
+async def pairing_status(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[SERVICE].pairing_status(request.match_info["pairing_id"]))
+
+
+async def approve_pairing(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[SERVICE].approve_pairing(request.match_info["pairing_id"]))
+
+
+async def deny_pairing(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[SERVICE].deny_pairing(request.match_info["pairing_id"]))
+
+
+async def list_pairings(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": await request.app[SERVICE].pending_pairings(),
+                              "has_more": False})
+
+
+async def list_clients(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": await request.app[SERVICE].list_clients(), "has_more": False})
+
+
+async def revoke_client(request: web.Request) -> web.Response:
+    client_id = request.match_info["client_id"]
+    await request.app[SERVICE].revoke_client(client_id)
+    return web.json_response({"id": client_id, "object": "client.deleted", "deleted": True})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": await request.app[SERVICE].list_models(), "has_more": False})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[SERVICE].model(request.match_info["model_id"]))
+
+
+async def register_model(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[SERVICE].register_model(await read_json(request)), status=201)
+
+
+async def delete_model(request: web.Request) -> web.Response:
+    model_id = request.match_info["model_id"]
+    await request.app[SERVICE].remove_model(model_id)
+    return web.json_response({"id": model_id, "object": "model", "deleted": True})
+
+
+async def load_model(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[SERVICE].load_model(request.match_info["model_id"]))
+
+
+async def unload_model(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[SERVICE].unload_model(request.match_info["model_id"]))
+
+
+async def get_settings(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SERVICE].settings_view())
+
+
+async def patch_settings(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[SERVICE].update_settings(await read_json(request)))
+
+
+async def get_metrics(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    counts = await service.store.read(metrics.task_counts)
+    text = metrics.render(counts, tokens=service.runner.tokens_generated,
+                          tokens_per_second=service.runner.last_tokens_per_second,
+                          load_seconds=service.model_load_seconds, recovery=service.recovery_counts,
+                          latency=request.app[LATENCY])
+    return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
