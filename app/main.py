@@ -2,7 +2,7 @@
 
     lmsp-tray                      the desktop app (tray, dashboard, service)
     lmsp-tray --headless           the service alone
-    lmsp-tray token                print the owner token
+    lmsp-tray token|status|models|tasks|pairings   scripting the running service (app/cli.py)
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from app import __version__, paths
+from app import __version__, cli, paths
 from app.core.service import AppService
 from app.errors import LmspError
-from app.secrets import TokenVault
 from app.server.app import Server
 
 log = logging.getLogger("app")
@@ -33,7 +32,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, help="port for this run (default 11535; 0 = any free port)")
     parser.add_argument("--headless", action="store_true", help="run the service with no window")
     parser.add_argument("--version", action="version", version=f"lmsp-tray {__version__}")
-    parser.add_argument("command", nargs="?", choices=["token"], help="token: print the owner token")
+    parser.add_argument("command", nargs="?", choices=cli.COMMANDS,
+                        help="token: print the owner token; status, models, tasks: what the service is doing; "
+                             "pairings [approve|deny ID]: pairing requests")
+    parser.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -91,20 +93,11 @@ async def run_headless(life: Lifecycle) -> int:
     return 0
 
 
-def print_token(data_dir: Path) -> int:
-    token = TokenVault(data_dir).get()
-    if token is None:
-        print("No owner token yet: start LMSP Tray once to create it.", file=sys.stderr)
-        return 1
-    print(token)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     data_dir = paths.data_dir(args.data_dir)
-    if args.command == "token":
-        return print_token(data_dir)
+    if args.command:
+        return cli.run(args.command, args.args, data_dir)
     setup_logging()
     life = Lifecycle(data_dir, args.host, args.port)
     try:

@@ -59,3 +59,7 @@ def authenticate(conn: sqlite3.Connection, token: str) -> Client | None:
     if row is None or not hmac.compare_digest(row["token_hash"], digest):
         return None
     return Client(row["id"], row["name"], frozenset(json.loads(row["scopes"])))
+
+
+def touch(conn: sqlite3.Connection, client_id: str) -> None:
+    conn.execute("UPDATE clients SET last_used_at = ? WHERE id = ?", (time.time(), client_id))

@@ -61,6 +61,7 @@ class AppService:
         self.model_load_seconds: float | None = None
         self._janitor: asyncio.Task[None] | None = None
         self._pairing_tokens: dict[str, str] = {}  # approved, not yet collected; memory only
+        self._touched: dict[str, float] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -140,7 +141,13 @@ class AppService:
     # -- auth ------------------------------------------------------------------------------
 
     async def authenticate(self, token: str) -> Client | None:
-        return await self.store.read(auth.authenticate, token)
+        client = await self.store.read(auth.authenticate, token)
+        if client is not None and time.monotonic() - self._touched.get(client.id, -1e9) > 60:
+            # "Last used" for the Clients tab, written at most once a minute per client and
+            # off the request's path: a request never waits for this fsync.
+            self._touched[client.id] = time.monotonic()
+            asyncio.create_task(self.store.write(auth.touch, client.id))
+        return client
 
     # -- responses and tasks ---------------------------------------------------------------
 

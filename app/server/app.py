@@ -6,13 +6,13 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
+from app.core.metrics import LatencyHistogram
 from app.core.service import AppService
 from app.server import admin as a
 from app.server import handlers as h
 from app.server.chat import chat_completions
-from app.core.metrics import LatencyHistogram
 from app.server.keys import LATENCY, SCOPES, SERVICE
-from app.server.middleware import authorize, boundary, cors_headers, errors
+from app.server.middleware import authorize, boundary, cors_headers, errors, timing
 
 MAX_BODY = 8 * 1024 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

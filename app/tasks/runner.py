@@ -153,6 +153,7 @@ class Runner:
                          seed=request.get("seed"), stop=request.get("stop"),
                          prefix_ids=job.ids[:], emitted_chars=len(job.text))
         reason, usage = "cancelled", {}
+        job.started = time.monotonic()  # tokens/s counts generation, not the model load
         try:
             last_flush = time.monotonic()
             async for msg in job.engine.generate(gen):

@@ -1,0 +1,103 @@
+"""`lmsp-tray status|models|tasks|pairings|token`: scripting the running service.
+
+Each command finds the service through `service.json` in the data folder and speaks to it
+over HTTP with the owner token, exactly as any other local app would.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from app import paths
+from app.secrets import TokenVault
+
+COMMANDS = ("status", "models", "tasks", "pairings", "token")
+
+
+class CliError(Exception):
+    pass
+
+
+class Client:
+    def __init__(self, data_dir: Path) -> None:
+        try:
+            self.url = json.loads((data_dir / paths.SERVICE_FILE).read_text())["url"]
+        except (OSError, ValueError, KeyError):
+            raise CliError(f"LMSP Tray is not running (no {paths.SERVICE_FILE} in {data_dir}).") from None
+        self.token = TokenVault(data_dir).get()
+
+    def call(self, method: str, path: str) -> Any:
+        req = urllib.request.Request(self.url + path, method=method, data=b"{}" if method == "POST" else None,
+                                     headers={"Authorization": f"Bearer {self.token}",
+                                              "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            body = json.loads(err.read() or b"{}")
+            raise CliError(body.get("error", {}).get("message", f"HTTP {err.code}")) from None
+        except urllib.error.URLError as err:
+            raise CliError(f"LMSP Tray at {self.url} does not answer ({err.reason}).") from None
+
+
+def _table(rows: list[list[str]]) -> str:
+    if not rows:
+        return ""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def run(command: str, args: list[str], data_dir: Path) -> int:
+    try:
+        if command == "token":
+            token = TokenVault(data_dir).get()
+            if token is None:
+                raise CliError("No owner token yet: start LMSP Tray once to create it.")
+            print(token)
+            return 0
+        client = Client(data_dir)
+        if command == "status":
+            info = client.call("GET", "/lmsp")
+            tasks = client.call("GET", "/v1/tasks?limit=100")["data"]
+            active = [t for t in tasks if t["status"] in ("queued", "loading", "running", "cancelling")]
+            print(f"LMSP Tray serving on {client.url} (service {info['service']['id']})")
+            print(f"{sum(t['status'] == 'running' for t in active)} running, "
+                  f"{sum(t['status'] == 'queued' for t in active)} queued")
+            if info.get("recovered_from_corruption"):
+                print(f"note: a corrupt database was moved aside to {info['recovered_from_corruption']}")
+        elif command == "models":
+            models = client.call("GET", "/v1/models")["data"]
+            print(_table([["ID", "STATUS", "SIZE", "DIGEST"]] + [
+                [m["id"], m["status"], f"{m['size_bytes'] / 1e6:.0f} MB", m["digest"][:19]] for m in models]))
+        elif command == "tasks":
+            tasks = client.call("GET", "/v1/tasks?limit=50")["data"]
+            print(_table([["ID", "STATUS", "MODEL", "TOKENS", "POLICY"]] + [
+                [t["id"], t["status"], t["model"], str(t["progress"]["output_tokens"]), t["on_restart"]]
+                for t in tasks]))
+        elif command == "pairings":
+            return _pairings(client, args)
+        return 0
+    except CliError as exc:
+        print(f"lmsp-tray: {exc}", file=sys.stderr)
+        return 1
+
+
+def _pairings(client: Client, args: list[str]) -> int:
+    if len(args) == 2 and args[0] in ("approve", "deny"):
+        done = client.call("POST", f"/v1/pairings/{args[1]}/{args[0]}")
+        print(f"{done['client_name']}: {done['status']}")
+        return 0
+    if args:
+        raise CliError("usage: lmsp-tray pairings [approve ID | deny ID]")
+    waiting = client.call("GET", "/v1/pairings")["data"]
+    if not waiting:
+        print("No pairing requests are waiting.")
+    else:
+        print(_table([["ID", "APP", "CODE", "SCOPES"]] + [
+            [p["id"], p["client_name"], p["code"], ",".join(p["scopes"])] for p in waiting]))
+    return 0

@@ -1,0 +1,96 @@
+"""Clients: the apps holding a token, what they may do, when they last came; Revoke."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QPushButton, QTableWidget,
+                               QTableWidgetItem, QVBoxLayout, QWidget)
+
+from app.gui import style
+from app.gui.async_ui import confirm, spawn
+from app.gui.session import Session
+
+COLUMNS = ("Name", "Scopes", "Last used", "Paired")
+
+
+def when(stamp: float | None) -> str:
+    if not stamp:
+        return "never"
+    ago = time.time() - stamp
+    if ago < 60:
+        return "just now"
+    if ago < 3600:
+        return f"{int(ago // 60)} min ago"
+    if ago < 86400:
+        return f"{int(ago // 3600)} h ago"
+    return time.strftime("%Y-%m-%d", time.localtime(stamp))
+
+
+class ClientsTab(QWidget):
+    def __init__(self, session: Session, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.session = session
+        self.clients: list[dict[str, Any]] = []
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.table.verticalHeader().hide()
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(1, QHeaderView.ResizeMode.Stretch)
+        for col, width in ((0, 180), (2, 110), (3, 110)):
+            header.resizeSection(col, width)
+        self.table.itemSelectionChanged.connect(self._update_buttons)
+        self.revoke_button = QPushButton("Revoke access")
+        self.revoke_button.clicked.connect(self.revoke_selected)
+        row = QHBoxLayout()
+        row.addWidget(self.revoke_button)
+        row.addStretch(1)
+        note = QLabel("Apps get access by pairing: they ask, you allow. Revoking takes effect on the app's "
+                      "next request; it can pair again later.")
+        note.setWordWrap(True)
+        note.setStyleSheet(style.HINT)
+        layout = QVBoxLayout(self)
+        layout.addLayout(row)
+        layout.addWidget(self.table, 1)
+        layout.addWidget(note)
+        session.bridge.clients_changed.connect(self.load)
+        session.bridge.pairing_resolved.connect(lambda *_: self.load())
+        self._update_buttons()
+
+    def load(self) -> None:
+        spawn(self.session.service.list_clients(), self, self.show_clients)
+
+    def show_clients(self, clients: list[dict[str, Any]]) -> None:
+        self.clients = clients
+        self.table.setRowCount(len(clients))
+        for row, client in enumerate(clients):
+            name = client["name"] + (" (this computer's owner)" if client.get("owner") else "")
+            cells = (name, ", ".join(client["scopes"]), when(client.get("last_used_at")), when(client["created_at"]))
+            for col, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                item.setData(Qt.ItemDataRole.UserRole, client["id"])
+                item.setToolTip(client["id"])
+                self.table.setItem(row, col, item)
+        self._update_buttons()
+
+    def selected(self) -> dict[str, Any] | None:
+        items = self.table.selectedItems()
+        if not items:
+            return None
+        ident = items[0].data(Qt.ItemDataRole.UserRole)
+        return next((c for c in self.clients if c["id"] == ident), None)
+
+    def _update_buttons(self) -> None:
+        client = self.selected()
+        self.revoke_button.setEnabled(client is not None and not client.get("owner"))
+
+    def revoke_selected(self) -> None:
+        client = self.selected()
+        if client and confirm(self, "Revoke access", f"Stop {client['name']} from using your models? "
+                              "It will have to pair again.", "Revoke"):
+            spawn(self.session.service.revoke_client(client["id"]), self, lambda _: self.load())

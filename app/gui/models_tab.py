@@ -1,0 +1,156 @@
+"""Models: the registered model files, and Add / Remove / Load / Unload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Awaitable
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHeaderView, QLabel, QProgressDialog,
+                               QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+
+from app.errors import LmspError
+from app.gui import style
+from app.gui.async_ui import confirm, show_error, spawn
+from app.gui.session import Session
+
+COLUMNS = ("Model", "Size", "Digest", "State")
+STATES = {"available": "Ready", "loaded": "Loaded", "missing": "File missing", "changed": "File changed on disk"}
+
+
+def human_size(size: int | None) -> str:
+    if size is None:
+        return "—"
+    value = float(size)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} TB"
+
+
+def short_digest(digest: str | None) -> str:
+    return (digest or "").removeprefix("sha256:")[:12] or "—"
+
+
+class ModelsTab(QWidget):
+    def __init__(self, session: Session, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.session = session
+        self.progress: QProgressDialog | None = None
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.table.verticalHeader().hide()
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        for col, width in ((1, 90), (2, 120), (3, 160)):
+            header.resizeSection(col, width)
+        self.table.itemSelectionChanged.connect(self._update_buttons)
+
+        self.buttons: dict[str, QPushButton] = {}
+        row = QHBoxLayout()
+        for name, text, slot in (("add", "Add model file…", self.add_model_file), ("remove", "Remove", self.remove),
+                                 ("load", "Load", self.load_selected), ("unload", "Unload", self.unload_selected)):
+            button = self.buttons[name] = QPushButton(text)
+            button.clicked.connect(slot)
+            row.addWidget(button)
+        row.addStretch(1)
+        note = QLabel("Removing a model only forgets it here: the file itself is never deleted. "
+                      "A loaded model stays in memory until it is unloaded or idle too long.")
+        note.setWordWrap(True)
+        note.setStyleSheet(style.HINT)
+        layout = QVBoxLayout(self)
+        layout.addLayout(row)
+        layout.addWidget(self.table, 1)
+        layout.addWidget(note)
+        session.models_updated.connect(self.show_models)
+        self.show_models()
+
+    def show_models(self) -> None:
+        selected = self.selected()
+        models = self.session.models
+        self.table.setRowCount(len(models))
+        for row, model in enumerate(models):
+            cells = (model["id"], human_size(model.get("size_bytes")), short_digest(model.get("digest")),
+                     STATES.get(model["status"], model["status"]))
+            for col, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                item.setData(Qt.ItemDataRole.UserRole, model)
+                item.setToolTip(f"{model.get('path', '')}\n{model.get('digest', '')}")
+                if col == 1:
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                self.table.setItem(row, col, item)
+            if selected and model["id"] == selected["id"]:
+                self.table.selectRow(row)
+        self._update_buttons()
+
+    def selected(self) -> dict[str, Any] | None:
+        items = self.table.selectedItems()
+        return items[0].data(Qt.ItemDataRole.UserRole) if items else None
+
+    def _update_buttons(self) -> None:
+        model = self.selected()
+        status = model["status"] if model else None
+        self.buttons["remove"].setEnabled(model is not None)
+        self.buttons["load"].setEnabled(status == "available")
+        self.buttons["unload"].setEnabled(status == "loaded")
+
+    # -- actions ----------------------------------------------------------------------------
+
+    def add_model_file(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Add a model file", str(Path.home()),
+                                              "GGUF models (*.gguf);;All files (*)")
+        if path:
+            self.register(path)
+
+    def register(self, path: str) -> None:
+        """Validate and hash the file (long for big models), showing progress meanwhile."""
+        dialog = self.progress = QProgressDialog(f"Checking and hashing {Path(path).name}…", "", 0, 100, self)
+        dialog.setWindowTitle("Adding a model")
+        dialog.setCancelButton(None)  # hashing runs in a thread that cannot be interrupted
+        dialog.setWindowModality(Qt.WindowModality.WindowModal)
+        dialog.setMinimumDuration(0)
+        dialog.setMinimumWidth(420)
+        dialog.setValue(0)
+        dialog.show()
+
+        def report(done: int, total: int) -> None:  # called on the loop thread
+            dialog.setValue(int(done * 100 / total) if total else 100)
+
+        async def work() -> dict[str, Any] | None:
+            try:
+                return await self.session.service.register_model({"path": path}, progress=report)
+            except LmspError as exc:
+                show_error(self, "Model not added", exc.message)
+                return None
+            finally:
+                dialog.close()
+                self.progress = None
+
+        spawn(work(), self)
+
+    def remove(self) -> None:
+        model = self.selected()
+        if model and confirm(self, "Remove model", f"Forget the model {model['id']}? The file stays on disk.",
+                             "Remove"):
+            spawn(self._then_refresh(self.session.service.remove_model(model["id"])), self)
+
+    def load_selected(self) -> None:
+        if model := self.selected():
+            self.buttons["load"].setEnabled(False)
+            spawn(self._then_refresh(self.session.service.load_model(model["id"])), self)
+
+    def unload_selected(self) -> None:
+        if model := self.selected():
+            self.buttons["unload"].setEnabled(False)
+            spawn(self._then_refresh(self.session.service.unload_model(model["id"])), self)
+
+    async def _then_refresh(self, work: Awaitable[Any]) -> None:
+        """Buttons were disabled while the work ran; whatever happened, show the truth again."""
+        try:
+            await work
+        finally:
+            self._update_buttons()

@@ -1,0 +1,154 @@
+"""Settings: one form over the service settings. Save sends only what changed, through the
+facade's validation; a refused value is explained next to its field and nothing is saved."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtWidgets import (QComboBox, QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit,
+                               QPushButton, QSpinBox, QVBoxLayout, QWidget)
+
+from app.errors import LmspError
+from app.gui import style
+from app.gui.async_ui import spawn
+from app.gui.session import Session
+
+DAY, MINUTE = 86400, 60
+ON_RESTART = {"fail": "Mark it failed (the app may resubmit)", "retry": "Run it again from the start",
+              "resume": "Continue where it stopped"}
+RESTART_NEEDED = ("host", "port")
+
+
+class SettingsTab(QWidget):
+    def __init__(self, session: Session, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.session = session
+        self.host = QLineEdit()
+        self.port = QLineEdit()
+        self.port.setMaximumWidth(100)
+        self.retention = QSpinBox(minimum=1, maximum=3650, suffix=" days")
+        self.on_restart = QComboBox()
+        for value, text in ON_RESTART.items():
+            self.on_restart.addItem(text, value)
+        self.concurrency = QSpinBox(minimum=1, maximum=16)
+        self.origins = QPlainTextEdit()
+        self.origins.setPlaceholderText("https://example.app  (one per line; none: only apps without an Origin)")
+        self.origins.setFixedHeight(64)
+        self.idle = QSpinBox(minimum=0, maximum=525600, suffix=" min", specialValueText="never")
+        # param name (as the facade reports it) -> (field, label text, hint)
+        self.fields: dict[str, tuple[QWidget, str, str]] = {
+            "host": (self.host, "Address", "127.0.0.1 keeps the service on this computer. Takes effect after restart."),
+            "port": (self.port, "Port", "0 picks any free port. Takes effect after restart."),
+            "retention_seconds": (self.retention, "Keep finished tasks for", ""),
+            "default_on_restart": (self.on_restart, "Unfinished task after a restart", ""),
+            "max_concurrent_tasks": (self.concurrency, "Tasks at once", "Each needs memory for its own model copy."),
+            "allowed_origins": (self.origins, "Allowed web origins", "Web pages from these origins may call the API."),
+            "model_idle_ttl_seconds": (self.idle, "Unload idle model after", ""),
+        }
+        self.errors: dict[str, QLabel] = {}
+        form = QFormLayout()
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.ExpandingFieldsGrow)
+        for param, (field, label, hint) in self.fields.items():
+            column = QVBoxLayout()
+            column.setSpacing(2)
+            column.addWidget(field)
+            if hint:
+                note = QLabel(hint, wordWrap=True)
+                note.setStyleSheet(style.HINT)
+                column.addWidget(note)
+            error = self.errors[param] = QLabel(wordWrap=True, objectName=f"error:{param}")
+            error.setStyleSheet(style.ERROR)
+            error.hide()
+            column.addWidget(error)
+            form.addRow(label + ":", column)
+        self.status = QLabel(wordWrap=True)
+        self.save_button = QPushButton("Save")
+        self.save_button.clicked.connect(self.save)
+        revert = QPushButton("Revert")
+        revert.clicked.connect(self.load)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.status, 1)
+        buttons.addWidget(revert)
+        buttons.addWidget(self.save_button)
+        layout = QVBoxLayout(self)
+        layout.addLayout(form)
+        layout.addStretch(1)
+        layout.addLayout(buttons)
+        self.shown: dict[str, Any] = {}
+        session.bridge.settings_changed.connect(self._changed_elsewhere)
+        self.load()
+
+    def load(self) -> None:
+        s = self.session.service.settings
+        self.host.setText(str(s["host"]))
+        self.port.setText(str(s["port"]))
+        self.retention.setValue(max(1, round(s["retention_seconds"] / DAY)))
+        self.on_restart.setCurrentIndex(max(0, self.on_restart.findData(s["default_on_restart"])))
+        self.concurrency.setValue(s["max_concurrent_tasks"])
+        self.origins.setPlainText("\n".join(s["allowed_origins"]))
+        self.idle.setValue(round(s["model_idle_ttl_seconds"] / MINUTE))
+        self.shown = self.values()  # what the form said before any edit (days/minutes are rounded)
+        self.clear_errors()
+        self.status.clear()
+
+    def values(self) -> dict[str, Any]:
+        """The form as settings; a port that is not a number stays text (and is refused)."""
+        port = self.port.text().strip()
+        return {"host": self.host.text().strip(), "port": int(port) if port.isdigit() else port,
+                "retention_seconds": self.retention.value() * DAY,
+                "default_on_restart": self.on_restart.currentData(),
+                "max_concurrent_tasks": self.concurrency.value(),
+                "allowed_origins": [o.strip() for o in self.origins.toPlainText().splitlines() if o.strip()],
+                "model_idle_ttl_seconds": self.idle.value() * MINUTE}
+
+    def changes(self) -> dict[str, Any]:
+        return {k: v for k, v in self.values().items() if v != self.shown.get(k)}
+
+    def clear_errors(self) -> None:
+        for label in self.errors.values():
+            label.hide()
+            label.clear()
+
+    def show_error(self, param: str | None, message: str) -> None:
+        label = self.errors.get(param or "")
+        if label is None:
+            self.status.setStyleSheet(style.ERROR)
+            self.status.setText(message)
+            return
+        label.setText(message)
+        label.show()
+        self.fields[param or ""][0].setFocus()
+        self.status.setStyleSheet(style.ERROR)
+        self.status.setText("Not saved: please correct the field marked in red.")
+
+    def save(self) -> None:
+        self.clear_errors()
+        changes = self.changes()
+        if not changes:
+            self.status.setStyleSheet("")
+            self.status.setText("Nothing to save.")
+            return
+        if not isinstance(changes.get("port", 0), int):
+            self.show_error("port", "The port must be a whole number from 0 to 65535.")
+            return
+        self.save_button.setEnabled(False)
+        spawn(self._save(changes), self)
+
+    async def _save(self, changes: dict[str, Any]) -> None:
+        try:
+            await self.session.service.update_settings(changes)
+        except LmspError as exc:
+            self.show_error(exc.param, exc.message)
+            return
+        finally:
+            self.save_button.setEnabled(True)
+        self.load()
+        later = [k for k in RESTART_NEEDED if k in changes]
+        self.status.setStyleSheet("")
+        self.status.setText("Saved." + (" The new address and port take effect after a restart." if later else ""))
+
+    def _changed_elsewhere(self, _keys: list[str]) -> None:
+        if not self.changes():  # never overwrite edits in progress
+            status = self.status.text()
+            self.load()
+            self.status.setText(status)

@@ -1,0 +1,70 @@
+"""One app per data directory: a second launch asks the first to show its dashboard, then exits.
+
+A QLocalServer named after the data directory (hashed: names have length limits) is the
+lock. A stale socket left by a crash is detected by failing to connect, and removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+from PySide6.QtCore import QObject, Signal
+from PySide6.QtNetwork import QLocalServer, QLocalSocket
+
+log = logging.getLogger(__name__)
+SHOW = b"show\n"
+
+
+def server_name(data_dir: Path) -> str:
+    digest = hashlib.sha256(str(Path(data_dir).resolve()).encode()).hexdigest()[:16]
+    return f"lmsp-tray-{digest}"
+
+
+def notify_running(name: str, timeout_ms: int = 1000) -> bool:
+    """Tell an instance listening on `name` to show itself. False if nobody listens."""
+    socket = QLocalSocket()
+    socket.connectToServer(name)
+    if not socket.waitForConnected(timeout_ms):
+        return False
+    socket.write(SHOW)
+    socket.flush()
+    socket.waitForBytesWritten(timeout_ms)
+    socket.disconnectFromServer()
+    return True
+
+
+class SingleInstance(QObject):
+    show_requested = Signal()
+
+    def __init__(self, data_dir: Path, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.name = server_name(data_dir)
+        self._server = QLocalServer(self)
+        self._server.setSocketOptions(QLocalServer.SocketOption.UserAccessOption)
+        self._server.newConnection.connect(self._accept)
+
+    def claim(self) -> bool:
+        """True if this process is now the instance; False if another one was told to show."""
+        if notify_running(self.name):
+            return False
+        QLocalServer.removeServer(self.name)  # a socket file left behind by a crash
+        if not self._server.listen(self.name):
+            log.warning("single-instance lock unavailable: %s", self._server.errorString())
+        return True
+
+    def release(self) -> None:
+        self._server.close()
+
+    def _accept(self) -> None:
+        while (socket := self._server.nextPendingConnection()) is not None:
+            socket.readyRead.connect(lambda s=socket: self._read(s))
+            socket.disconnected.connect(socket.deleteLater)
+            if socket.bytesAvailable():
+                self._read(socket)
+
+    def _read(self, socket: QLocalSocket) -> None:
+        data = bytes(socket.readAll().data())
+        if SHOW.strip() in data:
+            self.show_requested.emit()

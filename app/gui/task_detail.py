@@ -1,0 +1,152 @@
+"""The selected task: its event log and its text as it streams.
+
+History comes from the facade (`events`), live events from the bridge; events that arrive
+while the history is loading wait in a buffer, and sequence numbers drop duplicates, so the
+log has no gap and no repeat.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QFontDatabase, QTextCursor
+from PySide6.QtWidgets import QLabel, QListWidget, QPlainTextEdit, QSplitter, QVBoxLayout, QWidget
+
+from app.gui.async_ui import spawn
+from app.gui.session import Session
+
+PAGE = 1000  # the facade returns at most this many events per call
+
+
+class TaskDetail(QWidget):
+    def __init__(self, session: Session, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.session = session
+        self.task_id: str | None = None
+        self.last_seq = -1
+        self._buffer: list[dict[str, Any]] | None = None
+        self._delta_run = 0
+        self.header = QLabel("Select a task to see its events and output.")
+        self.header.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.log = QListWidget()
+        self.log.setObjectName("event-log")
+        self.log.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
+        self.text = QPlainTextEdit(readOnly=True)
+        self.text.setObjectName("output-text")
+        self.text.setPlaceholderText("The output appears here as it is generated.")
+        split = QSplitter(Qt.Orientation.Horizontal)
+        split.addWidget(_titled("Events", self.log))
+        split.addWidget(_titled("Output", self.text))
+        split.setSizes([380, 520])
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 4, 0, 0)
+        layout.addWidget(self.header)
+        layout.addWidget(split, 1)
+        session.bridge.task_event.connect(self.on_event)
+
+    def show_task(self, task: dict[str, Any] | None) -> None:
+        if task is None:
+            self.task_id = None
+            self.header.setText("Select a task to see its events and output.")
+            self.log.clear()
+            self.text.clear()
+            return
+        self.set_header(task)
+        if task["id"] == self.task_id:
+            return
+        self.task_id, self.last_seq, self._delta_run = task["id"], -1, 0
+        self.log.clear()
+        self.text.clear()
+        self._buffer = []
+        spawn(self._load(task["id"]), self)
+
+    def set_header(self, task: dict[str, Any]) -> None:
+        error = task.get("error")
+        extra = f" — {error['message']}" if error else ""
+        self.header.setText(f"<b>{task['id']}</b> · {task.get('model') or '—'} · {task['status']}"
+                            f"{_escape(extra)}")
+
+    async def _load(self, task_id: str) -> None:
+        owner = self.session.owner
+        assert owner is not None
+        after = -1
+        while True:
+            page = await self.session.service.events(owner, task_id, after)
+            if self.task_id != task_id:
+                return  # another task was selected meanwhile
+            for event in page:
+                self._apply(event)
+            if len(page) < PAGE:
+                break
+            after = page[-1]["sequence_number"]
+        buffered, self._buffer = self._buffer or [], None
+        for event in buffered:
+            self._apply(event)
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        if event.get("task_id") != self.task_id:
+            return
+        if self._buffer is not None:
+            self._buffer.append(event)
+        else:
+            self._apply(event)
+
+    def _apply(self, event: dict[str, Any]) -> None:
+        seq = event["sequence_number"]
+        if seq <= self.last_seq:
+            return
+        self.last_seq = seq
+        kind = event["type"]
+        stamp = time.strftime("%H:%M:%S", time.localtime(event.get("created_at") or time.time()))
+        if kind == "response.output_text.delta":
+            self._append_text(event.get("delta", ""))
+            self._delta_run += 1
+            line = f"{seq:>4}  {stamp}  output_text.delta ×{self._delta_run}"
+            if self._delta_run > 1:
+                self.log.item(self.log.count() - 1).setText(line)
+            else:
+                self.log.addItem(line)
+        else:
+            self._delta_run = 0
+            if kind == "response.queued" and event.get("output_reset"):
+                self.text.clear()  # a retry starts again: the earlier attempt's text is void
+            self.log.addItem(f"{seq:>4}  {stamp}  {kind.removeprefix('response.')}{_suffix(event)}")
+        self.log.scrollToBottom()
+
+    def _append_text(self, delta: str) -> None:
+        # A cursor of our own: the reader's selection stays put; follow the end only if they were there.
+        bar = self.text.verticalScrollBar()
+        following = bar.value() >= bar.maximum() - 4
+        cursor = QTextCursor(self.text.document())
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        cursor.insertText(delta)
+        if following:
+            bar.setValue(bar.maximum())
+
+
+def _suffix(event: dict[str, Any]) -> str:
+    if event["type"] == "response.failed" and event.get("error"):
+        return f" — {event['error'].get('code')}: {event['error'].get('message')}"
+    if event["type"] == "response.loading" and event.get("progress") is not None:
+        return f" ({int(event['progress'] * 100)} %)"
+    if event.get("output_reset"):
+        return f" (attempt {event.get('attempt')}, output reset)"
+    return ""
+
+
+def _titled(title: str, widget: QWidget) -> QWidget:
+    box = QWidget()
+    layout = QVBoxLayout(box)
+    layout.setContentsMargins(0, 0, 0, 0)
+    layout.setSpacing(2)
+    label = QLabel(title)
+    label.setStyleSheet("font-weight: bold")
+    layout.addWidget(label)
+    layout.addWidget(widget, 1)
+    return box
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

@@ -1,0 +1,163 @@
+"""The tasks table: a model over task objects (as the facade returns them), a filter, and a
+progress-bar delegate."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelIndex, QSortFilterProxyModel, Qt
+from PySide6.QtGui import QColor, QPainter
+from PySide6.QtWidgets import QApplication, QStyle, QStyledItemDelegate, QStyleOptionProgressBar, QStyleOptionViewItem
+
+Index = QModelIndex | QPersistentModelIndex
+COLUMNS = ("Status", "Model", "Client", "Progress", "Tokens/s", "Elapsed")
+STATUS, MODEL, CLIENT, PROGRESS, SPEED, ELAPSED = range(len(COLUMNS))
+ACTIVE = ("queued", "loading", "running", "cancelling")
+# "Finished" means ended without failing; failures have their own filter.
+FILTERS = {"All": None, "Active": ACTIVE, "Finished": ("completed", "cancelled"), "Failed": ("failed",)}
+COLORS = {"queued": "#6b7280", "loading": "#b45309", "running": "#1d4ed8", "cancelling": "#b45309",
+          "completed": "#15803d", "cancelled": "#6b7280", "failed": "#b91c1c"}
+ID_ROLE = Qt.ItemDataRole.UserRole
+PROGRESS_ROLE = Qt.ItemDataRole.UserRole + 1
+
+
+def elapsed(task: dict[str, Any], now: float) -> float | None:
+    start = task.get("started_at")
+    if start is None:
+        return None
+    return max(0.0, (task.get("finished_at") or now) - start)
+
+
+def format_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+class TaskTableModel(QAbstractTableModel):
+    def __init__(self, parent: Any = None) -> None:
+        super().__init__(parent)
+        self.tasks: list[dict[str, Any]] = []   # newest first, as list_tasks returns them
+        self.client_names: dict[str, str] = {}
+
+    def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: N802 (Qt's name)
+        return 0 if parent.isValid() else len(self.tasks)
+
+    def columnCount(self, parent: Index = QModelIndex()) -> int:  # noqa: N802
+        return 0 if parent.isValid() else len(COLUMNS)
+
+    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:  # noqa: N802
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
+            return COLUMNS[section]
+        return None
+
+    def data(self, index: Index, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        task = self.tasks[index.row()]
+        col = index.column()
+        if role == ID_ROLE:
+            return task["id"]
+        if role == PROGRESS_ROLE:
+            progress = task["progress"]
+            return progress["output_tokens"], progress["max_output_tokens"]
+        if role == Qt.ItemDataRole.ToolTipRole:
+            error = task.get("error")
+            return f"{task['id']}\n{error['code']}: {error['message']}" if error else task["id"]
+        if role == Qt.ItemDataRole.ForegroundRole and col == STATUS:
+            return QColor(COLORS.get(task["status"], "#000000"))
+        if role == Qt.ItemDataRole.TextAlignmentRole and col in (SPEED, ELAPSED):
+            return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        if role != Qt.ItemDataRole.DisplayRole:
+            return None
+        if col == STATUS:
+            return task["status"]
+        if col == MODEL:
+            return task.get("model") or "—"
+        if col == CLIENT:
+            client = task.get("client_id")
+            return self.client_names.get(client, client) if client else "—"
+        if col == PROGRESS:
+            done, limit = task["progress"]["output_tokens"], task["progress"]["max_output_tokens"]
+            return f"{done} / {limit}" if limit else f"{done}"
+        if col == SPEED:
+            speed = task["progress"].get("tokens_per_second")
+            return f"{speed:.1f}" if speed else "—"
+        return format_seconds(elapsed(task, time.time()))
+
+    def row_of(self, task_id: str) -> int:
+        return next((i for i, t in enumerate(self.tasks) if t["id"] == task_id), -1)
+
+    def task(self, task_id: str) -> dict[str, Any] | None:
+        row = self.row_of(task_id)
+        return self.tasks[row] if row >= 0 else None
+
+    def reset(self, tasks: list[dict[str, Any]]) -> None:
+        self.beginResetModel()
+        self.tasks = list(tasks)
+        self.endResetModel()
+
+    def upsert(self, task: dict[str, Any]) -> None:
+        row = self.row_of(task["id"])
+        if row >= 0:
+            self.tasks[row] = task
+            self.dataChanged.emit(self.index(row, 0), self.index(row, len(COLUMNS) - 1))
+            return
+        # New tasks are the newest: they go on top, where list_tasks would put them.
+        at = next((i for i, t in enumerate(self.tasks) if t["created_at"] < task["created_at"]), len(self.tasks))
+        self.beginInsertRows(QModelIndex(), at, at)
+        self.tasks.insert(at, task)
+        self.endInsertRows()
+
+    def set_client_names(self, names: dict[str, str]) -> None:
+        self.client_names = names
+        if self.tasks:
+            self.dataChanged.emit(self.index(0, CLIENT), self.index(len(self.tasks) - 1, CLIENT))
+
+    def tick(self) -> None:
+        """Elapsed time of running tasks moves without any event: repaint that column."""
+        for row, task in enumerate(self.tasks):
+            if task["status"] in ACTIVE and task.get("started_at"):
+                self.dataChanged.emit(self.index(row, ELAPSED), self.index(row, ELAPSED))
+
+
+class TaskFilter(QSortFilterProxyModel):
+    def __init__(self, parent: Any = None) -> None:
+        super().__init__(parent)
+        self.statuses: tuple[str, ...] | None = None
+
+    def set_filter(self, name: str) -> None:
+        self.statuses = FILTERS[name]
+        self.invalidateFilter()
+
+    def filterAcceptsRow(self, source_row: int, source_parent: Index) -> bool:  # noqa: N802
+        if self.statuses is None:
+            return True
+        model = self.sourceModel()
+        assert isinstance(model, TaskTableModel)
+        return model.tasks[source_row]["status"] in self.statuses
+
+
+class ProgressDelegate(QStyledItemDelegate):
+    """Tokens so far against the limit, drawn as a progress bar."""
+
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: Index) -> None:
+        done, limit = index.data(PROGRESS_ROLE)
+        bar = QStyleOptionProgressBar()
+        bar.rect = option.rect.adjusted(3, 3, -3, -3)
+        bar.minimum = 0
+        # No limit: a busy (indeterminate) bar would mislead; show the count on an empty bar.
+        bar.maximum = limit or 1
+        bar.progress = min(done, limit) if limit else 0
+        bar.text = index.data(Qt.ItemDataRole.DisplayRole)
+        bar.textVisible = True
+        bar.textAlignment = Qt.AlignmentFlag.AlignCenter
+        bar.state = option.state | QStyle.StateFlag.State_Horizontal
+        if option.state & QStyle.StateFlag.State_Selected:
+            painter.fillRect(option.rect, option.palette.highlight())
+        style = option.widget.style() if option.widget else QApplication.style()
+        style.drawControl(QStyle.ControlElement.CE_ProgressBar, bar, painter, option.widget)

@@ -1,0 +1,155 @@
+"""The tray icon: a state icon, a tooltip saying what runs, a menu built when it opens, and
+notifications that lead to the right place when clicked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from PySide6.QtCore import QObject, Signal
+from PySide6.QtGui import QAction, QGuiApplication
+from PySide6.QtWidgets import QMenu, QSystemTrayIcon
+
+from app.gui import autostart
+from app.gui.async_ui import spawn
+from app.gui.icons import tray_icon
+from app.gui.session import Session
+
+
+class Tray(QObject):
+    open_dashboard = Signal()
+    open_settings = Signal()
+    add_model = Signal()
+    review_pairing = Signal(str)   # pairing id
+    quit_requested = Signal()
+
+    def __init__(self, session: Session, data_dir: Path | None = None, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.session = session
+        self.data_dir = data_dir
+        self.state = ""
+        self.menu = QMenu()
+        self.menu.setToolTipsVisible(True)
+        self.menu.aboutToShow.connect(self.build_menu)  # lazily: always current, nothing to keep in sync
+        self.icon = QSystemTrayIcon(tray_icon("starting"))
+        self.icon.setContextMenu(self.menu)
+        self.icon.activated.connect(self._activated)
+        self.icon.messageClicked.connect(self._message_clicked)
+        self._on_message: Callable[[], None] | None = None
+        session.changed.connect(self.refresh)
+        self.refresh()
+
+    def show(self) -> None:
+        self.icon.show()
+
+    def hide(self) -> None:
+        self.icon.hide()
+
+    def refresh(self) -> None:
+        state = self.session.icon_state()
+        if state != self.state:
+            self.state = state
+            self.icon.setIcon(tray_icon(state))
+        tip = self.session.status_line()
+        if self.session.exposed:
+            tip += "\nWarning: reachable from other computers"
+        self.icon.setToolTip(tip)
+
+    def notify(self, title: str, text: str, on_click: Callable[[], None] | None = None,
+               icon: QSystemTrayIcon.MessageIcon = QSystemTrayIcon.MessageIcon.Information) -> None:
+        """A message from the tray; clicking it runs `on_click` (the latest message wins)."""
+        self._on_message = on_click
+        self.icon.showMessage(title, text, icon, 10000)
+
+    def _message_clicked(self) -> None:
+        if self._on_message is not None:
+            self._on_message()
+
+    def _activated(self, reason: QSystemTrayIcon.ActivationReason) -> None:
+        if reason in (QSystemTrayIcon.ActivationReason.Trigger, QSystemTrayIcon.ActivationReason.DoubleClick):
+            if self.session.phase == "ready":
+                self.open_dashboard.emit()
+
+    # -- the menu ---------------------------------------------------------------------------
+
+    def _action(self, menu: QMenu, name: str, text: str, slot: Callable[..., Any] | None = None,
+                enabled: bool = True) -> QAction:
+        action = menu.addAction(text)
+        action.setObjectName(name)  # tests (and accessibility tools) find actions by name
+        action.setEnabled(enabled)
+        if slot is not None:
+            action.triggered.connect(slot)
+        return action
+
+    def build_menu(self) -> None:
+        menu, session = self.menu, self.session
+        menu.clear()
+        ready = session.phase == "ready"
+        self._action(menu, "status", session.status_line(), enabled=False)
+        if session.exposed:
+            self._action(menu, "exposed", "⚠ Reachable from other computers", enabled=False)
+        menu.addSeparator()
+        self._action(menu, "dashboard", "Open dashboard", self.open_dashboard.emit, ready)
+        models = menu.addMenu("Models")
+        models.setObjectName("models")
+        models.setEnabled(ready)
+        self._build_models(models)
+        if session.paused:
+            self._action(menu, "pause", "Resume tasks", lambda: self._set_paused(False), ready)
+        else:
+            self._action(menu, "pause", "Pause new tasks", lambda: self._set_paused(True), ready)
+        if session.pairings:
+            pairings = menu.addMenu(f"Pairing requests ({len(session.pairings)})")
+            pairings.setObjectName("pairings")
+            self._build_pairings(pairings)
+        menu.addSeparator()
+        self._action(menu, "copy", "Copy API address", self.copy_address, ready).setToolTip(session.api_base)
+        login = self._action(menu, "autostart", "Start at login", self._toggle_autostart, autostart.SUPPORTED)
+        login.setCheckable(True)
+        login.setChecked(autostart.enabled())
+        if not autostart.SUPPORTED:
+            login.setToolTip(autostart.UNSUPPORTED_REASON)
+        self._action(menu, "settings", "Settings…", self.open_settings.emit, ready)
+        menu.addSeparator()
+        self._action(menu, "quit", "Quit LMSP Tray", self.quit_requested.emit, session.phase != "stopping")
+
+    def _build_models(self, menu: QMenu) -> None:
+        service = self.session.service
+        for model in self.session.models:
+            usable = model["status"] in ("available", "loaded")
+            label = model["id"] if usable else f"{model['id']} (file {model['status']})"
+            action = self._action(menu, f"model:{model['id']}", label, enabled=usable)
+            action.setCheckable(True)
+            action.setChecked(model["status"] == "loaded")
+            action.setToolTip("Loaded: click to unload" if model["status"] == "loaded" else "Click to load")
+            model_id = model["id"]
+            action.triggered.connect(lambda checked, m=model_id: spawn(
+                service.load_model(m) if checked else service.unload_model(m)))
+        if not self.session.models:
+            self._action(menu, "no-models", "No models yet", enabled=False)
+        menu.addSeparator()
+        self._action(menu, "add-model", "Add model file…", self.add_model.emit)
+
+    def _build_pairings(self, menu: QMenu) -> None:
+        service = self.session.service
+        for pairing in self.session.pairings.values():
+            pid, name = pairing["id"], pairing["client_name"]
+            menu.addSection(f"{name} — code {pairing['code']}")
+            self._action(menu, f"review:{pid}", "Review…", lambda _=False, p=pid: self.review_pairing.emit(p))
+            self._action(menu, f"allow:{pid}", f"Allow {name}", lambda _=False, p=pid: spawn(service.approve_pairing(p)))
+            self._action(menu, f"deny:{pid}", f"Deny {name}", lambda _=False, p=pid: spawn(service.deny_pairing(p)))
+
+    # -- actions ----------------------------------------------------------------------------
+
+    def _set_paused(self, paused: bool) -> None:
+        self.session.service.set_paused(paused)
+        self.refresh()
+
+    def copy_address(self) -> None:
+        QGuiApplication.clipboard().setText(self.session.api_base)
+
+    def _toggle_autostart(self, checked: bool) -> None:
+        if checked:
+            autostart.enable(self.data_dir)
+        else:
+            autostart.disable()
