@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from app import __version__, cli, paths
+from app import __version__, cli, logs, paths
 from app.core.service import AppService
 from app.errors import LmspError
 from app.server.app import Server
@@ -37,11 +37,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "pairings [approve|deny ID]: pairing requests")
     parser.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
-
-
-def setup_logging() -> None:
-    logging.basicConfig(level=os.environ.get("LMSP_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 class Lifecycle:
@@ -98,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = paths.data_dir(args.data_dir)
     if args.command:
         return cli.run(args.command, args.args, data_dir)
-    setup_logging()
+    logs.setup(logs.log_dir(data_dir, bool(args.data_dir or os.environ.get("LMSP_DATA_DIR"))))
     life = Lifecycle(data_dir, args.host, args.port)
     try:
         if args.headless:

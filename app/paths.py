@@ -26,6 +26,14 @@ def default_data_dir() -> Path:
     return base / APP_NAME
 
 
+def default_log_dir() -> Path:
+    if sys.platform == "win32":
+        return Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local")) / APP_NAME / "Logs"
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Logs" / APP_NAME
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / APP_NAME / "log"
+
+
 def data_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     chosen = explicit or os.environ.get("LMSP_DATA_DIR")
     return Path(chosen).expanduser().resolve() if chosen else default_data_dir()

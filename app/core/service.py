@@ -20,7 +20,7 @@ from typing import Any
 from app import paths
 from app.core import auth, idempotency, pairing, requests
 from app.core.auth import Client
-from app.engine import models
+from app.engine import discovery, models
 from app.engine.engine import Engine, EngineError
 from app.errors import Conflict, InvalidRequest, LmspError, NotFound
 from app.secrets import TokenVault
@@ -324,6 +324,13 @@ class AppService:
         await self.store.write(models.insert, model_id, found)
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)
+
+    async def discover_models(self) -> list[dict[str, Any]]:
+        """GGUF files that LM Studio, Ollama and the Hugging Face cache already have here."""
+        found = await asyncio.to_thread(discovery.discover)
+        registered = {m["path"] for m in await self.list_models()}
+        return [{**item.__dict__, "suggested_id": models.suggest_id(item.name.replace("/", "-")),
+                 "registered": item.path in registered} for item in found]
 
     async def remove_model(self, model_id: str) -> None:
         row = await self.store.read(models.get, model_id)

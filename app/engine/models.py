@@ -59,7 +59,8 @@ def examine(path_text: str, progress: Callable[[int, int], None] | None = None) 
 
 def suggest_id(path: str) -> str:
     """An id from the file name: `SmolLM2-135M-Instruct.Q4_1.gguf` -> `smollm2-135m-instruct.q4_1`."""
-    stem = re.sub(r"[^A-Za-z0-9._:-]+", "-", Path(path).stem).strip("-._:").lower()
+    stem = Path(path).stem if path.endswith(".gguf") else path
+    stem = re.sub(r"[^A-Za-z0-9._:-]+", "-", stem).strip("-._:").lower()
     return (stem or "model")[:128]
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QFont, QFontDatabase
+from shiboken6 import isValid
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QPushButton, QVBoxLayout, QWidget
 
 from app.gui import style
@@ -124,7 +125,8 @@ class PairingDialog(QDialog):
             try:
                 await work
             finally:
-                self.close()  # decided, or refused (expired, decided elsewhere): nothing left to do here
+                if isValid(self):
+                    self.close()  # decided, or refused (expired, decided elsewhere): nothing left to do here
 
         spawn(decide(), self.parentWidget())
 

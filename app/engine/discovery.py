@@ -1,0 +1,102 @@
+"""Models you already have: GGUF files that LM Studio, Ollama and the Hugging Face cache keep.
+
+Only finds and names them; registering one (without copying it) is the registry's job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class Found:
+    name: str      # how the other app calls it
+    path: str
+    size_bytes: int
+    source: str    # "lmstudio" | "ollama" | "huggingface"
+
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        with path.open("rb") as fh:
+            return fh.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def _found(name: str, path: Path, source: str) -> Found:
+    real = path.resolve()
+    return Found(name, str(real), real.stat().st_size, source)
+
+
+def lmstudio(home: Path) -> list[Found]:
+    out = []
+    for root in (home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"):
+        if root.is_dir():
+            for file in sorted(root.rglob("*.gguf")):
+                if file.is_file() and _is_gguf(file):
+                    out.append(_found(file.relative_to(root).as_posix(), file, "lmstudio"))
+    return out
+
+
+def ollama(roots: list[Path]) -> list[Found]:
+    """Ollama keeps content-addressed blobs; its manifests say which blob is which model."""
+    out = []
+    for root in roots:
+        manifests = root / "manifests"
+        if not manifests.is_dir():
+            continue
+        for manifest in sorted(p for p in manifests.rglob("*") if p.is_file()):
+            try:
+                layers = json.loads(manifest.read_text(encoding="utf-8")).get("layers", [])
+            except (OSError, ValueError, AttributeError):
+                continue
+            model_layer = next((layer for layer in layers if isinstance(layer, dict)
+                                and layer.get("mediaType") == OLLAMA_MODEL_LAYER), None)
+            digest = str(model_layer.get("digest", "")) if model_layer else ""
+            blob = root / "blobs" / digest.replace(":", "-")
+            if not digest.startswith("sha256:") or not blob.is_file() or not _is_gguf(blob):
+                continue
+            parts = manifest.relative_to(manifests).parts  # host / namespace / model / tag
+            if len(parts) < 3:
+                continue
+            namespace, model, tag = parts[-3], parts[-2], parts[-1]
+            name = f"{model}:{tag}" if namespace == "library" else f"{namespace}/{model}:{tag}"
+            out.append(_found(name, blob, "ollama"))
+    return out
+
+
+def huggingface(hub: Path) -> list[Found]:
+    out = []
+    if not hub.is_dir():
+        return out
+    for repo in sorted(hub.glob("models--*")):
+        repo_name = repo.name[len("models--"):].replace("--", "/")
+        for file in sorted((repo / "snapshots").glob("*/**/*.gguf")):
+            if file.is_file() and _is_gguf(file):
+                relative = file.relative_to(repo / "snapshots").parts[1:]
+                out.append(_found(f"{repo_name}/{'/'.join(relative)}", file, "huggingface"))
+    return out
+
+
+def discover(home: Path | None = None, env: dict[str, str] | None = None) -> list[Found]:
+    """Everything found in the usual places, each file once."""
+    home = home or Path.home()
+    env = dict(os.environ) if env is None else env
+    ollama_roots = [Path(env["OLLAMA_MODELS"])] if env.get("OLLAMA_MODELS") else []
+    ollama_roots += [home / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models")]
+    hf_home = Path(env.get("HF_HOME") or home / ".cache" / "huggingface")
+    hub = Path(env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or hf_home / "hub")
+    seen: set[str] = set()
+    result = []
+    for item in lmstudio(home) + ollama(ollama_roots) + huggingface(hub):
+        if item.path not in seen:
+            seen.add(item.path)
+            result.append(item)
+    return result

@@ -1,0 +1,74 @@
+"""The dashboard window: tabs for tasks, models, clients and settings."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QCloseEvent, QKeySequence, QShortcut
+from PySide6.QtWidgets import QLabel, QMainWindow, QTabWidget, QWidget
+
+from app.gui.clients_tab import ClientsTab
+from app.gui.icons import app_icon
+from app.gui.models_tab import ModelsTab
+from app.gui.session import Session
+from app.gui.settings_tab import SettingsTab
+from app.gui.tasks_tab import TasksTab
+
+TABS = ("Tasks", "Models", "Clients", "Settings")
+
+
+class Dashboard(QMainWindow):
+    closed = Signal()
+
+    def __init__(self, session: Session, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.session = session
+        self.setObjectName("dashboard")
+        self.setWindowTitle("LMSP Tray")
+        self.setWindowIcon(app_icon())
+        self.resize(980, 640)
+        self.tasks = TasksTab(session)
+        self.models = ModelsTab(session)
+        self.clients = ClientsTab(session)
+        self.settings = SettingsTab(session)
+        self.tabs = QTabWidget()
+        self.tabs.setDocumentMode(True)
+        for widget, title in zip((self.tasks, self.models, self.clients, self.settings), TABS):
+            self.tabs.addTab(widget, title)
+        self.setCentralWidget(self.tabs)
+        self.address = QLabel()
+        self.address.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.statusBar().addWidget(self.address, 1)
+        # Ctrl+Tab moves between tabs already (QTabWidget); Ctrl+W hides, as windows do.
+        QShortcut(QKeySequence.StandardKey.Close, self, self.close)
+        session.changed.connect(self._update_status)
+        self._update_status()
+        self.tasks.load()
+        self.clients.load()
+
+    def _update_status(self) -> None:
+        line = self.session.status_line()
+        if self.session.exposed:
+            line += "   ⚠ reachable from other computers"
+        self.address.setText(line)
+
+    def bring_forward(self, tab: str | None = None) -> None:
+        if tab is not None:
+            self.tabs.setCurrentIndex(TABS.index(tab))
+        self.show()
+        self.setWindowState(self.windowState() & ~Qt.WindowState.WindowMinimized)
+        self.raise_()
+        self.activateWindow()
+
+    def show_task(self, task_id: str) -> None:
+        self.bring_forward("Tasks")
+        self.tasks.select_task(task_id)
+
+    def add_model(self) -> None:
+        self.bring_forward("Models")
+        self.models.add_model_file()
+
+    def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 (Qt's name)
+        """Closing the window only hides it: the service lives in the tray."""
+        event.accept()
+        self.hide()
+        self.closed.emit()

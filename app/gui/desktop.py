@@ -1,0 +1,197 @@
+"""The desktop app: one instance per data directory, the tray at once, then the service.
+
+    run_desktop(life)
+      1. single instance: a second launch asks the first to show its dashboard and exits 0
+      2. QApplication on qasync's loop; unexpected errors go to a dialog, the app keeps running
+      3. the tray icon appears at once, "starting"
+      4. life.start(): recovery finishes before the server accepts anything
+      5. idle in the tray until Quit (or SIGTERM); then life.stop(), in its fixed order
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from typing import Any
+
+import qasync
+from PySide6.QtCore import QObject, QTimer
+from PySide6.QtWidgets import QApplication, QSystemTrayIcon
+
+from app.errors import LmspError
+from app.gui import excepthook
+from app.gui.async_ui import show_error
+from app.gui.bridge import Bridge
+from app.gui.dashboard import Dashboard
+from app.gui.icons import app_icon
+from app.gui.pairing_dialog import PairingDialog
+from app.gui.session import Session
+from app.gui.single_instance import SingleInstance
+from app.gui.tray import Tray
+
+log = logging.getLogger(__name__)
+
+
+class Desktop(QObject):
+    """Owns the windows and decides what a notification or a menu entry leads to."""
+
+    def __init__(self, life: Any, instance: SingleInstance | None = None) -> None:
+        super().__init__()
+        self.life = life
+        self.bridge = Bridge(life.service.bus, self)
+        self.session = Session(life.service, self.bridge, self)
+        self.tray = Tray(self.session, life.data_dir, self)
+        self.dashboard: Dashboard | None = None
+        self.pairing_dialogs: dict[str, PairingDialog] = {}
+        self.quitting = asyncio.Event()
+        self.tray.open_dashboard.connect(lambda: self.show_dashboard())
+        self.tray.open_settings.connect(lambda: self.show_dashboard("Settings"))
+        self.tray.add_model.connect(lambda: self.ensure_dashboard().add_model())
+        self.tray.review_pairing.connect(self.open_pairing)
+        self.tray.quit_requested.connect(self.request_quit)
+        if instance is not None:
+            instance.show_requested.connect(lambda: self.show_dashboard())
+        self.bridge.pairing_requested.connect(self._pairing_requested)
+        self.bridge.task_event.connect(self._task_event)
+        self._clock = QTimer(self, interval=5000)  # pairing requests expire without an event
+        self._clock.timeout.connect(lambda: self.session.forget_expired(time.time()))
+        self._clock.start()
+
+    @property
+    def has_tray(self) -> bool:
+        return QSystemTrayIcon.isSystemTrayAvailable()
+
+    async def run(self) -> int:
+        self.tray.show()
+        try:
+            url = await self.life.start()
+        except (LmspError, OSError) as exc:
+            message = exc.message if isinstance(exc, LmspError) else str(exc)
+            log.error("could not start: %s", message)
+            self.session.set_phase("error", message)
+            show_error(None, "LMSP Tray could not start", message)
+            await self.quitting.wait()
+            await self._stop()
+            return 1
+        await self.session.attach(url)
+        self._announce_start()
+        if not self.has_tray:  # no tray host: the window is the only way in (and out)
+            log.warning("no system tray: showing the dashboard instead")
+            self.show_dashboard().closed.connect(self.request_quit)
+        await self.quitting.wait()
+        await self._stop()
+        return 0
+
+    def request_quit(self) -> None:
+        self.quitting.set()
+
+    async def _stop(self) -> None:
+        self.session.set_phase("stopping")
+        for dialog in list(self.pairing_dialogs.values()):
+            dialog.close()
+        if self.dashboard is not None:
+            self.dashboard.hide()
+        try:
+            await self.life.stop()
+        except Exception:  # a half-started service may not stop cleanly; exit anyway
+            log.exception("stopping failed")
+        self.bridge.close()
+        self.tray.hide()
+
+    def _announce_start(self) -> None:
+        aside = self.session.service.describe().get("recovered_from_corruption")
+        if aside:
+            self.tray.notify("The database was damaged", f"It was set aside as {aside} (nothing was deleted) "
+                             "and a fresh one was started.", icon=QSystemTrayIcon.MessageIcon.Warning)
+        counts = getattr(self.session.service, "recovery_counts", {}) or {}
+        failed = sum(n for move, n in counts.items() if move.endswith("->failed"))
+        resumed = sum(n for move, n in counts.items() if move in ("running->running", "running->queued",
+                                                                  "loading->queued"))
+        if failed or resumed:
+            parts = ([f"{resumed} resumed"] if resumed else []) + ([f"{failed} failed"] if failed else [])
+            self.tray.notify("Unfinished tasks after the restart", ", ".join(parts) + ".",
+                             lambda: self.show_dashboard("Tasks"))
+
+    # -- windows ----------------------------------------------------------------------------
+
+    def ensure_dashboard(self) -> Dashboard:
+        if self.dashboard is None:
+            self.dashboard = Dashboard(self.session)
+        return self.dashboard
+
+    def show_dashboard(self, tab: str | None = None) -> Dashboard:
+        dashboard = self.ensure_dashboard()
+        if self.session.phase == "ready":
+            dashboard.bring_forward(tab)
+        return dashboard
+
+    def open_pairing(self, pairing_id: str) -> None:
+        dialog = self.pairing_dialogs.get(pairing_id)
+        pairing = self.session.pairings.get(pairing_id)
+        if dialog is None:
+            if pairing is None:
+                return  # already decided or expired
+            dialog = self.pairing_dialogs[pairing_id] = PairingDialog(self.session, pairing)
+            dialog.destroyed.connect(lambda *_: self.pairing_dialogs.pop(pairing_id, None))
+        dialog.show()
+        dialog.raise_()
+        dialog.activateWindow()
+
+    def _pairing_requested(self, pairing: dict[str, Any]) -> None:
+        if self.has_tray and QSystemTrayIcon.supportsMessages():
+            self.tray.notify("An app asks to use your models",
+                             f"{pairing['client_name']} (code {pairing['code']}). Click to review.",
+                             lambda: self.open_pairing(pairing["id"]))
+        else:
+            self.open_pairing(pairing["id"])
+
+    def _task_event(self, event: dict[str, Any]) -> None:
+        if event["type"] != "response.failed":
+            return
+        error = event.get("error") or {}
+        task_id = event["task_id"]
+        self.tray.notify("A task failed", error.get("message") or "The task failed.",
+                         lambda: self.show_dashboard().show_task(task_id), QSystemTrayIcon.MessageIcon.Warning)
+
+
+def _on_signals(loop: asyncio.AbstractEventLoop, handler: Any) -> None:
+    """SIGTERM/SIGINT quit cleanly, as the tray's Quit does."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, handler)
+        except (NotImplementedError, RuntimeError, ValueError):  # Windows
+            signal.signal(sig, lambda *_: loop.call_soon_threadsafe(handler))
+
+
+def run_desktop(life: Any) -> int:
+    app = QApplication.instance() or QApplication(sys.argv)
+    assert isinstance(app, QApplication)
+    app.setApplicationName("LMSP Tray")
+    app.setDesktopFileName("lmsp-tray")
+    app.setWindowIcon(app_icon())
+    app.setQuitOnLastWindowClosed(False)  # closing the dashboard leaves the service in the tray
+    instance = SingleInstance(life.data_dir)
+    if not instance.claim():
+        log.info("LMSP Tray is already running for %s: asked it to show its dashboard", life.data_dir)
+        return 0
+    loop = qasync.QEventLoop(app)
+    asyncio.set_event_loop(loop)
+    excepthook.install(loop)
+    desktop = Desktop(life, instance)
+    _on_signals(loop, desktop.request_quit)
+    main = loop.create_task(desktop.run())
+    try:
+        while True:
+            try:
+                return int(loop.run_until_complete(main))
+            except RuntimeError:
+                if main.done():
+                    raise
+                # Qt's loop ended under us (the session is ending): stop the service properly.
+                desktop.request_quit()
+    finally:
+        instance.release()
+        loop.close()
