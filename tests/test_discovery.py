@@ -35,7 +35,7 @@ def _machine(home: Path) -> dict[str, Path]:
     other = {"layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": "sha256:" + other_hex}]}
     _write(home / ".ollama/models/manifests/registry.ollama.ai/someone/tiny-chat/q4", json.dumps(other).encode())
     # A second name for the same blob: one file, listed once.
-    _write(home / ".ollama/models/manifests/registry.ollama.ai/library/tiny/alias", json.dumps(manifest).encode())
+    _write(home / ".ollama/models/manifests/registry.ollama.ai/library/tiny/v2", json.dumps(manifest).encode())
     _write(home / ".ollama/models/manifests/registry.ollama.ai/library/broken/latest", b"{not json")
     hf_blob = _write(home / ".cache/huggingface/hub/models--TheOrg--Tiny-GGUF/blobs/0123abcd")
     link = home / ".cache/huggingface/hub/models--TheOrg--Tiny-GGUF/snapshots/rev1/tiny.Q8_0.gguf"
