@@ -150,8 +150,9 @@ def test_a_failing_migration_leaves_version_and_schema_as_they_were(
         before = schema(other)
     _with_extra_migration(monkeypatch, "CREATE TABLE half_done(x);\nCREATE TABLE broken(;\n")
 
-    with pytest.raises(sqlite3.OperationalError):
+    with pytest.raises(StoreError) as refused:
         db.open_database(path)
+    assert refused.value.code == "migration_failed" and "unchanged" in refused.value.message
 
     with plain(path) as other:
         assert other.execute("PRAGMA user_version").fetchone()[0] == db.latest_version() - 1

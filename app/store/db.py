@@ -172,8 +172,12 @@ def migrate(conn: sqlite3.Connection, path: Path) -> None:
                 conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {version}")
             conn.execute("COMMIT")
-        except BaseException:
+        except BaseException as exc:
             conn.execute("ROLLBACK")
+            conn.close()
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError("migration_failed", f"Updating the database {path} to schema {version} failed "
+                                 f"({exc}); it was left at schema {current}, unchanged.") from exc
             raise
         log.info("database migrated to schema %d", version)
 

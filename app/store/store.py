@@ -29,6 +29,7 @@ class Store:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="lmsp-writer")
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="lmsp-reader")
         self._local = threading.local()
+        self._reader_conns: list[sqlite3.Connection] = []
         self._conn: sqlite3.Connection | None = None
         self.recovered_from_corruption: str | None = None
 
@@ -68,6 +69,7 @@ class Store:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = db.connect(self.path, readonly=True)
+            self._reader_conns.append(conn)
         conn.execute("BEGIN")
         try:
             return fn(conn, *args)
@@ -85,4 +87,6 @@ class Store:
 
         await loop.run_in_executor(self._writer, close_writer)
         self._readers.shutdown(wait=True)
+        for conn in self._reader_conns:
+            conn.close()
         self._writer.shutdown(wait=True)
