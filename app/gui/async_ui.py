@@ -12,6 +12,7 @@ import sys
 from typing import Any, Awaitable, Callable, TypeVar
 
 from PySide6.QtWidgets import QMessageBox, QWidget
+from shiboken6 import isValid
 
 from app.errors import LmspError
 
@@ -34,26 +35,39 @@ def show_error(parent: QWidget | None, title: str, message: str) -> QMessageBox:
 
 def spawn(work: Awaitable[T], parent: QWidget | None = None,
           done: Callable[[T], None] | None = None) -> asyncio.Task[Any]:
-    """Start `work` on the loop; `done` gets its result. LmspError → a dialog."""
+    """Start `work` on the loop; `done` gets its result. LmspError → a dialog.
+    Work done for `parent` is dropped if that widget is destroyed meanwhile."""
 
     async def guarded() -> None:
         try:
             result = await work
+        except RuntimeError:
+            if parent is not None and not isValid(parent):
+                return  # its widget is gone (a closed dialog): nothing left to show it in
+            sys.excepthook(*sys.exc_info())
+            return
         except LmspError as exc:
             log.info("%s: %s", exc.title, exc.message)
-            show_error(parent, exc.title, exc.message)
+            show_error(parent if parent is None or isValid(parent) else None, exc.title, exc.message)
             return
         except asyncio.CancelledError:
             return
         except Exception:
             sys.excepthook(*sys.exc_info())
             return
-        if done is not None:
+        if done is not None and (parent is None or isValid(parent)):
             done(result)
 
     task = asyncio.ensure_future(guarded())
     _running.add(task)
     task.add_done_callback(_running.discard)
+    if asyncio.iscoroutine(work):  # cancelled before it started: close it, or Python warns it never ran
+        task.add_done_callback(lambda _: work.close())
+    if parent is not None:
+        def cancel(*_: Any) -> None:
+            task.cancel()
+        parent.destroyed.connect(cancel)
+        task.add_done_callback(lambda _: isValid(parent) and parent.destroyed.disconnect(cancel))
     return task
 
 

@@ -36,6 +36,8 @@ def command(data_dir: Path | None) -> str:
     """How to start this very installation: the installed script, or this Python on the source tree."""
     script = _script()
     args = [str(script)] if script else [sys.executable, "-m", "app"]
+    if paths.FROZEN:  # a built app: the executable is the app
+        args = [sys.executable]
     if data_dir is not None and data_dir != paths.default_data_dir():
         args += ["--data-dir", str(data_dir)]
     return " ".join(_quote(a) for a in args)
@@ -61,7 +63,7 @@ def _quote(arg: str) -> str:
 def enable(data_dir: Path | None = None) -> Path:
     text = TEMPLATE.read_text(encoding="utf-8") if TEMPLATE.exists() else FALLBACK
     lines = [f"Exec={command(data_dir)}" if line.startswith("Exec=") else line for line in text.splitlines()]
-    if _script() is None:
+    if _script() is None and not paths.FROZEN:
         lines.append(f"Path={paths.ROOT}")  # `python -m app` must start in the source tree
     target = entry_path()
     target.parent.mkdir(parents=True, exist_ok=True)

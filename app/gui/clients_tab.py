@@ -40,9 +40,11 @@ class ClientsTab(QWidget):
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.verticalHeader().hide()
+        self.table.setTabKeyNavigation(False)  # Tab leaves the table, as in a form
+        self.table.setWordWrap(False)
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(1, QHeaderView.ResizeMode.Stretch)
-        for col, width in ((0, 180), (2, 110), (3, 110)):
+        for col, width in ((0, 220), (2, 120), (3, 120)):
             header.resizeSection(col, width)
         self.table.itemSelectionChanged.connect(self._update_buttons)
         self.revoke_button = QPushButton("Revoke access")
@@ -69,7 +71,7 @@ class ClientsTab(QWidget):
         self.clients = clients
         self.table.setRowCount(len(clients))
         for row, client in enumerate(clients):
-            name = client["name"] + (" (this computer's owner)" if client.get("owner") else "")
+            name = "You (the owner)" if client.get("owner") else client["name"]
             cells = (name, ", ".join(client["scopes"]), when(client.get("last_used_at")), when(client["created_at"]))
             for col, text in enumerate(cells):
                 item = QTableWidgetItem(text)

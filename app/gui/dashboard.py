@@ -38,7 +38,11 @@ class Dashboard(QMainWindow):
         self.address = QLabel()
         self.address.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.statusBar().addWidget(self.address, 1)
-        # Ctrl+Tab moves between tabs already (QTabWidget); Ctrl+W hides, as windows do.
+        # Tabs by keyboard from anywhere in the window (a focused table would otherwise take
+        # Ctrl+Tab for itself); Ctrl+W hides the window, as elsewhere.
+        for keys, step in (("Ctrl+Tab", 1), ("Ctrl+PgDown", 1), ("Ctrl+Shift+Tab", -1),
+                           ("Ctrl+PgUp", -1)):
+            QShortcut(QKeySequence(keys), self, lambda step=step: self.next_tab(step))
         QShortcut(QKeySequence.StandardKey.Close, self, self.close)
         session.changed.connect(self._update_status)
         self._update_status()
@@ -50,6 +54,9 @@ class Dashboard(QMainWindow):
         if self.session.exposed:
             line += "   ⚠ reachable from other computers"
         self.address.setText(line)
+
+    def next_tab(self, step: int) -> None:
+        self.tabs.setCurrentIndex((self.tabs.currentIndex() + step) % self.tabs.count())
 
     def bring_forward(self, tab: str | None = None) -> None:
         if tab is not None:

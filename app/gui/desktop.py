@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
 import sys
@@ -47,9 +48,10 @@ class Desktop(QObject):
         self.dashboard: Dashboard | None = None
         self.pairing_dialogs: dict[str, PairingDialog] = {}
         self.quitting = asyncio.Event()
+        self._show_when_ready: str | None = None  # a tab asked for before the service was ready
         self.tray.open_dashboard.connect(lambda: self.show_dashboard())
         self.tray.open_settings.connect(lambda: self.show_dashboard("Settings"))
-        self.tray.add_model.connect(lambda: self.ensure_dashboard().add_model())
+        self.tray.add_model.connect(self.add_model)
         self.tray.review_pairing.connect(self.open_pairing)
         self.tray.quit_requested.connect(self.request_quit)
         if instance is not None:
@@ -68,11 +70,14 @@ class Desktop(QObject):
         self.tray.show()
         try:
             url = await self.life.start()
-        except (LmspError, OSError) as exc:
-            message = exc.message if isinstance(exc, LmspError) else str(exc)
+        except Exception as exc:  # stay in the tray, in the error state, until the person quits
+            message = _start_problem(exc)
             log.error("could not start: %s", message)
             self.session.set_phase("error", message)
-            show_error(None, "LMSP Tray could not start", message)
+            if isinstance(exc, (LmspError, OSError)):  # expected kinds: a port in use, a newer database
+                show_error(None, "LMSP Tray could not start", message)
+            else:
+                excepthook.report(type(exc), exc, exc.__traceback__)
             await self.quitting.wait()
             await self._stop()
             return 1
@@ -80,7 +85,10 @@ class Desktop(QObject):
         self._announce_start()
         if not self.has_tray:  # no tray host: the window is the only way in (and out)
             log.warning("no system tray: showing the dashboard instead")
-            self.show_dashboard().closed.connect(self.request_quit)
+            self.ensure_dashboard().closed.connect(self.request_quit)
+            self._show_when_ready = self._show_when_ready or "Tasks"
+        if self._show_when_ready is not None:
+            self.show_dashboard(self._show_when_ready)
         await self.quitting.wait()
         await self._stop()
         return 0
@@ -106,7 +114,7 @@ class Desktop(QObject):
         if aside:
             self.tray.notify("The database was damaged", f"It was set aside as {aside} (nothing was deleted) "
                              "and a fresh one was started.", icon=QSystemTrayIcon.MessageIcon.Warning)
-        counts = getattr(self.session.service, "recovery_counts", {}) or {}
+        counts = self.session.service.recovery_counts
         failed = sum(n for move, n in counts.items() if move.endswith("->failed"))
         resumed = sum(n for move, n in counts.items() if move in ("running->running", "running->queued",
                                                                   "loading->queued"))
@@ -122,11 +130,23 @@ class Desktop(QObject):
             self.dashboard = Dashboard(self.session)
         return self.dashboard
 
-    def show_dashboard(self, tab: str | None = None) -> Dashboard:
+    def show_dashboard(self, tab: str | None = None) -> Dashboard | None:
+        """Bring the dashboard forward; asked for while starting (a second launch), it opens once ready."""
+        if self.session.phase != "ready":
+            if self.session.phase == "starting":
+                self._show_when_ready = tab or "Tasks"
+            return None
         dashboard = self.ensure_dashboard()
-        if self.session.phase == "ready":
-            dashboard.bring_forward(tab)
+        dashboard.bring_forward(tab)
         return dashboard
+
+    def add_model(self) -> None:
+        if (dashboard := self.show_dashboard("Models")) is not None:
+            dashboard.add_model()
+
+    def show_task(self, task_id: str) -> None:
+        if (dashboard := self.show_dashboard()) is not None:
+            dashboard.show_task(task_id)
 
     def open_pairing(self, pairing_id: str) -> None:
         dialog = self.pairing_dialogs.get(pairing_id)
@@ -154,7 +174,16 @@ class Desktop(QObject):
         error = event.get("error") or {}
         task_id = event["task_id"]
         self.tray.notify("A task failed", error.get("message") or "The task failed.",
-                         lambda: self.show_dashboard().show_task(task_id), QSystemTrayIcon.MessageIcon.Warning)
+                         lambda: self.show_task(task_id), QSystemTrayIcon.MessageIcon.Warning)
+
+
+def _start_problem(exc: Exception) -> str:
+    if isinstance(exc, LmspError):
+        return exc.message
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return ("The port is already in use by another program. Quit that program, or start LMSP Tray "
+                "on another port (lmsp-tray --port 11536).")
+    return str(exc)
 
 
 def _on_signals(loop: asyncio.AbstractEventLoop, handler: Any) -> None:
@@ -167,7 +196,8 @@ def _on_signals(loop: asyncio.AbstractEventLoop, handler: Any) -> None:
 
 
 def run_desktop(life: Any) -> int:
-    app = QApplication.instance() or QApplication(sys.argv)
+    # argv[0] names the X11 window class: "lmsp-tray", not "__main__.py".
+    app = QApplication.instance() or QApplication(["lmsp-tray", *sys.argv[1:]])
     assert isinstance(app, QApplication)
     app.setApplicationName("LMSP Tray")
     app.setDesktopFileName("lmsp-tray")

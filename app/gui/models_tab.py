@@ -44,6 +44,8 @@ class ModelsTab(QWidget):
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.verticalHeader().hide()
+        self.table.setTabKeyNavigation(False)  # Tab leaves the table, as in a form
+        self.table.setWordWrap(False)
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         for col, width in ((1, 90), (2, 120), (3, 160)):
@@ -111,11 +113,13 @@ class ModelsTab(QWidget):
         dialog = self.progress = QProgressDialog(f"Checking and hashing {Path(path).name}…", "", 0, 100, self)
         dialog.setWindowTitle("Adding a model")
         dialog.setCancelButton(None)  # hashing runs in a thread that cannot be interrupted
-        dialog.setWindowModality(Qt.WindowModality.WindowModal)
+        # Not modal: a modal progress dialog runs a nested event loop on every setValue().
+        dialog.setWindowModality(Qt.WindowModality.NonModal)
         dialog.setMinimumDuration(0)
         dialog.setMinimumWidth(420)
         dialog.setValue(0)
         dialog.show()
+        self.buttons["add"].setEnabled(False)  # one file at a time
 
         def report(done: int, total: int) -> None:  # called on the loop thread
             dialog.setValue(int(done * 100 / total) if total else 100)
@@ -129,6 +133,7 @@ class ModelsTab(QWidget):
             finally:
                 dialog.close()
                 self.progress = None
+                self.buttons["add"].setEnabled(True)
 
         spawn(work(), self)
 

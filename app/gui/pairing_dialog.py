@@ -133,7 +133,3 @@ class PairingDialog(QDialog):
     def _resolved_elsewhere(self, pairing_id: str, _status: str) -> None:
         if pairing_id == self.pairing_id and self.isVisible():
             self.close()
-
-    def reject(self) -> None:
-        """Escape or the window's close button: leave the request pending (the tray still offers it)."""
-        self.close()

@@ -7,7 +7,6 @@ Seeded once through the facade when the service is ready, then updated only by e
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -17,10 +16,9 @@ from app.core.auth import Client
 from app.core.service import AppService
 from app.gui.async_ui import spawn
 from app.gui.bridge import Bridge
+from app.tasks.states import UNFINISHED
 
-log = logging.getLogger(__name__)
-
-ACTIVE = ("queued", "loading", "running", "cancelling")
+ACTIVE = UNFINISHED  # the task statuses that are not final
 # The task status each event moves to; terminal events drop the task from `active`.
 EVENT_STATUS = {"response.created": "queued", "response.queued": "queued", "response.loading": "loading",
                 "response.in_progress": "running", "response.output_text.delta": "running",
@@ -120,9 +118,9 @@ class Session(QObject):
         if self.phase == "error":
             return f"Not running: {self.problem}"
         running, queued = self.counts()
-        work = f"{running} running, {queued} queued"
+        work = f"{running} running, {queued} queued" if running or queued else "idle"
         if self.paused:
-            work = f"paused, {work}"
+            work = "new tasks paused" + (f", {work}" if running or queued else "")
         return f"Serving on {self.address} — {work}"
 
     # -- updates ----------------------------------------------------------------------------

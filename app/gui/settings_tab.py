@@ -4,8 +4,10 @@ facade's validation; a refused value is explained next to its field and nothing 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
-from PySide6.QtWidgets import (QComboBox, QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit,
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (QComboBox, QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit,
                                QPushButton, QSpinBox, QVBoxLayout, QWidget)
 
 from app.errors import LmspError
@@ -17,6 +19,10 @@ DAY, MINUTE = 86400, 60
 ON_RESTART = {"fail": "Mark it failed (the app may resubmit)", "retry": "Run it again from the start",
               "resume": "Continue where it stopped"}
 RESTART_NEEDED = ("host", "port")
+GROUPS = (("Network", ("host", "port", "allowed_origins")),
+          ("Tasks", ("max_concurrent_tasks", "default_on_restart", "retention_seconds")),
+          ("Models", ("model_idle_ttl_seconds",)))
+LONGEST_LABEL = "Unfinished task after a restart:"  # the groups' label columns line up at this width
 
 
 class SettingsTab(QWidget):
@@ -25,7 +31,8 @@ class SettingsTab(QWidget):
         self.session = session
         self.host = QLineEdit()
         self.port = QLineEdit()
-        self.port.setMaximumWidth(100)
+        self.host.setMinimumWidth(self.fontMetrics().horizontalAdvance("M" * 22))
+        self.port.setFixedWidth(self.fontMetrics().horizontalAdvance("0" * 9))
         self.retention = QSpinBox(minimum=1, maximum=3650, suffix=" days")
         self.on_restart = QComboBox()
         for value, text in ON_RESTART.items():
@@ -46,21 +53,19 @@ class SettingsTab(QWidget):
             "model_idle_ttl_seconds": (self.idle, "Unload idle model after", ""),
         }
         self.errors: dict[str, QLabel] = {}
-        form = QFormLayout()
-        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.ExpandingFieldsGrow)
-        for param, (field, label, hint) in self.fields.items():
-            column = QVBoxLayout()
-            column.setSpacing(2)
-            column.addWidget(field)
-            if hint:
-                note = QLabel(hint, wordWrap=True)
-                note.setStyleSheet(style.HINT)
-                column.addWidget(note)
-            error = self.errors[param] = QLabel(wordWrap=True, objectName=f"error:{param}")
-            error.setStyleSheet(style.ERROR)
-            error.hide()
-            column.addWidget(error)
-            form.addRow(label + ":", column)
+        groups = QVBoxLayout()
+        for title, params in GROUPS:
+            form = QFormLayout()
+            for param in params:
+                field, label, hint = self.fields[param]
+                name = QLabel(label + ":")
+                name.setMinimumWidth(self.fontMetrics().horizontalAdvance(LONGEST_LABEL) + 8)
+                name.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignTop)
+                name.setContentsMargins(0, 4, 0, 0)  # level with the text inside the field
+                form.addRow(name, self._row(param, field, hint))
+            box = QGroupBox(title)
+            box.setLayout(form)
+            groups.addWidget(box)
         self.status = QLabel(wordWrap=True)
         self.save_button = QPushButton("Save")
         self.save_button.clicked.connect(self.save)
@@ -70,13 +75,39 @@ class SettingsTab(QWidget):
         buttons.addWidget(self.status, 1)
         buttons.addWidget(revert)
         buttons.addWidget(self.save_button)
+        self.running_note = QLabel(wordWrap=True)  # when --host/--port overrode the settings for this run
+        self.running_note.setStyleSheet(style.HINT)
         layout = QVBoxLayout(self)
-        layout.addLayout(form)
+        layout.addWidget(self.running_note)
+        layout.addLayout(groups)
         layout.addStretch(1)
         layout.addLayout(buttons)
         self.shown: dict[str, Any] = {}
         session.bridge.settings_changed.connect(self._changed_elsewhere)
         self.load()
+
+    def _row(self, param: str, field: QWidget, hint: str) -> QWidget:
+        """The field (narrow ones keep their size), its hint, and room for its error."""
+        row = QWidget()
+        column = QVBoxLayout(row)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.setSpacing(2)
+        if field is self.origins:
+            column.addWidget(field)
+        else:
+            line = QHBoxLayout()
+            line.addWidget(field)
+            line.addStretch(1)
+            column.addLayout(line)
+        if hint:
+            note = QLabel(hint, wordWrap=True)
+            note.setStyleSheet(style.HINT)
+            column.addWidget(note)
+        error = self.errors[param] = QLabel(wordWrap=True, objectName=f"error:{param}")
+        error.setStyleSheet(style.ERROR)
+        error.hide()
+        column.addWidget(error)
+        return row
 
     def load(self) -> None:
         s = self.session.service.settings
@@ -88,6 +119,11 @@ class SettingsTab(QWidget):
         self.origins.setPlainText("\n".join(s["allowed_origins"]))
         self.idle.setValue(round(s["model_idle_ttl_seconds"] / MINUTE))
         self.shown = self.values()  # what the form said before any edit (days/minutes are rounded)
+        now = urlsplit(self.session.url)
+        differs = self.session.url and (now.hostname, now.port) != (s["host"].strip("[]"), s["port"])
+        self.running_note.setVisible(bool(differs))
+        self.running_note.setText(f"This run serves on {self.session.address}, as chosen when it started; "
+                                  "the settings below apply from the next start without --host/--port.")
         self.clear_errors()
         self.status.clear()
 

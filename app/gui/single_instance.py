@@ -44,6 +44,7 @@ class SingleInstance(QObject):
         self._server = QLocalServer(self)
         self._server.setSocketOptions(QLocalServer.SocketOption.UserAccessOption)
         self._server.newConnection.connect(self._accept)
+        self._clients: list[QLocalSocket] = []
 
     def claim(self) -> bool:
         """True if this process is now the instance; False if another one was told to show."""
@@ -55,16 +56,27 @@ class SingleInstance(QObject):
         return True
 
     def release(self) -> None:
+        for socket in self._clients:
+            socket.readyRead.disconnect(self._read)
+            socket.abort()
+        self._clients.clear()
         self._server.close()
 
     def _accept(self) -> None:
         while (socket := self._server.nextPendingConnection()) is not None:
-            socket.readyRead.connect(lambda s=socket: self._read(s))
-            socket.disconnected.connect(socket.deleteLater)
-            if socket.bytesAvailable():
-                self._read(socket)
+            # Kept here until it disconnects; one slot reads whichever client has data.
+            self._clients.append(socket)
+            socket.readyRead.connect(self._read)
+            socket.disconnected.connect(self._forget)
+        self._read()
 
-    def _read(self, socket: QLocalSocket) -> None:
-        data = bytes(socket.readAll().data())
-        if SHOW.strip() in data:
-            self.show_requested.emit()
+    def _read(self) -> None:
+        for socket in self._clients:
+            if socket.bytesAvailable() and SHOW.strip() in bytes(socket.readAll().data()):
+                self.show_requested.emit()
+
+    def _forget(self) -> None:
+        for socket in [s for s in self._clients if s.state() == QLocalSocket.LocalSocketState.UnconnectedState]:
+            self._read()  # what it said before hanging up still counts
+            self._clients.remove(socket)
+            socket.deleteLater()

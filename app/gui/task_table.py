@@ -10,10 +10,11 @@ from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelInd
 from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import QApplication, QStyle, QStyledItemDelegate, QStyleOptionProgressBar, QStyleOptionViewItem
 
+from app.gui.session import ACTIVE
+
 Index = QModelIndex | QPersistentModelIndex
 COLUMNS = ("Status", "Model", "Client", "Progress", "Tokens/s", "Elapsed")
 STATUS, MODEL, CLIENT, PROGRESS, SPEED, ELAPSED = range(len(COLUMNS))
-ACTIVE = ("queued", "loading", "running", "cancelling")
 # "Finished" means ended without failing; failures have their own filter.
 FILTERS = {"All": None, "Active": ACTIVE, "Finished": ("completed", "cancelled"), "Failed": ("failed",)}
 COLORS = {"queued": "#6b7280", "loading": "#b45309", "running": "#1d4ed8", "cancelling": "#b45309",
@@ -97,8 +98,14 @@ class TaskTableModel(QAbstractTableModel):
         return self.tasks[row] if row >= 0 else None
 
     def reset(self, tasks: list[dict[str, Any]]) -> None:
+        """Show a freshly read list; rows that events brought in meanwhile are kept if newer."""
+        merged = {t["id"]: t for t in tasks}
+        for task in self.tasks:
+            known = merged.get(task["id"])
+            if known is None or task["last_sequence_number"] > known["last_sequence_number"]:
+                merged[task["id"]] = task
         self.beginResetModel()
-        self.tasks = list(tasks)
+        self.tasks = sorted(merged.values(), key=lambda t: (t["created_at"], t["id"]), reverse=True)
         self.endResetModel()
 
     def upsert(self, task: dict[str, Any]) -> None:
@@ -131,8 +138,13 @@ class TaskFilter(QSortFilterProxyModel):
         self.statuses: tuple[str, ...] | None = None
 
     def set_filter(self, name: str) -> None:
+        if not hasattr(self, "beginFilterChange"):  # Qt < 6.10
+            self.statuses = FILTERS[name]
+            self.invalidateRowsFilter()
+            return
+        self.beginFilterChange()
         self.statuses = FILTERS[name]
-        self.invalidateFilter()
+        self.endFilterChange(QSortFilterProxyModel.Direction.Rows)
 
     def filterAcceptsRow(self, source_row: int, source_parent: Index) -> bool:  # noqa: N802
         if self.statuses is None:

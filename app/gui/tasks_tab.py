@@ -56,6 +56,7 @@ class TasksTab(QWidget):
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.setAlternatingRowColors(True)
         self.table.verticalHeader().hide()
+        self.table.setTabKeyNavigation(False)  # Tab leaves the table, as in a form
         self.table.setWordWrap(False)
         header = self.table.horizontalHeader()
         for col, width in ((STATUS, 96), (CLIENT, 130), (PROGRESS, 150), (SPEED, 80), (ELAPSED, 100)):

@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QAction, QGuiApplication
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon
 
 from app.gui import autostart
-from app.gui.async_ui import spawn
+from app.gui.async_ui import show_error, spawn
 from app.gui.icons import tray_icon
 from app.gui.session import Session
 
@@ -83,6 +83,10 @@ class Tray(QObject):
 
     def build_menu(self) -> None:
         menu, session = self.menu, self.session
+        # clear() deletes the entries but not the submenus (children of the menu): drop them too.
+        for sub in menu.findChildren(QMenu, options=Qt.FindChildOption.FindDirectChildrenOnly):
+            sub.setParent(None)
+            sub.deleteLater()
         menu.clear()
         ready = session.phase == "ready"
         self._action(menu, "status", session.status_line(), enabled=False)
@@ -149,7 +153,7 @@ class Tray(QObject):
         QGuiApplication.clipboard().setText(self.session.api_base)
 
     def _toggle_autostart(self, checked: bool) -> None:
-        if checked:
-            autostart.enable(self.data_dir)
-        else:
-            autostart.disable()
+        try:
+            autostart.enable(self.data_dir) if checked else autostart.disable()
+        except OSError as exc:
+            show_error(None, "Start at login", f"The login entry could not be changed: {exc}")

@@ -46,6 +46,7 @@ def task_object(row: sqlite3.Row) -> dict[str, Any]:
     return {
         "id": row["id"], "object": "task", "status": row["status"], "on_restart": row["on_restart"],
         "attempt": row["attempt"], "response_id": row["response_id"], "model": row["model_id"],
+        "client_id": row["client_id"],
         "created_at": row["created_at"], "started_at": row["started_at"], "finished_at": row["finished_at"],
         "progress": {"output_tokens": row["output_tokens"], "max_output_tokens": row["max_output_tokens"],
                      "tokens_per_second": row["tokens_per_second"]},

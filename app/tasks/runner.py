@@ -38,13 +38,19 @@ class Job:
     unsaved: int = 0        # tokens not yet in the snapshot
     started: float = field(default_factory=time.monotonic)
     new_tokens: int = 0
+    item_id: str = ""       # the output message's id: "msg_" + the response id's random part
+
+
+def _message_id(response_id: str) -> str:
+    """The id of a response's one output message, as `records.response_object` gives it."""
+    return "msg_" + response_id[5:]
 
 
 def _delta(job: Job) -> list[tuple[str, dict[str, Any]]]:
     if not job.pending:
         return []
     return [("response.output_text.delta", {"delta": job.pending, "output_index": 0, "content_index": 0,
-                                            "item_id": "msg_" + job.task_id[5:]})]
+                                            "item_id": job.item_id})]
 
 
 class Runner:
@@ -130,18 +136,20 @@ class Runner:
     async def _execute(self, job: Job) -> None:
         row = await self.store.read(records.one_task, job.task_id)
         assert row is not None
+        job.item_id = _message_id(row["response_id"])
         log.info("task %s: %s on %s (attempt %d, %d tokens so far)", job.task_id,
                  "resuming" if row["status"] == RUNNING else "starting", job.engine.name, row["attempt"],
                  row["output_tokens"])
         try:
             model = await self.store.read(models.usable, row["model_id"])
-            await job.engine.load(model["path"])
+            if not (await job.engine.load(model["path"])).get("cached"):  # a fresh load: tell the GUI
+                self.bus.publish([{"type": "models.changed"}])
         except (LmspError, EngineError) as exc:
             code = exc.code if isinstance(exc, LmspError) or exc.code == "engine_crashed" else "model_load_failed"
             await self.write(_fail, job.task_id, code, exc.message)
             return
         if row["status"] == LOADING:
-            started = await self.write(_start_running, job.task_id)
+            started = await self.write(_start_running, job.task_id, job.item_id)
             if started is None:  # cancelled while the model loaded
                 await self.write(_cancelled, job.task_id)
                 return
@@ -231,10 +239,17 @@ def _claim(conn: sqlite3.Connection, busy: list[str]) -> tuple[str, list[machine
     return row["id"], events
 
 
-def _start_running(conn: sqlite3.Connection, task_id: str) -> list[machine.Event] | None:
-    return machine.transition(conn, task_id, RUNNING, [("response.loading", {"progress": 1.0}),
-                                                       ("response.in_progress", {"response": RESPONSE})],
-                              only_from=(LOADING,), started_at=time.time())
+def _start_running(conn: sqlite3.Connection, task_id: str, item_id: str) -> list[machine.Event] | None:
+    # The output message and its text part open before the first delta, as OpenAI's stream does:
+    # the openai SDK's `responses.stream()` helper refuses deltas for an item it was not given.
+    item = {"type": "message", "id": item_id, "role": "assistant", "status": "in_progress", "content": []}
+    part = {"type": "output_text", "text": "", "annotations": []}
+    return machine.transition(conn, task_id, RUNNING, [
+        ("response.loading", {"progress": 1.0}),
+        ("response.in_progress", {"response": RESPONSE}),
+        ("response.output_item.added", {"output_index": 0, "item": item}),
+        ("response.content_part.added", {"item_id": item_id, "output_index": 0, "content_index": 0, "part": part}),
+    ], only_from=(LOADING,), started_at=time.time())
 
 
 def _save_output(conn: sqlite3.Connection, job: Job) -> list[machine.Event] | None:
@@ -248,7 +263,7 @@ def _complete(conn: sqlite3.Connection, job: Job, reason: str, input_tokens: int
     done = machine.transition(
         conn, job.task_id, COMPLETED,
         [("response.output_text.done", {"text": job.text, "output_index": 0, "content_index": 0,
-                                        "item_id": "msg_" + job.task_id[5:]}),
+                                        "item_id": job.item_id}),
          ("response.incomplete" if reason == "length" else "response.completed", {"response": RESPONSE})],
         finish_reason=reason, input_tokens=input_tokens, finished_at=time.time())
     assert done is not None

@@ -1,0 +1,94 @@
+"""GUI tests run on qasync's QEventLoop: the loop the desktop app runs on, so Qt events and the
+service's coroutines interleave as they do for a person using the app.
+
+Wait with `until` (asyncio.sleep on that loop), never with qtbot.waitUntil/waitSignal inside an
+async test: those spin a nested Qt loop, which would re-enter asyncio tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from typing import Any, AsyncIterator, Callable
+
+import pytest
+import qasync
+from PySide6.QtWidgets import QApplication
+
+from app.core.auth import Client
+from app.core.service import AppService
+from app.gui import async_ui
+from app.gui.bridge import Bridge
+from app.gui.session import Session
+from gui_helpers import URL, Until, settle, wait_until
+
+
+def _qt_loop() -> asyncio.AbstractEventLoop:
+    app = QApplication.instance() or QApplication([])
+    # A closed dialog must not end the loop under a running test (as in the tray app).
+    app.setQuitOnLastWindowClosed(False)
+    return qasync.QEventLoop(app)
+
+
+def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    return {"qt": _qt_loop}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """End every async test at rest: pytest-qt processes Qt events once the test returns, with
+    the asyncio loop no longer running, and a GUI coroutine resumed there could not continue."""
+    original = getattr(item, "obj", None)
+    if not inspect.iscoroutinefunction(original):
+        return (yield)
+
+    @functools.wraps(original)
+    async def settled(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await original(*args, **kwargs)
+        finally:
+            await settle()
+
+    item.obj = settled
+    try:
+        return (yield)
+    finally:
+        item.obj = original
+
+
+@pytest.fixture
+def until() -> Until:
+    return wait_until
+
+
+@pytest.fixture
+async def owner(service: AppService) -> Client:
+    client = await service.authenticate(await service.owner_token())
+    assert client is not None
+    return client
+
+
+@pytest.fixture
+async def session(service: AppService, qapp: QApplication) -> AsyncIterator[Session]:
+    """The GUI's view of a real, started service (real store, real inference)."""
+    bridge = Bridge(service.bus)
+    live = Session(service, bridge)
+    await live.attach(URL)
+    yield live
+    # Leave nothing for Qt to run after the loop is gone: queued bridge events first, then
+    # the GUI's own coroutines (a detail pane still loading, a fetch of a stale row).
+    bridge.close()
+    await asyncio.sleep(0.05)
+    pending = list(async_ui._running)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+
+
+@pytest.fixture(autouse=True)
+def close_windows(qapp: QApplication) -> Any:
+    yield
+    for widget in QApplication.topLevelWidgets():
+        if widget.isVisible():
+            widget.close()

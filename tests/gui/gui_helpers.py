@@ -1,0 +1,47 @@
+"""Helpers shared by the GUI tests (a module of its own: two conftest.py files cannot be told apart by import)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Awaitable, Callable
+
+from PySide6.QtWidgets import QApplication
+
+from app.core.auth import Client
+from app.core.service import AppService
+from app.gui import async_ui
+
+URL = "http://127.0.0.1:11535"  # what the session shows; these tests need no HTTP server
+Until = Callable[..., Awaitable[Any]]
+
+
+async def wait_until(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.02)
+    raise TimeoutError(f"{what}: not met within {timeout} s")
+
+
+async def settle(timeout: float = 10.0) -> None:
+    """Wait until the GUI has no coroutine of its own in flight for a few turns in a row
+    (a queued bus event can still start one)."""
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while quiet < 3 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        quiet = 0 if async_ui._running else quiet + 1
+
+
+def visible(kind: type) -> list[Any]:
+    return [w for w in QApplication.topLevelWidgets() if isinstance(w, kind) and w.isVisible()]
+
+
+async def make_task(service: AppService, owner: Client, tokens: int = 30, text: str = "Name three colours.",
+                    **extra: Any) -> dict[str, Any]:
+    body = {"input": text, "background": True, "max_output_tokens": tokens, "temperature": 0, **extra}
+    created = await service.create_response(owner, body)
+    return getattr(created, "body", created)  # the facade returns a Created(status, body, replayed)

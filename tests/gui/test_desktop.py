@@ -1,0 +1,145 @@
+"""The desktop shell: start order, notifications that lead somewhere, pairing, quit."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+from PySide6.QtWidgets import QMessageBox
+
+from app import paths
+from app.core.auth import Client
+from app.core.service import AppService
+from app.gui.dashboard import Dashboard
+from app.gui.desktop import Desktop
+from app.gui.pairing_dialog import PairingDialog
+from app.gui.single_instance import SingleInstance, notify_running
+from gui_helpers import URL, Until, make_task, visible
+
+pytestmark = pytest.mark.gui
+
+
+class Life:
+    """Lifecycle's shape around the already started test service (no HTTP server needed)."""
+
+    def __init__(self, service: AppService) -> None:
+        self.service = service
+        self.data_dir = service.data_dir
+        self.calls: list[str] = []
+
+    async def start(self) -> str:
+        self.calls.append("start")
+        return URL
+
+    async def stop(self) -> None:
+        self.calls.append("stop")
+
+
+@pytest.fixture
+async def desktop(service: AppService, until: Until) -> Any:
+    life = Life(service)
+    shell = Desktop(life)
+    run = asyncio.ensure_future(shell.run())
+    await until(lambda: shell.session.phase == "ready", 20, "desktop ready")
+    yield shell
+    shell.request_quit()
+    assert await asyncio.wait_for(run, 20) == 0
+    assert life.calls == ["start", "stop"]
+
+
+async def test_a_failed_task_notifies_and_the_click_shows_it(desktop: Desktop, owner: Client, until: Until,
+                                                          tmp_path: Path) -> None:
+    messages: list[tuple[str, str, Callable[[], None] | None]] = []
+    desktop.tray.notify = lambda title, text, on_click=None, icon=None: messages.append((title, text, on_click))
+    service = desktop.session.service
+    link = tmp_path / "vanishing.gguf"
+    link.symlink_to(paths.default_model_file())
+    await service.register_model({"path": str(link), "id": "vanishing"})
+    service.set_paused(True)
+    response = await make_task(service, owner, model="vanishing")
+    link.unlink()  # the file goes away while the task waits: running it fails
+    service.set_paused(False)
+    await until(lambda: messages, 30, "notification")
+    title, text, on_click = messages[0]
+    assert title == "A task failed" and "vanishing" in text
+    assert on_click is not None
+    on_click()
+    dashboard = desktop.dashboard
+    assert isinstance(dashboard, Dashboard) and dashboard.isVisible()
+    await until(lambda: dashboard.tasks.selected_id() == response["task"]["id"], 10, "task selected")
+
+
+async def test_a_pairing_request_opens_the_dialog_without_a_tray(desktop: Desktop, until: Until) -> None:
+    # Offscreen there is no tray to notify from: the request is shown at once.
+    service = desktop.session.service
+    pairing = await service.request_pairing({"client_name": "Sketch", "scopes": ["responses:write"]})
+    dialogs = await until(lambda: visible(PairingDialog), 10, "pairing dialog")
+    assert dialogs[0].pairing_id == pairing["id"]
+    desktop.open_pairing(pairing["id"])  # asking again raises the same dialog
+    assert visible(PairingDialog) == dialogs
+    dialogs[0].allow_button.click()
+    await until(lambda: not desktop.pairing_dialogs, 10, "dialog gone")
+    assert any(c["name"] == "Sketch" for c in await service.list_clients())
+
+
+async def test_quit_from_the_tray_stops_the_service(service: AppService, until: Until) -> None:
+    life = Life(service)
+    shell = Desktop(life)
+    run = asyncio.ensure_future(shell.run())
+    await until(lambda: shell.session.phase == "ready", 20, "desktop ready")
+    shell.tray.menu.aboutToShow.emit()
+    quit_action = next(a for a in shell.tray.menu.actions() if a.objectName() == "quit")
+    quit_action.trigger()
+    assert await asyncio.wait_for(run, 20) == 0
+    assert life.calls == ["start", "stop"] and shell.session.phase == "stopping"
+
+
+async def test_a_failed_start_shows_why_and_keeps_the_tray_until_quit(service: AppService, until: Until) -> None:
+    life = Life(service)
+
+    async def port_taken() -> str:
+        raise OSError(errno.EADDRINUSE, "address already in use")
+
+    life.start = port_taken  # type: ignore[method-assign]
+    shell = Desktop(life)
+    run = asyncio.ensure_future(shell.run())
+    await until(lambda: shell.session.phase == "error", 10, "error state")
+    assert shell.tray.state == "error" and "port is already in use" in shell.tray.icon.toolTip()
+    boxes = await until(lambda: [b for b in visible(QMessageBox) if b.objectName() == "lmsp-error"], 10, "box")
+    assert "--port" in boxes[0].text()
+    shell.tray.menu.aboutToShow.emit()
+    enabled = {a.objectName() for a in shell.tray.menu.actions() if a.isEnabled()}
+    assert "quit" in enabled and "dashboard" not in enabled
+    shell.request_quit()
+    assert await asyncio.wait_for(run, 20) == 1
+
+
+async def test_a_second_launch_while_starting_shows_the_dashboard_once_ready(service: AppService,
+                                                                             until: Until) -> None:
+    life = Life(service)
+    go = asyncio.Event()
+    real_start = life.start
+
+    async def slow_start() -> str:
+        await go.wait()  # recovery and the port take their time
+        return await real_start()
+
+    life.start = slow_start  # type: ignore[method-assign]
+    instance = SingleInstance(service.data_dir)
+    assert instance.claim()
+    shell = Desktop(life, instance)
+    run = asyncio.ensure_future(shell.run())
+    try:
+        await asyncio.sleep(0.1)
+        assert notify_running(instance.name)  # what a second `lmsp-tray` does
+        await until(lambda: shell._show_when_ready is not None, 10, "show request noted")
+        assert shell.dashboard is None  # nothing to show before the service is ready
+        go.set()
+        await until(lambda: shell.dashboard is not None and shell.dashboard.isVisible(), 20, "dashboard shown")
+    finally:
+        shell.request_quit()
+        assert await asyncio.wait_for(run, 20) == 0
+        instance.release()

@@ -1,0 +1,73 @@
+"""The pairing dialog: who asks, for what (in words), the code, a countdown; Allow / Deny."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from PySide6.QtWidgets import QLabel
+from shiboken6 import isValid
+
+from app.gui.pairing_dialog import PairingDialog, countdown, scope_sentence
+from app.gui.session import Session
+from gui_helpers import Until
+
+pytestmark = pytest.mark.gui
+
+
+async def request(session: Session, name: str = "Notes", scopes: list[str] | None = None) -> dict:
+    return await session.service.request_pairing({"client_name": name,
+                                                  "scopes": scopes or ["responses:write", "models:read"]})
+
+
+def texts(dialog: PairingDialog) -> str:
+    return "\n".join(label.text() for label in dialog.findChildren(QLabel))
+
+
+async def test_allow_creates_the_client(session: Session, until: Until) -> None:
+    pairing = await request(session)
+    dialog = PairingDialog(session, pairing)
+    dialog.show()
+    shown = texts(dialog)
+    assert "Notes" in shown and pairing["code"] in shown
+    assert scope_sentence("responses:write") in shown and scope_sentence("models:read") in shown
+    assert "expires in 4:" in dialog.expiry.text() or "expires in 5:" in dialog.expiry.text()
+    assert dialog.deny_button.isDefault() and not dialog.allow_button.isDefault()
+    dialog.allow_button.click()
+    await until(lambda: not _alive(dialog) or not dialog.isVisible(), 10, "dialog closed")
+    status = await session.service.pairing_status(pairing["id"])
+    assert status["status"] == "approved" and status["token"].startswith("lmsp_")
+    assert any(c["name"] == "Notes" for c in await session.service.list_clients())
+
+
+async def test_deny_refuses_the_request(session: Session, until: Until) -> None:
+    pairing = await request(session, "Spy", ["admin"])
+    dialog = PairingDialog(session, pairing)
+    dialog.show()
+    assert "trust completely" in texts(dialog)
+    dialog.deny_button.click()
+    await until(lambda: not _alive(dialog) or not dialog.isVisible(), 10, "dialog closed")
+    assert (await session.service.pairing_status(pairing["id"]))["status"] == "denied"
+    assert [c["name"] for c in await session.service.list_clients()] == ["Owner"]
+
+
+async def test_countdown_runs_and_expiry_disables_allow(session: Session, until: Until) -> None:
+    assert countdown(272) == "This request expires in 4:32."
+    pairing = dict(await request(session), expires_at=time.time() + 1.5)  # as if it were almost over
+    dialog = PairingDialog(session, pairing)
+    dialog.show()
+    assert dialog.allow_button.isEnabled() and "expires in 0:01" in dialog.expiry.text()
+    await until(lambda: not dialog.allow_button.isEnabled(), 10, "expired")
+    assert "expired" in dialog.expiry.text() and dialog.deny_button.text() == "Close"
+
+
+async def test_a_decision_made_elsewhere_closes_the_dialog(session: Session, until: Until) -> None:
+    pairing = await request(session)
+    dialog = PairingDialog(session, pairing)
+    dialog.show()
+    await session.service.deny_pairing(pairing["id"])  # e.g. from the tray menu or the HTTP API
+    await until(lambda: not _alive(dialog) or not dialog.isVisible(), 10, "dialog closed")
+
+
+def _alive(widget: object) -> bool:
+    return isValid(widget)  # the dialog deletes itself once closed

@@ -1,0 +1,59 @@
+"""The settings form saves through the facade's validation: a refused value is explained next to
+its field, and nothing changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.gui.session import Session
+from app.gui.settings_tab import SettingsTab
+from app.store import config
+from gui_helpers import Until
+
+pytestmark = pytest.mark.gui
+
+
+async def stored(session: Session) -> dict:
+    return await session.service.store.read(config.load)
+
+
+async def test_bad_port_shows_an_error_and_changes_nothing(session: Session, until: Until) -> None:
+    tab = SettingsTab(session)
+    tab.show()
+    before, before_stored = dict(session.service.settings), await stored(session)
+    tab.port.setText("70000")
+    tab.concurrency.setValue(3)  # a good change in the same save must not be applied either
+    tab.save_button.click()
+    error = tab.errors["port"]
+    await until(lambda: error.isVisible(), 10, "port error shown")
+    assert "port" in error.text().lower()
+    assert all(not label.isVisible() for name, label in tab.errors.items() if name != "port")
+    assert "Not saved" in tab.status.text()
+    assert session.service.settings == before
+    assert await stored(session) == before_stored
+
+
+async def test_port_that_is_not_a_number_is_refused_before_saving(session: Session) -> None:
+    tab = SettingsTab(session)
+    tab.show()
+    tab.port.setText("eighty")
+    tab.save_button.click()
+    assert tab.errors["port"].isVisible() and "whole number" in tab.errors["port"].text()
+    assert session.service.settings["port"] == 11535
+
+
+async def test_saving_good_values_says_when_they_take_effect(session: Session, until: Until) -> None:
+    tab = SettingsTab(session)
+    tab.show()
+    tab.port.setText("12000")
+    tab.retention.setValue(3)
+    tab.origins.setPlainText("https://notes.example\n\n")
+    tab.save_button.click()
+    await until(lambda: tab.status.text().startswith("Saved"), 10, "saved")
+    assert "after a restart" in tab.status.text()
+    saved = await stored(session)
+    assert saved["port"] == 12000 and saved["retention_seconds"] == 3 * 86400
+    assert saved["allowed_origins"] == ["https://notes.example"]
+    assert saved["host"] == "127.0.0.1"  # untouched fields are not sent at all
+    tab.save_button.click()
+    assert tab.status.text() == "Nothing to save."

@@ -1,0 +1,102 @@
+"""The tray: state icons, the tooltip, the lazily built menu and what its entries do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from PySide6.QtGui import QAction, QGuiApplication
+from PySide6.QtWidgets import QMenu
+
+from app.gui import autostart
+from app.gui.icons import tray_icon
+from app.gui.session import Session
+from app.gui.tray import Tray
+from gui_helpers import URL, Until
+
+pytestmark = pytest.mark.gui
+
+
+def action(tray: Tray, name: str) -> QAction:
+    tray.menu.aboutToShow.emit()  # what opening the menu does: build it afresh
+    found = tray.menu.findChild(QAction, name)
+    assert found is not None, f"no menu entry {name!r}"
+    return found
+
+
+def shows(tray: Tray, state: str) -> bool:
+    return tray.state == state and tray.icon.icon().cacheKey() == tray_icon(state).cacheKey()
+
+
+async def test_pause_and_resume_change_state_icon_and_menu(session: Session, until: Until) -> None:
+    tray = Tray(session)
+    assert shows(tray, "idle")
+    assert tray.icon.toolTip() == "Serving on 127.0.0.1:11535 — idle"
+    pause = action(tray, "pause")
+    assert pause.text() == "Pause new tasks"
+    pause.trigger()
+    assert session.service.runner.paused
+    await until(lambda: shows(tray, "paused"), 10, "paused icon")
+    assert "paused" in tray.icon.toolTip()
+    resume = action(tray, "pause")
+    assert resume.text() == "Resume tasks"
+    resume.trigger()
+    assert not session.service.runner.paused
+    await until(lambda: shows(tray, "idle"), 10, "idle icon")
+
+
+async def test_copy_address_puts_the_api_url_on_the_clipboard(session: Session) -> None:
+    tray = Tray(session)
+    QGuiApplication.clipboard().clear()
+    action(tray, "copy").trigger()
+    assert QGuiApplication.clipboard().text() == f"{URL}/v1"
+
+
+async def test_models_submenu_shows_the_models(session: Session) -> None:
+    tray = Tray(session)
+    tray.menu.aboutToShow.emit()
+    models = tray.menu.findChild(QMenu, "models")
+    assert models is not None
+    names = [a.objectName() for a in models.actions()]
+    assert "model:smollm2-135m-instruct" in names and "add-model" in names
+    entry = models.findChild(QAction, "model:smollm2-135m-instruct")
+    assert entry.isCheckable() and not entry.isChecked()
+
+
+async def test_pairing_submenu_only_while_requests_wait(session: Session, until: Until) -> None:
+    tray = Tray(session)
+    tray.menu.aboutToShow.emit()
+    assert tray.menu.findChild(QMenu, "pairings") is None
+    pairing = await session.service.request_pairing({"client_name": "Notes", "scopes": ["responses:write"]})
+    await until(lambda: pairing["id"] in session.pairings, 10, "pairing seen")
+    action(tray, f"allow:{pairing['id']}").trigger()
+    await until(lambda: not session.pairings, 10, "pairing resolved")
+    clients = await session.service.list_clients()
+    assert any(c["name"] == "Notes" for c in clients)
+    tray.menu.aboutToShow.emit()
+    assert tray.menu.findChild(QMenu, "pairings") is None
+
+
+@pytest.mark.skipif(not autostart.SUPPORTED, reason="start at login is Linux-only for now")
+async def test_start_at_login_writes_and_removes_the_autostart_entry(
+        session: Session, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    tray = Tray(session, data_dir=tmp_path / "data")
+    entry = action(tray, "autostart")
+    assert entry.isCheckable() and not entry.isChecked()
+    entry.trigger()
+    written = tmp_path / "config" / "autostart" / "lmsp-tray.desktop"
+    text = written.read_text()
+    assert "[Desktop Entry]" in text and f"--data-dir {tmp_path / 'data'}" in text
+    assert action(tray, "autostart").isChecked()
+    action(tray, "autostart").trigger()
+    assert not written.exists()
+
+
+async def test_notification_click_runs_its_target(session: Session) -> None:
+    tray = Tray(session)
+    clicked: list[str] = []
+    tray.notify("Title", "Text", lambda: clicked.append("first"))
+    tray.notify("Title", "Text", lambda: clicked.append("second"))
+    tray.icon.messageClicked.emit()
+    assert clicked == ["second"]  # the message on screen is the latest one
