@@ -10,9 +10,10 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Qt's platform plugins and the virtual screen + tray host the GUI tests use.
 APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbcommon-x11-0 \
   libxcb-icccm4 libxcb-image0 libxcb-keysyms1 libxcb-randr0 libxcb-render-util0 libxcb-shape0 \
-  libxcb-xinerama0 libxcb-xkb1 libegl1 libgl1 libdbus-1-3 libfontconfig1 cmake build-essential
+  libxcb-xinerama0 libxcb-xkb1 libegl1 libgl1 libdbus-1-3 libfontconfig1 cmake build-essential \
+  desktop-file-utils appstream
 
-.PHONY: run test bench system-deps clean
+.PHONY: run test bench package system-deps clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +35,10 @@ test: system-deps $(BIN)/.installed
 
 bench: system-deps $(BIN)/.installed
 	$(BIN)/python -m pytest -q -s tests/bench
+
+# The one-folder desktop app in dist/lmsp-tray/ (PyInstaller; packaging/README.md).
+package: system-deps $(BIN)/.installed
+	packaging/build.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

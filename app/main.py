@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -48,6 +49,7 @@ class Lifecycle:
         self.service = AppService(data_dir)
         self.server = Server(self.service)
         self.host, self.port = host, port
+        self.log_file: Path | None = None  # set by main(); the desktop app's "Open logs"
 
     async def start(self) -> str:
         # Recovery (inside service.start) finishes before the port is even open.
@@ -89,12 +91,16 @@ async def run_headless(life: Lifecycle) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # In a frozen app the engine child (spawn) and multiprocessing's resource tracker are this
+    # same executable: run them and exit here, before the command line is parsed. No-op otherwise.
+    multiprocessing.freeze_support()
     args = parse_args(argv)
     data_dir = paths.data_dir(args.data_dir)
     if args.command:
         return cli.run(args.command, args.args, data_dir)
-    logs.setup(logs.log_dir(data_dir, bool(args.data_dir or os.environ.get("LMSP_DATA_DIR"))))
+    log_file = logs.setup(logs.log_dir(data_dir, bool(args.data_dir or os.environ.get("LMSP_DATA_DIR"))))
     life = Lifecycle(data_dir, args.host, args.port)
+    life.log_file = log_file
     try:
         if args.headless:
             return asyncio.run(run_headless(life))

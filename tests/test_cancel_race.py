@@ -15,9 +15,9 @@ async def test_cancel_and_completion_never_both_win(service: AppService) -> None
     owner = await service.authenticate(await service.owner_token())
     assert owner is not None
     rng = random.Random(11)
-    created = [await service.create_response(owner, {
-        "input": f"Count to {n}.", "background": True, "temperature": 0, "max_output_tokens": rng.randrange(2, 30)})
-        for n in range(40)]
+    created = [(await service.create_response(owner, {
+        "input": f"Count to {n}.", "background": True, "temperature": 0, "max_output_tokens": rng.randrange(2, 30)
+    })).body for n in range(40)]
     outcomes: dict[str, str] = {}
 
     async def cancel_later(task_id: str) -> None:

