@@ -21,7 +21,17 @@ async def test_cancel_and_completion_never_both_win(service: AppService) -> None
     outcomes: dict[str, str] = {}
 
     async def cancel_later(task_id: str) -> None:
-        await asyncio.sleep(rng.uniform(0, 8.0))
+        # A random moment in the task's own life: while queued, while it generates (where the
+        # race with completion is), or after it ended. Tied to its progress, not the clock, so a
+        # slow machine still hits every moment.
+        moment = rng.choice(["queued", "running", "running", "ended"])
+        if moment == "running":
+            with service.feed(task_id) as feed:
+                while (await feed.queue.get())["type"] not in ("response.in_progress", *TERMINAL_EVENTS):
+                    pass
+            await asyncio.sleep(rng.uniform(0, 0.3))
+        elif moment == "ended":
+            await service.wait(task_id)
         try:
             await service.cancel(owner, "task", task_id)
             outcomes[task_id] = "accepted"
