@@ -333,7 +333,8 @@ class AppService:
         """GGUF files that LM Studio, Ollama and the Hugging Face cache already have here."""
         found = await asyncio.to_thread(discovery.discover)
         registered = {m["path"] for m in await self.list_models()}
-        return [{**item.__dict__, "suggested_id": models.suggest_id(item.name.replace("/", "-")),
+        return [{**item.__dict__, "suggested_id": models.suggest_id(
+                    item.name.replace("/", "-") if item.source == "ollama" else Path(item.name).name),
                  "registered": item.path in registered} for item in found]
 
     async def remove_model(self, model_id: str) -> None:

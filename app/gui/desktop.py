@@ -5,7 +5,8 @@
       2. QApplication on qasync's loop; unexpected errors go to a dialog, the app keeps running
       3. the tray icon appears at once, "starting"
       4. life.start(): recovery finishes before the server accepts anything
-      5. idle in the tray until Quit (or SIGTERM); then life.stop(), in its fixed order
+      5. the welcome window, until the person says "Don't show this again"
+      6. idle in the tray until Quit (or SIGTERM); then life.stop(), in its fixed order
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import qasync
@@ -24,14 +26,16 @@ from PySide6.QtWidgets import QApplication, QSystemTrayIcon
 
 from app.errors import LmspError
 from app.gui import excepthook
-from app.gui.async_ui import show_error
+from app.gui.async_ui import show_error, spawn
 from app.gui.bridge import Bridge
 from app.gui.dashboard import Dashboard
+from app.gui.found_models import close_found_models, show_found_models
 from app.gui.icons import app_icon
 from app.gui.pairing_dialog import PairingDialog
 from app.gui.session import Session
 from app.gui.single_instance import SingleInstance
 from app.gui.tray import Tray
+from app.gui.welcome import WELCOME_DISMISSED, WelcomeWindow
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +43,25 @@ log = logging.getLogger(__name__)
 class Desktop(QObject):
     """Owns the windows and decides what a notification or a menu entry leads to."""
 
-    def __init__(self, life: Any, instance: SingleInstance | None = None) -> None:
+    def __init__(self, life: Any, instance: SingleInstance | None = None, welcome: bool = False) -> None:
+        """`welcome`: offer the welcome window once ready (the real app does; tests ask for it)."""
         super().__init__()
         self.life = life
         self.bridge = Bridge(life.service.bus, self)
         self.session = Session(life.service, self.bridge, self)
-        self.tray = Tray(self.session, life.data_dir, self)
+        log_file = getattr(life, "log_file", None)  # set by app.main; None: "Open logs" stays greyed
+        self.tray = Tray(self.session, life.data_dir, self, log_dir=Path(log_file).parent if log_file else None)
         self.dashboard: Dashboard | None = None
         self.pairing_dialogs: dict[str, PairingDialog] = {}
+        self.offer_welcome = welcome
+        self.welcome: WelcomeWindow | None = None
+        self._saving: set[asyncio.Task[Any]] = set()  # preferences being written
         self.quitting = asyncio.Event()
         self._show_when_ready: str | None = None  # a tab asked for before the service was ready
         self.tray.open_dashboard.connect(lambda: self.show_dashboard())
         self.tray.open_settings.connect(lambda: self.show_dashboard("Settings"))
         self.tray.add_model.connect(self.add_model)
+        self.tray.find_models.connect(self.find_models)
         self.tray.review_pairing.connect(self.open_pairing)
         self.tray.quit_requested.connect(self.request_quit)
         if instance is not None:
@@ -89,6 +99,8 @@ class Desktop(QObject):
             self._show_when_ready = self._show_when_ready or "Tasks"
         if self._show_when_ready is not None:
             self.show_dashboard(self._show_when_ready)
+        if self.offer_welcome:
+            await self.show_welcome_unless_dismissed()
         await self.quitting.wait()
         await self._stop()
         return 0
@@ -100,6 +112,11 @@ class Desktop(QObject):
         self.session.set_phase("stopping")
         for dialog in list(self.pairing_dialogs.values()):
             dialog.close()
+        if self.welcome is not None:
+            self.welcome.close()
+        close_found_models()
+        if self._saving:  # "Don't show this again", ticked just before Quit, still reaches the store
+            await asyncio.wait(list(self._saving), timeout=10)
         if self.dashboard is not None:
             self.dashboard.hide()
         try:
@@ -139,6 +156,34 @@ class Desktop(QObject):
         dashboard = self.ensure_dashboard()
         dashboard.bring_forward(tab)
         return dashboard
+
+    async def show_welcome_unless_dismissed(self) -> WelcomeWindow | None:
+        try:
+            if await self.session.service.preference(WELCOME_DISMISSED):
+                return None
+        except LmspError as exc:
+            log.warning("could not read the welcome preference: %s", exc.message)
+            return None
+        if self.quitting.is_set():
+            return None
+        welcome = self.welcome = WelcomeWindow(self.session)
+        welcome.find_models.connect(self.find_models)
+        welcome.dismissed.connect(self._welcome_dismissed)
+        welcome.show()
+        welcome.raise_()
+        welcome.activateWindow()
+        return welcome
+
+    def _welcome_dismissed(self, forever: bool) -> None:
+        self.welcome = None
+        if forever:
+            task = spawn(self.session.service.set_preference(WELCOME_DISMISSED, True))
+            self._saving.add(task)
+            task.add_done_callback(self._saving.discard)
+
+    def find_models(self) -> None:
+        if self.session.phase == "ready":
+            show_found_models(self.session)
 
     def add_model(self) -> None:
         if (dashboard := self.show_dashboard("Models")) is not None:
@@ -210,7 +255,7 @@ def run_desktop(life: Any) -> int:
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
     excepthook.install(loop)
-    desktop = Desktop(life, instance)
+    desktop = Desktop(life, instance, welcome=True)
     _on_signals(loop, desktop.request_quit)
     main = loop.create_task(desktop.run())
     try:

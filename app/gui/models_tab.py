@@ -60,6 +60,10 @@ class ModelsTab(QWidget):
             button.clicked.connect(slot)
             row.addWidget(button)
         row.addStretch(1)
+        find = self.buttons["find"] = QPushButton("Find models on this computer…")
+        find.setToolTip("Models that LM Studio, Ollama or Hugging Face already downloaded (nothing is copied)")
+        find.clicked.connect(self.find_models)
+        row.addWidget(find)
         note = QLabel("Removing a model only forgets it here: the file itself is never deleted. "
                       "A loaded model stays in memory until it is unloaded or idle too long.")
         note.setWordWrap(True)
@@ -107,6 +111,10 @@ class ModelsTab(QWidget):
                                               "GGUF models (*.gguf);;All files (*)")
         if path:
             self.register(path)
+
+    def find_models(self) -> None:
+        from app.gui.found_models import show_found_models  # here: that module uses human_size from this one
+        show_found_models(self.session)
 
     def register(self, path: str) -> None:
         """Validate and hash the file (long for big models), showing progress meanwhile."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from PySide6.QtCore import QObject, Qt, Signal
-from PySide6.QtGui import QAction, QGuiApplication
+from PySide6.QtCore import QObject, Qt, QUrl, Signal
+from PySide6.QtGui import QAction, QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon
 
 from app.gui import autostart
@@ -20,13 +20,16 @@ class Tray(QObject):
     open_dashboard = Signal()
     open_settings = Signal()
     add_model = Signal()
+    find_models = Signal()
     review_pairing = Signal(str)   # pairing id
     quit_requested = Signal()
 
-    def __init__(self, session: Session, data_dir: Path | None = None, parent: QObject | None = None) -> None:
+    def __init__(self, session: Session, data_dir: Path | None = None, parent: QObject | None = None,
+                 log_dir: Path | None = None) -> None:
         super().__init__(parent)
         self.session = session
         self.data_dir = data_dir
+        self.log_dir = log_dir  # where app.logs writes; None: not known (no "Open logs")
         self.state = ""
         self.menu = QMenu()
         self.menu.setToolTipsVisible(True)
@@ -114,6 +117,9 @@ class Tray(QObject):
         if not autostart.SUPPORTED:
             login.setToolTip(autostart.UNSUPPORTED_REASON)
         self._action(menu, "settings", "Settings…", self.open_settings.emit, ready)
+        # Also while starting or after a failed start: that is when the logs matter most.
+        logs = self._action(menu, "logs", "Open logs", self.open_logs, self.log_dir is not None)
+        logs.setToolTip(str(self.log_dir) if self.log_dir else "The log folder is not known")
         menu.addSeparator()
         self._action(menu, "quit", "Quit LMSP Tray", self.quit_requested.emit, session.phase != "stopping")
 
@@ -133,6 +139,7 @@ class Tray(QObject):
             self._action(menu, "no-models", "No models yet", enabled=False)
         menu.addSeparator()
         self._action(menu, "add-model", "Add model file…", self.add_model.emit)
+        self._action(menu, "find-models", "Find models on this computer…", self.find_models.emit)
 
     def _build_pairings(self, menu: QMenu) -> None:
         service = self.session.service
@@ -151,6 +158,14 @@ class Tray(QObject):
 
     def copy_address(self) -> None:
         QGuiApplication.clipboard().setText(self.session.api_base)
+
+    def open_logs(self) -> None:
+        """The log folder in the system's file manager."""
+        if self.log_dir is None:
+            return
+        if not QDesktopServices.openUrl(QUrl.fromLocalFile(str(self.log_dir))):
+            show_error(None, "Open logs", f"No file manager could open the log folder. The logs are in "
+                                          f"{self.log_dir}")
 
     def _toggle_autostart(self, checked: bool) -> None:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from PySide6.QtWidgets import QApplication
@@ -45,3 +46,20 @@ async def make_task(service: AppService, owner: Client, tokens: int = 30, text: 
     body = {"input": text, "background": True, "max_output_tokens": tokens, "temperature": 0, **extra}
     created = await service.create_response(owner, body)
     return getattr(created, "body", created)  # the facade returns a Created(status, body, replayed)
+
+
+class Life:
+    """Lifecycle's shape around the already started test service (no HTTP server needed)."""
+
+    def __init__(self, service: AppService, log_file: Path | None = None) -> None:
+        self.service = service
+        self.data_dir = service.data_dir
+        self.log_file = log_file
+        self.calls: list[str] = []
+
+    async def start(self) -> str:
+        self.calls.append("start")
+        return URL
+
+    async def stop(self) -> None:
+        self.calls.append("stop")

@@ -17,25 +17,9 @@ from app.gui.dashboard import Dashboard
 from app.gui.desktop import Desktop
 from app.gui.pairing_dialog import PairingDialog
 from app.gui.single_instance import SingleInstance, notify_running
-from gui_helpers import URL, Until, make_task, visible
+from gui_helpers import Life, Until, make_task, visible
 
 pytestmark = pytest.mark.gui
-
-
-class Life:
-    """Lifecycle's shape around the already started test service (no HTTP server needed)."""
-
-    def __init__(self, service: AppService) -> None:
-        self.service = service
-        self.data_dir = service.data_dir
-        self.calls: list[str] = []
-
-    async def start(self) -> str:
-        self.calls.append("start")
-        return URL
-
-    async def stop(self) -> None:
-        self.calls.append("stop")
 
 
 @pytest.fixture

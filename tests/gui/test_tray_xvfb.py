@@ -1,5 +1,6 @@
-"""End to end on a real X server: the app's icon embedded in a real tray host, its menu, the
-dashboard brought forward by a second launch, every tab, a pairing request, Quit.
+"""End to end on a real X server: the app's icon embedded in a real tray host, the welcome of a
+first start, its menu, the dashboard brought forward by a second launch, every tab, a pairing
+request, Quit.
 
 Screenshots go to test-output/screenshots/ (gitignored) for people to look at.
 """
@@ -170,6 +171,14 @@ def test_tray_menu_dashboard_and_pairing_on_a_real_screen(screen: Screen, tmp_pa
     try:
         icon = wait_for(screen.tray_icon, 30, "icon embedded in trayer's panel")
         menu_box = (SCREEN[0] - 560, 0, 560, 260)
+
+        # A fresh data folder is a first start: the welcome window, closed here with its Close
+        # button ("Don't show this again" left unticked).
+        wx, wy, ww, wh = wait_for(lambda: screen.window("Welcome to LMSP Tray"), 30, "welcome window")
+        time.sleep(0.5)
+        screen.shot("welcome", (wx, wy, ww, wh))
+        screen.click(wx + ww - 60, wy + wh - 26)  # Close, at the bottom right
+        wait_for(lambda: screen.window("Welcome to LMSP Tray") is None, 10, "welcome closed")
 
         # Work to show: a short task that completes, a long one that keeps the engine busy.
         def submit(tokens: int, text: str, token: str | None = None) -> str:
