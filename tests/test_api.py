@@ -84,6 +84,15 @@ async def wait_status(api: Any, task_id: str, statuses: set[str], timeout: float
     return await poll(check, timeout, what=f"task {task_id} to reach {sorted(statuses)}")
 
 
+async def wait_generating(api: Any, task_id: str) -> dict[str, Any]:
+    """Until the task is `running` and has produced output (past prompt evaluation)."""
+    async def check() -> dict[str, Any] | None:
+        body = await task(api, task_id)
+        assert body["status"] in ("queued", "loading", "running"), body
+        return body if body["status"] == "running" and body["progress"]["output_tokens"] > 0 else None
+    return await poll(check, what=f"task {task_id} to produce output")
+
+
 async def events(api: Any, task_id: str, after: int | None = None) -> list[dict[str, Any]]:
     url = f"/v1/tasks/{task_id}/events" + (f"?after={after}" if after is not None else "")
     resp = await api.get(url)
@@ -601,10 +610,11 @@ async def test_sse_opened_mid_run_follows_live_without_gap_or_duplicate(api, ser
     k = seen[-1]["sequence_number"]
     opened = time.time()
 
+    slow = 180.0  # 200 tokens take ~2 s on an idle machine; generous for a busy one
     full, tail, by_response = await asyncio.gather(
-        read_sse(await api.get(f"/v1/tasks/{task_id}/events", headers=SSE)),
-        read_sse(await api.get(f"/v1/tasks/{task_id}/events", headers={**SSE, "Last-Event-ID": str(k)})),
-        read_sse(await api.get(f"/v1/responses/{created['id']}?stream=true&starting_after={k}")))
+        read_sse(await api.get(f"/v1/tasks/{task_id}/events", headers=SSE), slow),
+        read_sse(await api.get(f"/v1/tasks/{task_id}/events", headers={**SSE, "Last-Event-ID": str(k)}), slow),
+        read_sse(await api.get(f"/v1/responses/{created['id']}?stream=true&starting_after={k}"), slow))
     stored = await events(api, task_id)
     check_sequence(full)
     assert full == stored
@@ -666,9 +676,9 @@ async def test_cancel_a_running_background_task(api, service):
     created = await start_background(api, {"input": "Write a very long story about a dragon.",
                                            "max_output_tokens": 2000, "temperature": 0.8, "seed": 7})
     task_id = created["task"]["id"]
-    await wait_status(api, task_id, {"running"})
-    resp = await api.post(f"/v1/tasks/{task_id}/cancel")
+    await wait_generating(api, task_id)
     asked = time.monotonic()
+    resp = await api.post(f"/v1/tasks/{task_id}/cancel")
     assert resp.status == 200, await resp.text()
     body = await resp.json()
     assert body["id"] == task_id and body["status"] in ("cancelling", "cancelled")
@@ -717,6 +727,7 @@ async def test_cancel_a_queued_task_is_immediate(api, service):
     assert (await (await api.get(f"/v1/responses/{second['id']}")).json())["status"] == "cancelled"
 
     # Cancelling by response id works the same way, and answers with the response.
+    await wait_generating(api, first["task"]["id"])
     resp = await api.post(f"/v1/responses/{first['id']}/cancel")
     assert resp.status == 200
     body = await resp.json()
@@ -744,6 +755,7 @@ async def test_foreground_request_dropped_by_client_cancels_its_task(api, servic
             request = asyncio.create_task(go())
             task_id = await poll(lambda: service.store.read(lambda c: (c.execute(
                 "SELECT id FROM tasks WHERE status = 'running'").fetchone() or [None])[0]), what="a running task")
+            await wait_generating(api, task_id)
             request.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await request
@@ -759,7 +771,7 @@ async def test_foreground_request_dropped_by_client_cancels_its_task(api, servic
 async def test_engine_crash_fails_the_task_and_the_service_recovers(api, service):
     created = await start_background(api, LONG)
     task_id = created["task"]["id"]
-    await wait_status(api, task_id, {"running"})
+    await wait_generating(api, task_id)
     engine = service.engines[0]
     pid = engine.pid
     assert pid is not None and pid != os.getpid()

@@ -105,12 +105,12 @@ def parse(body: Any) -> ResponseRequest:
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**32):
         raise InvalidRequest("`seed` must be an integer from 0 to 2^32-1.", param="seed")
-    stop = body.get("stop") or []
+    stop = [] if body.get("stop") is None else body["stop"]
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise InvalidRequest("`stop` must be a string or a list of up to 4 non-empty strings.", param="stop")
-    metadata = body.get("metadata") or {}
+    metadata = {} if body.get("metadata") is None else body["metadata"]
     if not isinstance(metadata, dict) or len(metadata) > 16 or not all(
             isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()):
         raise InvalidRequest("`metadata` must be an object of up to 16 string keys (64 chars) and string values "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from app.core import metrics
+from app.errors import InvalidRequest
 from app.server.keys import LATENCY, SERVICE
 from app.server.middleware import read_json
 
@@ -50,7 +51,11 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def register_model(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].register_model(await read_json(request)), status=201)
+    body = await read_json(request)
+    try:
+        return web.json_response(await request.app[SERVICE].register_model(body), status=201)
+    except OSError as exc:  # the path itself is unusable: name too long, a directory we may not read...
+        raise InvalidRequest(f"The model path cannot be used: {exc.strerror or exc}.", param="path") from None
 
 
 async def delete_model(request: web.Request) -> web.Response:

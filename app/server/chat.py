@@ -13,6 +13,7 @@ from aiohttp import web
 from app.core.service import TERMINAL_EVENTS
 from app.errors import InvalidRequest
 from app.server.keys import SERVICE
+from app.server.handlers import unless_client_leaves
 from app.server.middleware import read_json
 from app.tasks import records
 
@@ -59,7 +60,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ident = "chatcmpl-" + response["id"][5:]
     try:
         if not body.get("stream"):
-            final = records.response_object(await service.wait(task_id))
+            final = records.response_object(await unless_client_leaves(request, service.wait(task_id)))
             if final["status"] == "failed":
                 error = final["error"] or {}
                 raise InvalidRequest(error.get("message", "Generation failed."), code=error.get("code", "failed"))

@@ -19,6 +19,9 @@ from app.tasks.states import TERMINAL, UNFINISHED
 
 
 
+MAX_SEQUENCE = 2**63 - 1  # SQLite's INTEGER
+
+
 def _client(request: web.Request) -> Client:
     return request["client"]
 
@@ -29,8 +32,8 @@ def _after(request: web.Request) -> int:
         value = int(raw)
     except ValueError:
         raise InvalidRequest("`after` must be an integer sequence number.", param="after") from None
-    if value < -1:
-        raise InvalidRequest("`after` must be -1 or more.", param="after")
+    if not -1 <= value <= MAX_SEQUENCE:
+        raise InvalidRequest(f"`after` must be from -1 to {MAX_SEQUENCE}.", param="after")
     return value
 
 
@@ -55,7 +58,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     key = request.headers.get("Idempotency-Key")
     created = await service.create_response(client, body, key)
     if created.replayed:
-        return web.json_response(created.body, status=created.status, headers={"Idempotent-Replayed": "true"})
+        replayed = {"Idempotent-Replayed": "true"}
+        if created.status == 202 and isinstance(created.body.get("task"), dict):  # the same 202: Location too
+            replayed["Location"] = f"/v1/tasks/{created.body['task']['id']}"
+        return web.json_response(created.body, status=created.status, headers=replayed)
     task_id = created.body["task"]["id"]
     location = {"Location": f"/v1/tasks/{task_id}"}
     if created.status == 202:
@@ -68,7 +74,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             answer: web.StreamResponse = await sse.stream_task(request, service, task_id, -1)
             final = await service.response(client, created.body["id"])
         else:
-            final = records.response_object(await service.wait(task_id))
+            final = records.response_object(await unless_client_leaves(request, service.wait(task_id)))
             answer = web.json_response(final)
     except (ConnectionResetError, asyncio.CancelledError):
         await _cancel_quietly(service, client, task_id)
@@ -78,6 +84,21 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if key:
         await service.remember(client, key, 200, final)
     return answer
+
+
+async def unless_client_leaves(request: web.Request, work: Any) -> Any:
+    """Await `work`, unless the client disconnects first. aiohttp does not cancel a handler when
+    its client goes away (`handler_cancellation` is off in `Server`), so the connection is watched."""
+    waiter = asyncio.ensure_future(work)
+    try:
+        while not waiter.done():
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise asyncio.CancelledError("the client disconnected")
+            await asyncio.wait([waiter], timeout=0.25)
+        return waiter.result()
+    finally:
+        waiter.cancel()
 
 
 async def _cancel_quietly(service: Any, client: Client, task_id: str) -> None:

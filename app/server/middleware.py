@@ -43,7 +43,8 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except LmspError as exc:
-        return web.json_response(exc.body(), status=exc.status)
+        challenge = {"WWW-Authenticate": 'Bearer realm="lmsp"'} if exc.status == 401 else None
+        return web.json_response(exc.body(), status=exc.status, headers=challenge)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -109,10 +110,10 @@ async def authorize(request: web.Request, handler: Handler) -> web.StreamRespons
     scope = scopes[key]
     if scope is None:
         return await handler(request)
-    header = request.headers.get("Authorization", "")
-    if not header.startswith("Bearer ") or not header[7:].strip():
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():  # the scheme is case-insensitive (RFC 9110)
         raise Unauthorized()
-    client = await request.app[SERVICE].authenticate(header[7:].strip())
+    client = await request.app[SERVICE].authenticate(token.strip())
     if client is None:
         raise Unauthorized("The token is not valid (unknown or revoked).")
     if not client.allows(scope):
@@ -128,6 +129,12 @@ async def read_json(request: web.Request) -> Any:
     except web.HTTPRequestEntityTooLarge:
         raise LmspError("payload_too_large", "The request body is larger than the limit.", status=413) from None
     try:
-        return json.loads(raw or b"null")
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        value = json.loads(raw or b"null")
+        # `"\ud800"` parses into a str that is not text: it cannot be stored or hashed (I-JSON forbids it).
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise LmspError("invalid_json", "The body is not valid JSON text: it has a lone UTF-16 surrogate "
+                        "(an unpaired \\ud800-\\udfff escape).", status=400) from None
+    except (ValueError, RecursionError) as exc:  # also bad UTF-8, numbers over 4300 digits, deep nesting
         raise LmspError("invalid_json", f"The body is not valid JSON: {exc}", status=400) from None
+    return value

@@ -13,6 +13,8 @@ from typing import Any
 from aiohttp import web
 
 from app.core.service import TERMINAL_EVENTS, AppService
+from app.tasks import machine
+from app.tasks.states import TERMINAL
 
 HEARTBEAT_SECONDS = 15.0
 
@@ -40,6 +42,13 @@ async def stream_task(request: web.Request, service: AppService, task_id: str, a
                     return response
             if len(batch) < 1000:
                 break
+        if await service.store.read(machine.status_of, task_id) in (*TERMINAL, None):
+            # Asked for events after the terminal one (e.g. a reconnect with its Last-Event-ID), or the
+            # task is gone: nothing more will ever come, so close instead of sending heartbeats forever.
+            # Its status and last event commit together: whatever came after the replay is here now.
+            for event in await service.events_after(task_id, last):
+                await response.write(frame(event))
+            return response
         while True:  # live
             try:
                 event = await asyncio.wait_for(feed.queue.get(), heartbeat)

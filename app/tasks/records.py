@@ -61,7 +61,7 @@ def response_object(row: sqlite3.Row) -> dict[str, Any]:
     done = status in ("completed", "incomplete")
     output = [] if not text and not done else [{
         "type": "message", "id": "msg_" + row["response_id"][5:], "role": "assistant",
-        "status": "completed" if done else ("incomplete" if status != "in_progress" else "in_progress"),
+        "status": "completed" if status == "completed" else ("in_progress" if status == "in_progress" else "incomplete"),
         "content": [{"type": "output_text", "text": text, "annotations": []}],
     }]
     return {
