@@ -27,8 +27,10 @@ def as_response_request(body: Any) -> dict[str, Any]:
     for key in body:
         if key not in ALLOWED:
             raise InvalidRequest(f"Unknown parameter {key!r}.", param=key)
-    if body.get("n", 1) != 1:
+    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
         raise InvalidRequest("Only n = 1 is supported.", param="n")
+    if not isinstance(body.get("stream", False), bool):
+        raise InvalidRequest("`stream` must be true or false.", param="stream")
     if "messages" not in body:
         raise InvalidRequest("`messages` is required.", param="messages")
     out = {"input": body["messages"], "stream": False, "background": False}
