@@ -12,7 +12,7 @@ from aiohttp import web
 
 from app.core.service import TERMINAL_EVENTS
 from app.errors import InvalidRequest
-from app.server.keys import SERVICE
+from app.server.keys import CLIENT, SERVICE
 from app.server.handlers import unless_client_leaves
 from app.server.middleware import read_json
 from app.tasks import records
@@ -54,7 +54,7 @@ def _chunk(ident: str, model: str, created: int, delta: dict[str, Any], finish: 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
-    client = request["client"]
+    client = request[CLIENT]
     body = await read_json(request)
     created = await service.create_response(client, as_response_request(body), path="/v1/chat/completions")
     response = created.body

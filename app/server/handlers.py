@@ -12,7 +12,7 @@ from app import paths
 from app.core.auth import Client
 from app.errors import InvalidRequest
 from app.server import sse
-from app.server.keys import SERVICE
+from app.server.keys import CLIENT, SERVICE
 from app.server.middleware import read_json
 from app.tasks import records
 from app.tasks.states import TERMINAL, UNFINISHED
@@ -23,7 +23,7 @@ MAX_SEQUENCE = 2**63 - 1  # SQLite's INTEGER
 
 
 def _client(request: web.Request) -> Client:
-    return request["client"]
+    return request[CLIENT]
 
 
 def _after(request: web.Request) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from app.core.auth import Client
 from app.core.metrics import LatencyHistogram
 from app.core.service import AppService
 
@@ -11,3 +12,5 @@ SERVICE = web.AppKey("service", AppService)
 # (method, route pattern) -> the scope it needs, or None for the open routes
 SCOPES = web.AppKey("scopes", dict)
 LATENCY = web.AppKey("latency", LatencyHistogram)
+# What the request carries once `authorize` has let it through.
+CLIENT = web.RequestKey("client", Client)

@@ -10,7 +10,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from app.errors import Forbidden, LmspError, Unauthorized
-from app.server.keys import LATENCY, SCOPES, SERVICE
+from app.server.keys import CLIENT, LATENCY, SCOPES, SERVICE
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -118,7 +118,7 @@ async def authorize(request: web.Request, handler: Handler) -> web.StreamRespons
         raise Unauthorized("The token is not valid (unknown or revoked).")
     if not client.allows(scope):
         raise Forbidden("insufficient_scope", f"This token lacks the scope {scope!r}.")
-    request["client"] = client
+    request[CLIENT] = client
     return await handler(request)
 
 

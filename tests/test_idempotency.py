@@ -1,0 +1,205 @@
+"""Idempotency keys on POST /v1/responses (LMSP §7): a retry is answered from what the first
+request stored and never runs the model twice; keys are per client and expire."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from tests.helpers import COUNT, SAY_HI, bearer, expect_error, pair, poll, raw
+
+BACKGROUND = {**SAY_HI, "background": True}
+
+
+def key(name: str) -> dict[str, str]:
+    return {"Idempotency-Key": name}
+
+
+async def task_ids(service: Any) -> list[str]:
+    return await service.store.read(lambda c: [r[0] for r in c.execute("SELECT id FROM tasks ORDER BY created_at")])
+
+
+async def key_row(service: Any, client_id: str, name: str) -> Any:
+    return await service.store.read(lambda c: c.execute(
+        "SELECT * FROM idempotency_keys WHERE client_id = ? AND key = ?", (client_id, name)).fetchone())
+
+
+async def wait_done(api: Any, task_id: str) -> dict[str, Any]:
+    async def check() -> Any:
+        body = await (await api.get(f"/v1/tasks/{task_id}")).json()
+        return body if body["status"] in ("completed", "failed", "cancelled") else None
+    return await poll(check, what=f"task {task_id} to finish")
+
+
+async def test_background_retry_gets_the_same_202_and_task(api, service):
+    first = await api.post("/v1/responses", json=BACKGROUND, headers=key("bg-1"))
+    assert first.status == 202, await first.text()
+    assert "Idempotent-Replayed" not in first.headers
+    body1 = await first.json()
+    second = await api.post("/v1/responses", json=BACKGROUND, headers=key("bg-1"))
+    assert second.status == 202, await second.text()
+    assert second.headers.get("Idempotent-Replayed") == "true"
+    body2 = await second.json()
+    assert body2 == body1
+    assert body2["task"]["id"] == body1["task"]["id"]
+    assert second.headers.get("Location") == first.headers["Location"] == f"/v1/tasks/{body1['task']['id']}"
+    assert await task_ids(service) == [body1["task"]["id"]]
+
+    # Still the same answer once the task has finished: the 202 as it was first given.
+    await wait_done(api, body1["task"]["id"])
+    third = await api.post("/v1/responses", json=BACKGROUND, headers=key("bg-1"))
+    assert third.status == 202 and third.headers.get("Idempotent-Replayed") == "true"
+    assert await third.json() == body1
+    assert await task_ids(service) == [body1["task"]["id"]]
+
+
+async def test_foreground_replay_returns_the_stored_200_and_runs_the_model_once(api, service):
+    first = await api.post("/v1/responses", json=SAY_HI, headers=key("fg-1"))
+    assert first.status == 200, await first.text()
+    assert "Idempotent-Replayed" not in first.headers
+    body1 = await first.json()
+    assert body1["status"] in ("completed", "incomplete") and body1["output_text"]
+    tokens = service.runner.tokens_generated
+    for _ in range(2):
+        again = await api.post("/v1/responses", json=SAY_HI, headers=key("fg-1"))
+        assert again.status == 200, await again.text()
+        assert again.headers.get("Idempotent-Replayed") == "true"
+        assert await again.json() == body1
+    assert await task_ids(service) == [body1["task"]["id"]]
+    assert service.runner.tokens_generated == tokens  # nothing was generated for the replays
+    row = await key_row(service, "client_owner", "fg-1")
+    assert row["status_code"] == 200 and row["response_id"] == body1["id"]
+
+
+async def test_same_key_different_body_is_422(api, service):
+    resp = await api.post("/v1/responses", json=SAY_HI, headers=key("k-reuse"))
+    assert resp.status == 200
+    before = await task_ids(service)
+    for body in ({**SAY_HI, "input": "Say bye"}, {**SAY_HI, "max_output_tokens": 9}, BACKGROUND):
+        resp = await api.post("/v1/responses", json=body, headers=key("k-reuse"))
+        await expect_error(resp, 422, "idempotency_key_reused")
+    assert await task_ids(service) == before
+    # The digest is over the JSON value, not its spelling: key order and spacing do not matter.
+    reordered = json.dumps({"temperature": 0, "max_output_tokens": 8, "input": "Say hi"}, indent=2)
+    resp = await api.post("/v1/responses", data=reordered, headers={**key("k-reuse"),
+                                                                    "Content-Type": "application/json"})
+    assert resp.status == 200 and resp.headers.get("Idempotent-Replayed") == "true"
+
+
+async def test_same_key_while_the_first_is_running_is_409(api, service):
+    long = {"input": COUNT, "max_output_tokens": 200, "temperature": 0}
+    first = asyncio.create_task(api.post("/v1/responses", json=long, headers=key("slow")))
+
+    async def in_flight() -> bool:
+        row = await key_row(service, "client_owner", "slow")
+        return row is not None and row["status_code"] is None
+    await poll(in_flight, what="the first request to claim its key")
+    resp = await api.post("/v1/responses", json=long, headers=key("slow"))
+    await expect_error(resp, 409, "idempotency_key_in_use")
+    resp = await api.post("/v1/responses", json=SAY_HI, headers=key("slow"))
+    await expect_error(resp, 422, "idempotency_key_reused")
+    assert not first.done(), "the first request finished too soon for this test to mean anything"
+
+    # End the first request's work early (cancel is quick; waiting out 200 tokens on a busy
+    # machine is not): its final answer, cancelled, is what the key stores.
+    task_id = (await task_ids(service))[0]
+    resp = await api.post(f"/v1/tasks/{task_id}/cancel")
+    assert resp.status == 200, await resp.text()
+    done = await asyncio.wait_for(first, 120)
+    assert done.status == 200, await done.text()
+    body = await done.json()
+    assert body["status"] == "cancelled" and body["task"]["id"] == task_id
+    again = await api.post("/v1/responses", json=long, headers=key("slow"))
+    assert again.status == 200 and again.headers.get("Idempotent-Replayed") == "true"
+    assert await again.json() == body
+    assert await task_ids(service) == [body["task"]["id"]]
+
+
+async def test_keys_are_per_client(api, service):
+    service.set_paused(True)  # no generation needed: the tasks only have to exist
+    _, token = await pair(api, ["responses:read", "responses:write"])
+    owner = await api.post("/v1/responses", json=BACKGROUND, headers=key("shared-name"))
+    assert owner.status == 202
+    owner_body = await owner.json()
+    resp, text = await raw(api, "POST", "/v1/responses", json=BACKGROUND,
+                           headers={**bearer(token), **key("shared-name")})
+    assert resp.status == 202, text
+    assert "Idempotent-Replayed" not in resp.headers
+    theirs = json.loads(text)
+    assert theirs["task"]["id"] != owner_body["task"]["id"]
+    # ...and each gets its own replay.
+    resp, text = await raw(api, "POST", "/v1/responses", json=BACKGROUND,
+                           headers={**bearer(token), **key("shared-name")})
+    assert resp.headers.get("Idempotent-Replayed") == "true" and json.loads(text)["id"] == theirs["id"]
+    # A different body under the same name is still fine for the other client (its own key space).
+    resp, text = await raw(api, "POST", "/v1/responses", json={**BACKGROUND, "input": "Other"},
+                           headers={**bearer(token), **key("owner-only")})
+    assert resp.status == 202 and "Idempotent-Replayed" not in resp.headers, text
+    assert len(await task_ids(service)) == 3
+
+
+async def test_expired_key_can_be_reused(api, service):
+    service.set_paused(True)
+    resp = await api.post("/v1/responses", json=BACKGROUND, headers=key("old"))
+    assert resp.status == 202
+    first = await resp.json()
+    ttl = service.settings["idempotency_ttl_seconds"]
+    assert ttl == 86400
+    await service.store.write(lambda c: c.execute(
+        "UPDATE idempotency_keys SET created_at = ? WHERE key = 'old'", (time.time() - ttl - 10,)))
+    resp = await api.post("/v1/responses", json={**BACKGROUND, "input": "Something else"}, headers=key("old"))
+    assert resp.status == 202, await resp.text()
+    assert "Idempotent-Replayed" not in resp.headers
+    second = await resp.json()
+    assert second["id"] != first["id"]
+    assert len(await task_ids(service)) == 2
+    # The key now belongs to the new request.
+    resp = await api.post("/v1/responses", json={**BACKGROUND, "input": "Something else"}, headers=key("old"))
+    assert resp.headers.get("Idempotent-Replayed") == "true" and (await resp.json())["id"] == second["id"]
+    # The expired row was replaced, not duplicated.
+    assert await service.store.read(lambda c: c.execute(
+        "SELECT count(*) FROM idempotency_keys WHERE key = 'old'").fetchone()[0]) == 1
+
+
+async def test_expiry_follows_the_setting(api, service):
+    service.set_paused(True)
+    resp = await api.patch("/v1/settings", json={"idempotency_ttl_seconds": 60})
+    assert resp.status == 200
+    resp = await api.post("/v1/responses", json=BACKGROUND, headers=key("short"))
+    assert resp.status == 202
+    await service.store.write(lambda c: c.execute(
+        "UPDATE idempotency_keys SET created_at = created_at - 61 WHERE key = 'short'"))
+    resp = await api.post("/v1/responses", json={**BACKGROUND, "input": "x"}, headers=key("short"))
+    assert resp.status == 202 and "Idempotent-Replayed" not in resp.headers
+    assert len(await task_ids(service)) == 2
+
+
+async def test_bad_keys_and_failed_requests(api, service):
+    for bad in ("x" * 256, "tab\there"):
+        resp = await api.post("/v1/responses", json=SAY_HI, headers=key(bad))
+        await expect_error(resp, 400, "invalid_request", "Idempotency-Key")
+    # A request refused before any work (unknown model) does not use up its key.
+    resp = await api.post("/v1/responses", json={**SAY_HI, "model": "nope"}, headers=key("k-fail"))
+    await expect_error(resp, 404, "model_not_found")
+    resp = await api.post("/v1/responses", json={**SAY_HI, "input": "fixed"}, headers=key("k-fail"))
+    assert resp.status == 200 and "Idempotent-Replayed" not in resp.headers
+    assert await task_ids(service) == [(await resp.json())["task"]["id"]]
+
+
+async def test_fifty_concurrent_retries_create_one_task(api, service):
+    service.set_paused(True)  # the task only has to exist
+    results = await asyncio.gather(*(api.post("/v1/responses", json=BACKGROUND, headers=key("storm"))
+                                     for _ in range(50)))
+    bodies = []
+    for resp in results:
+        assert resp.status == 202, await resp.text()
+        bodies.append(await resp.json())
+    tasks = await task_ids(service)
+    assert len(tasks) == 1
+    assert {b["task"]["id"] for b in bodies} == set(tasks)
+    assert {b["id"] for b in bodies} == {bodies[0]["id"]}
+    assert sum("Idempotent-Replayed" not in r.headers for r in results) == 1
+    responses = await service.store.read(lambda c: c.execute("SELECT count(*) FROM responses").fetchone()[0])
+    assert responses == 1

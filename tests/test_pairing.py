@@ -1,0 +1,347 @@
+"""Pairing (LMSP §3): a local app asks, the owner approves or denies, the app collects a scoped
+token exactly once; tokens are scoped, clients isolated, revocable, and never stored in clear.
+Also the CLI (`pairings`, `token`, `status`, `models`, `tasks`) against a real headless service."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.helpers import SAY_HI, bearer, check_error, expect_error, http, pair, raw
+
+ALL_SCOPES = ["models:read", "models:write", "responses:read", "responses:write", "tasks:read",
+              "tasks:cancel", "metrics:read", "admin"]
+WORKER = ["responses:read", "responses:write", "tasks:read", "tasks:cancel"]
+
+
+async def request_pairing(api: Any, name: str = "Editor", scopes: list[str] | None = None) -> dict[str, Any]:
+    resp, text = await raw(api, "POST", "/v1/pairings", json={"client_name": name, "scopes": scopes or WORKER})
+    assert resp.status == 202, text
+    return json.loads(text)
+
+
+async def status_of(api: Any, pairing_id: str) -> dict[str, Any]:
+    resp, text = await raw(api, "GET", f"/v1/pairings/{pairing_id}")
+    assert resp.status == 200, text
+    return json.loads(text)
+
+
+async def pairings_count(service: Any) -> int:
+    return await service.store.read(lambda c: c.execute("SELECT count(*) FROM pairings").fetchone()[0])
+
+
+# -- the request and its states ---------------------------------------------------------------
+
+async def test_request_is_pending_with_unguessable_id_and_code(api):
+    before = time.time()
+    created = await request_pairing(api, "Editor", ["responses:write", "responses:read"])
+    assert created["status"] == "pending"
+    assert created["id"].startswith("pair_")
+    random_part = created["id"][len("pair_"):]
+    assert re.fullmatch(r"[A-Za-z0-9_-]+", random_part)
+    assert len(random_part) * 6 >= 128, created["id"]  # base64url: 6 bits a character
+    assert re.fullmatch(r"\d{3}-\d{3}", created["code"]), created["code"]
+    assert before + 60 < created["expires_at"] <= time.time() + 301
+    assert created["client_name"] == "Editor"
+    assert sorted(created["scopes"]) == ["responses:read", "responses:write"]
+    assert "token" not in created
+
+    shown = await status_of(api, created["id"])
+    assert shown["status"] == "pending" and "token" not in shown
+    assert shown["code"] == created["code"]
+    # The owner sees it waiting (the desktop app's list and `lmsp-tray pairings`).
+    resp = await api.get("/v1/pairings")
+    assert resp.status == 200
+    assert created["id"] in [p["id"] for p in (await resp.json())["data"]]
+    # Two requests never share an id.
+    other = await request_pairing(api)
+    assert other["id"] != created["id"]
+
+
+async def test_approve_hands_the_token_over_exactly_once(api, service):
+    created = await request_pairing(api, "Notes", ["responses:read"])
+    resp = await api.post(f"/v1/pairings/{created['id']}/approve")
+    assert resp.status == 200, await resp.text()
+    decided = await resp.json()
+    assert decided["status"] == "approved" and "token" not in decided  # only the requester gets it
+    assert decided["client_id"]
+
+    first = await status_of(api, created["id"])
+    assert first["status"] == "approved"
+    token = first["token"]
+    assert token.startswith("lmsp_") and len(token) >= len("lmsp_") + 43  # 256 bits, base64url
+    second = await status_of(api, created["id"])
+    assert second["status"] == "approved" and "token" not in second
+    third = await status_of(api, created["id"])
+    assert "token" not in third
+
+    # The token is a working credential of the new client, listed by the owner.
+    resp, text = await raw(api, "GET", "/v1/responses/resp_nothing", headers=bearer(token))
+    check_error(resp.status, text, 404, "not_found")
+    resp = await api.get("/v1/clients")
+    clients = {c["id"]: c for c in (await resp.json())["data"]}
+    assert clients[first["client_id"]]["name"] == "Notes"
+    assert clients[first["client_id"]]["scopes"] == ["responses:read"]
+    assert clients[first["client_id"]]["owner"] is False
+
+    # Deciding again is a conflict.
+    for verb in ("approve", "deny"):
+        await expect_error(await api.post(f"/v1/pairings/{created['id']}/{verb}"), 409, "pairing_not_pending")
+
+
+async def test_deny_gives_no_token_and_cannot_be_approved_afterwards(api, service):
+    created = await request_pairing(api)
+    clients_before = await service.store.read(lambda c: c.execute("SELECT count(*) FROM clients").fetchone()[0])
+    resp = await api.post(f"/v1/pairings/{created['id']}/deny")
+    assert resp.status == 200 and (await resp.json())["status"] == "denied"
+    for _ in range(2):
+        shown = await status_of(api, created["id"])
+        assert shown["status"] == "denied" and "token" not in shown
+    await expect_error(await api.post(f"/v1/pairings/{created['id']}/approve"), 409, "pairing_not_pending")
+    assert (await status_of(api, created["id"]))["status"] == "denied"
+    assert await service.store.read(lambda c: c.execute("SELECT count(*) FROM clients").fetchone()[0]) \
+        == clients_before
+
+
+async def test_expired_request_cannot_be_approved(api, service):
+    created = await request_pairing(api)
+    await service.store.write(lambda c: c.execute("UPDATE pairings SET expires_at = ? WHERE id = ?",
+                                                  (time.time() - 1, created["id"])))
+    shown = await status_of(api, created["id"])
+    assert shown["status"] == "expired" and "token" not in shown
+    await expect_error(await api.post(f"/v1/pairings/{created['id']}/approve"), 409, "pairing_not_pending")
+    await expect_error(await api.post(f"/v1/pairings/{created['id']}/deny"), 409, "pairing_not_pending")
+    assert (await status_of(api, created["id"]))["status"] == "expired"
+    resp = await api.get("/v1/pairings")
+    assert created["id"] not in [p["id"] for p in (await resp.json())["data"]]
+
+
+async def test_too_many_waiting_requests_are_refused(api, service):
+    for i in range(20):
+        await request_pairing(api, f"App {i}")
+    resp, text = await raw(api, "POST", "/v1/pairings", json={"client_name": "One too many", "scopes": WORKER})
+    check_error(resp.status, text, 429, "too_many_pairings")
+    # Answered (or expired) requests no longer count.
+    waiting = (await (await api.get("/v1/pairings")).json())["data"]
+    assert len(waiting) == 20
+    await api.post(f"/v1/pairings/{waiting[0]['id']}/deny")
+    await request_pairing(api, "Now there is room")
+
+
+async def test_unknown_pairing_is_404(api):
+    resp, text = await raw(api, "GET", "/v1/pairings/pair_doesnotexist")
+    check_error(resp.status, text, 404, "not_found")
+    await expect_error(await api.post("/v1/pairings/pair_doesnotexist/approve"), 404, "not_found")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"scopes": ["responses:read"]}, "client_name"),
+    ({"client_name": "", "scopes": ["responses:read"]}, "client_name"),
+    ({"client_name": 7, "scopes": ["responses:read"]}, "client_name"),
+    ({"client_name": "x" * 101, "scopes": ["responses:read"]}, "client_name"),
+    ({"client_name": "App"}, "scopes"),
+    ({"client_name": "App", "scopes": []}, "scopes"),
+    ({"client_name": "App", "scopes": ["responses:read", "root"]}, "scopes"),
+    ({"client_name": "App", "scopes": "responses:read"}, "scopes"),
+    ({"client_name": "App", "scopes": {"responses:read": True}}, "scopes"),
+    ({"client_name": "App", "scopes": [1]}, "scopes"),
+    ({"client_name": "App", "scopes": ["responses:read"], "callback": "http://x"}, "callback"),
+])
+async def test_invalid_pairing_bodies_are_400_naming_the_field(api, service, body, param):
+    before = await pairings_count(service)
+    resp, text = await raw(api, "POST", "/v1/pairings", json=body)
+    check_error(resp.status, text, 400, "invalid_request", param)
+    assert await pairings_count(service) == before
+
+
+async def test_pairing_body_must_be_a_json_object(api, service):
+    resp, text = await raw(api, "POST", "/v1/pairings", json=["responses:read"])
+    check_error(resp.status, text, 400, "invalid_request")
+    resp, text = await raw(api, "POST", "/v1/pairings", data=b"{not json",
+                           headers={"Content-Type": "application/json"})
+    check_error(resp.status, text, 400, "invalid_json")
+    assert await pairings_count(service) == 0
+
+
+# -- what a paired token may do -----------------------------------------------------------------
+
+async def test_token_works_for_its_scopes_only(api):
+    _, token = await pair(api, ["responses:read", "responses:write"])
+    resp, text = await raw(api, "POST", "/v1/responses", headers=bearer(token), json=SAY_HI)
+    assert resp.status == 200, text
+    mine = json.loads(text)
+    resp, text = await raw(api, "GET", f"/v1/responses/{mine['id']}", headers=bearer(token))
+    assert resp.status == 200 and json.loads(text)["output_text"] == mine["output_text"]
+
+    outside = [("GET", "/v1/models"), ("POST", "/v1/models"), ("GET", "/v1/tasks"),
+               ("GET", f"/v1/tasks/{mine['task']['id']}"), ("POST", f"/v1/tasks/{mine['task']['id']}/cancel"),
+               ("GET", "/v1/settings"), ("PATCH", "/v1/settings"), ("GET", "/v1/clients"),
+               ("DELETE", "/v1/clients/client_owner"), ("GET", "/v1/pairings"),
+               ("POST", "/v1/pairings/pair_x/approve"), ("GET", "/metrics")]
+    for method, path in outside:
+        resp, text = await raw(api, method, path, headers=bearer(token), json={})
+        err = check_error(resp.status, text, 403, "insufficient_scope")
+        assert err["type"] == "permission_error", (method, path)
+
+
+async def test_paired_clients_see_only_their_own_work(api, service):
+    service.set_paused(True)  # the tasks only have to exist (queued, with their opening events)
+    alice_id, alice = await pair(api, WORKER, "Alice")
+    bob_id, bob = await pair(api, WORKER, "Bob")
+    owned: dict[str, dict[str, Any]] = {}
+    background = {**SAY_HI, "background": True}
+    for who, token in (("alice", alice), ("bob", bob)):
+        resp, text = await raw(api, "POST", "/v1/responses", headers=bearer(token), json=background)
+        assert resp.status == 202, text
+        owned[who] = json.loads(text)
+    resp = await api.post("/v1/responses", json=background)
+    owned["owner"] = await resp.json()
+
+    a_resp, a_task = owned["alice"]["id"], owned["alice"]["task"]["id"]
+    for method, path in [("GET", f"/v1/responses/{a_resp}"), ("GET", f"/v1/responses/{a_resp}?stream=true"),
+                         ("POST", f"/v1/responses/{a_resp}/cancel"), ("DELETE", f"/v1/responses/{a_resp}"),
+                         ("GET", f"/v1/tasks/{a_task}"), ("GET", f"/v1/tasks/{a_task}/events"),
+                         ("GET", f"/v1/tasks/{a_task}/events?stream=true"),
+                         ("POST", f"/v1/tasks/{a_task}/cancel")]:
+        resp, text = await raw(api, method, path, headers=bearer(bob))
+        err = check_error(resp.status, text, 404, "not_found")
+        assert "Alice" not in err["message"], err
+    # The owner's work is just as invisible to a client.
+    resp, text = await raw(api, "GET", f"/v1/responses/{owned['owner']['id']}", headers=bearer(bob))
+    check_error(resp.status, text, 404, "not_found")
+
+    # Each client lists only its own tasks; the owner (admin) lists all.
+    for who, token in (("alice", alice), ("bob", bob)):
+        resp, text = await raw(api, "GET", "/v1/tasks", headers=bearer(token))
+        assert resp.status == 200, text
+        assert [t["id"] for t in json.loads(text)["data"]] == [owned[who]["task"]["id"]]
+        resp, text = await raw(api, "GET", f"/v1/tasks/{owned[who]['task']['id']}/events", headers=bearer(token))
+        assert resp.status == 200 and json.loads(text)["data"], text
+    resp = await api.get("/v1/tasks")
+    assert {t["id"] for t in (await resp.json())["data"]} == {o["task"]["id"] for o in owned.values()}
+    for o in owned.values():
+        assert (await api.get(f"/v1/responses/{o['id']}")).status == 200
+    # Bob's attempts to cancel and delete Alice's response did nothing.
+    resp, text = await raw(api, "GET", f"/v1/responses/{a_resp}", headers=bearer(alice))
+    assert resp.status == 200 and json.loads(text)["status"] == "queued", text
+    assert {alice_id, bob_id} <= {c["id"] for c in (await (await api.get("/v1/clients")).json())["data"]}
+
+
+async def test_revoked_client_is_refused_on_its_next_request(api):
+    client_id, token = await pair(api, WORKER)
+    resp, text = await raw(api, "GET", "/v1/tasks", headers=bearer(token))
+    assert resp.status == 200, text
+    resp = await api.delete(f"/v1/clients/{client_id}")
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["deleted"] is True
+    resp, text = await raw(api, "GET", "/v1/tasks", headers=bearer(token))
+    check_error(resp.status, text, 401, "unauthorized")
+    resp, text = await raw(api, "POST", "/v1/responses", headers=bearer(token), json=SAY_HI)
+    check_error(resp.status, text, 401, "unauthorized")
+    clients = (await (await api.get("/v1/clients")).json())["data"]
+    assert client_id not in [c["id"] for c in clients]
+    await expect_error(await api.delete(f"/v1/clients/{client_id}"), 404, "not_found")
+    await expect_error(await api.delete("/v1/clients/client_nobody"), 404, "not_found")
+
+
+async def test_the_owner_cannot_be_revoked(api):
+    clients = (await (await api.get("/v1/clients")).json())["data"]
+    owner = [c for c in clients if c["owner"]]
+    assert len(owner) == 1 and owner[0]["scopes"] == ["admin"]
+    await expect_error(await api.delete(f"/v1/clients/{owner[0]['id']}"), 409, "cannot_revoke_owner")
+    assert (await api.get("/v1/clients")).status == 200  # the owner token still works
+
+
+async def test_tokens_never_reach_the_database_file(api, service):
+    service.set_paused(True)  # a stored request made with the token is enough; no generation needed
+    client_id, token = await pair(api, WORKER, "Secretive")
+    resp, text = await raw(api, "POST", "/v1/responses", headers=bearer(token), json={**SAY_HI, "background": True})
+    assert resp.status == 202, text
+    resp, text = await raw(api, "GET", "/v1/tasks", headers=bearer(token))
+    assert resp.status == 200
+    # The hash is what is stored (and is what authenticates).
+    stored = await service.store.read(lambda c: c.execute("SELECT token_hash FROM clients WHERE id = ?",
+                                                          (client_id,)).fetchone()[0])
+    assert len(stored) == 64 and token not in stored
+    db = Path(service.store.path)
+    files = [p for p in (db, Path(f"{db}-wal")) if p.exists()]
+    assert files
+    secret, owner_secret = token.encode(), api.token.encode()
+    random_part = token[len("lmsp_"):].encode()
+    for f in files:
+        data = f.read_bytes()
+        assert secret not in data and random_part not in data, f
+        assert owner_secret not in data, f
+
+
+# -- the CLI against a real service ------------------------------------------------------------
+
+def cli(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "app", "--data-dir", str(data_dir), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_pairings_token_status_models_tasks(headless):
+    headless.start()
+    data_dir = headless.data_dir
+
+    done = cli(data_dir, "pairings")
+    assert done.returncode == 0, done.stderr
+    assert "No pairing requests are waiting." in done.stdout
+
+    status, created = http(f"{headless.url}/v1/pairings", "POST",
+                           {"client_name": "Shell Script", "scopes": ["responses:read", "tasks:read"]})
+    assert status == 202, created
+    done = cli(data_dir, "pairings")
+    assert done.returncode == 0, done.stderr
+    assert created["id"] in done.stdout and created["code"] in done.stdout and "Shell Script" in done.stdout
+    assert "responses:read" in done.stdout
+
+    done = cli(data_dir, "pairings", "approve", created["id"])
+    assert done.returncode == 0, done.stderr
+    assert "Shell Script: approved" in done.stdout
+    status, shown = http(f"{headless.url}/v1/pairings/{created['id']}")
+    assert status == 200 and shown["token"].startswith("lmsp_"), shown
+    status, body = http(f"{headless.url}/v1/tasks", token=shown["token"])
+    assert status == 200 and body["data"] == []
+    assert "No pairing requests are waiting." in cli(data_dir, "pairings").stdout
+
+    status, other = http(f"{headless.url}/v1/pairings", "POST", {"client_name": "Spy", "scopes": ["admin"]})
+    done = cli(data_dir, "pairings", "deny", other["id"])
+    assert done.returncode == 0 and "Spy: denied" in done.stdout, (done.stdout, done.stderr)
+    done = cli(data_dir, "pairings", "approve", other["id"])
+    assert done.returncode != 0 and "denied" in done.stderr, (done.stdout, done.stderr)
+
+    done = cli(data_dir, "token")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == headless.token
+
+    done = cli(data_dir, "status")
+    assert done.returncode == 0, done.stderr
+    assert headless.url in done.stdout and "0 running, 0 queued" in done.stdout
+
+    done = cli(data_dir, "models")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["ID", "STATUS", "SIZE", "DIGEST"]
+    assert any(line.startswith("smollm2-135m-instruct") and "sha256:" in line for line in lines[1:]), done.stdout
+
+    status, response = headless.post("/v1/responses", SAY_HI)
+    assert status == 200, response
+    done = cli(data_dir, "tasks")
+    assert done.returncode == 0, done.stderr
+    row = [line for line in done.stdout.splitlines() if line.startswith(response["task"]["id"])]
+    assert row and "completed" in row[0] and "smollm2-135m-instruct" in row[0], done.stdout
+
+    assert headless.terminate() == 0
+    done = cli(data_dir, "status")
+    assert done.returncode == 1 and "not running" in done.stderr, (done.stdout, done.stderr)
+    assert cli(data_dir, "token").stdout.strip() == headless.token  # needs no running service

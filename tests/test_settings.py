@@ -1,0 +1,186 @@
+"""Settings (LMSP §2b): defaults, validation that changes nothing on any error, persistence
+across restarts, and changes that take effect at once (allowed origins, concurrency)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.helpers import ALL_BUT_ADMIN, COUNT, SAY_HI, bearer, expect_error, pair, poll, raw
+
+DEFAULTS = {
+    "host": "127.0.0.1",
+    "port": 11535,
+    "retention_seconds": 604800,
+    "default_on_restart": "fail",
+    "max_concurrent_tasks": 1,
+    "allowed_origins": [],
+    "idempotency_ttl_seconds": 86400,
+    "model_idle_ttl_seconds": 0,
+}
+
+
+async def settings(api: Any) -> dict[str, Any]:
+    resp = await api.get("/v1/settings")
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+async def stored_config(service: Any) -> dict[str, str]:
+    return await service.store.read(lambda c: {r["key"]: r["value"] for r in
+                                               c.execute("SELECT key, value FROM service_config")})
+
+
+async def test_defaults(api):
+    got = await settings(api)
+    for name, value in DEFAULTS.items():
+        assert got[name] == value, name
+
+
+async def test_patch_changes_and_answers_with_all_settings(api, service):
+    resp = await api.patch("/v1/settings", json={"retention_seconds": 3600, "default_on_restart": "resume"})
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    assert body["retention_seconds"] == 3600 and body["default_on_restart"] == "resume"
+    assert body["max_concurrent_tasks"] == 1  # the others are still there
+    assert body == await settings(api)
+    # An empty change is fine and changes nothing.
+    resp = await api.patch("/v1/settings", json={})
+    assert resp.status == 200 and (await resp.json()) == body
+    # The new default applies to the next background task.
+    service.set_paused(True)
+    resp = await api.post("/v1/responses", json={**SAY_HI, "background": True})
+    assert (await resp.json())["task"]["on_restart"] == "resume"
+
+
+def test_changes_persist_across_a_restart(headless):
+    headless.start()
+    change = {"retention_seconds": 7200, "default_on_restart": "retry", "allowed_origins": ["http://localhost:5173"],
+              "idempotency_ttl_seconds": 600, "model_idle_ttl_seconds": 300, "max_concurrent_tasks": 2}
+    status, body = headless.request("PATCH", "/v1/settings", change)
+    assert status == 200, body
+    assert headless.terminate() == 0
+    headless.start()
+    status, body = headless.get("/v1/settings")
+    assert status == 200, body
+    for name, value in change.items():
+        assert body[name] == value, name
+    assert body["port"] == DEFAULTS["port"]  # --port 0 for this run does not change the setting
+
+
+async def test_unknown_key_is_400_and_nothing_changes(api, service):
+    before, stored = await settings(api), await stored_config(service)
+    for body, param in [({"retention_seconds": 3600, "colour": "blue"}, "colour"),
+                        ({"max_concurrent_tasks": 2, "allowed_origins": ["http://a.example"], "Port": 80}, "Port"),
+                        ({"restart_required_for": []}, "restart_required_for"),
+                        ({"service_id": "svc_mine"}, "service_id")]:
+        resp = await api.patch("/v1/settings", json=body)
+        err = await expect_error(resp, 400, "invalid_request", param)
+        assert param in err["message"]
+        assert await settings(api) == before
+        assert await stored_config(service) == stored
+        assert service.runner.capacity == 1
+
+
+BAD_VALUES = [
+    ("host", ""), ("host", 5), ("host", None), ("host", "h" * 256), ("host", ["127.0.0.1"]),
+    ("port", -1), ("port", 65536), ("port", "8080"), ("port", True), ("port", 8080.5), ("port", None),
+    ("retention_seconds", 59), ("retention_seconds", 0), ("retention_seconds", "3600"), ("retention_seconds", True),
+    ("retention_seconds", 10 * 365 * 86400 + 1), ("retention_seconds", 3600.0),
+    ("default_on_restart", "sometimes"), ("default_on_restart", "FAIL"), ("default_on_restart", None),
+    ("default_on_restart", 1),
+    ("max_concurrent_tasks", 0), ("max_concurrent_tasks", 17), ("max_concurrent_tasks", "2"),
+    ("max_concurrent_tasks", True), ("max_concurrent_tasks", 2.0), ("max_concurrent_tasks", -1),
+    ("allowed_origins", "http://localhost:3000"), ("allowed_origins", [1]), ("allowed_origins", [""]),
+    ("allowed_origins", None), ("allowed_origins", {"http://localhost:3000": True}),
+    ("idempotency_ttl_seconds", 59), ("idempotency_ttl_seconds", -1), ("idempotency_ttl_seconds", "86400"),
+    ("idempotency_ttl_seconds", False),
+    ("model_idle_ttl_seconds", -1), ("model_idle_ttl_seconds", "10"), ("model_idle_ttl_seconds", 1.5),
+    ("model_idle_ttl_seconds", True), ("model_idle_ttl_seconds", None),
+]
+
+
+async def test_bad_values_are_400_naming_the_key_and_change_nothing(api, service):
+    before, stored = await settings(api), await stored_config(service)
+    for name, value in BAD_VALUES:
+        # A valid change alongside, listed first: it must not be saved either.
+        resp = await api.patch("/v1/settings", json={"retention_seconds": 3600, name: value}
+                               if name != "retention_seconds" else {"max_concurrent_tasks": 2, name: value})
+        await expect_error(resp, 400, "invalid_request", name)
+    assert await settings(api) == before
+    assert await stored_config(service) == stored
+    assert service.runner.capacity == 1
+
+
+@pytest.mark.parametrize("body", [[], ["retention_seconds"], "x", 5, None])
+async def test_body_must_be_an_object(api, body):
+    resp = await api.patch("/v1/settings", data=json.dumps(body), headers={"Content-Type": "application/json"})
+    await expect_error(resp, 400, "invalid_request")
+
+
+async def test_allowed_origins_take_effect_on_the_next_request(api):
+    origin = "http://localhost:5173"
+    resp = await api.get("/v1/tasks", headers={"Origin": origin})
+    await expect_error(resp, 403, "origin_not_allowed")
+    assert "Access-Control-Allow-Origin" not in resp.headers
+
+    resp = await api.patch("/v1/settings", json={"allowed_origins": [origin]})
+    assert resp.status == 200
+    resp = await api.get("/v1/tasks", headers={"Origin": origin})
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["Access-Control-Allow-Origin"] == origin
+    assert not any("*" in v for v in resp.headers.values()), dict(resp.headers)
+    # Preflight too, without a token.
+    resp, _ = await raw(api, "OPTIONS", "/v1/responses", headers={"Origin": origin,
+                                                                   "Access-Control-Request-Method": "POST"})
+    assert resp.status in (200, 204) and resp.headers["Access-Control-Allow-Origin"] == origin
+    assert not any("*" in v for v in resp.headers.values()), dict(resp.headers)
+    # Other origins are still refused; "*" in the list is an origin string, not a wildcard.
+    resp = await api.get("/v1/tasks", headers={"Origin": "http://localhost:5174"})
+    await expect_error(resp, 403, "origin_not_allowed")
+    resp = await api.patch("/v1/settings", json={"allowed_origins": ["*"]})
+    assert resp.status == 200
+    resp = await api.get("/v1/tasks", headers={"Origin": "http://evil.example"})
+    await expect_error(resp, 403, "origin_not_allowed")
+    assert "Access-Control-Allow-Origin" not in resp.headers
+    # And removing the origin takes effect at once as well.
+    resp = await api.patch("/v1/settings", json={"allowed_origins": []})
+    assert resp.status == 200
+    resp = await api.get("/v1/tasks", headers={"Origin": origin})
+    await expect_error(resp, 403, "origin_not_allowed")
+
+
+async def test_max_concurrent_tasks_two_runs_two_tasks_at_once(api, service):
+    resp = await api.patch("/v1/settings", json={"max_concurrent_tasks": 2})
+    assert resp.status == 200 and (await resp.json())["max_concurrent_tasks"] == 2
+    long = {"input": COUNT, "max_output_tokens": 300, "temperature": 0, "background": True}
+    ids = []
+    for _ in range(2):
+        resp = await api.post("/v1/responses", json=long)
+        assert resp.status == 202, await resp.text()
+        ids.append((await resp.json())["task"]["id"])
+
+    async def both_running() -> bool:
+        listed = (await (await api.get("/v1/tasks?status=running")).json())["data"]
+        running = {t["id"] for t in listed}
+        if not running:
+            states = [(await (await api.get(f"/v1/tasks/{i}")).json())["status"] for i in ids]
+            assert states != ["completed", "completed"], "both tasks finished without ever running together"
+        return running == set(ids)
+    await poll(both_running, timeout=120, interval=0.1, what="two tasks running at the same time")
+    for task_id in ids:
+        resp = await api.post(f"/v1/tasks/{task_id}/cancel")
+        assert resp.status in (200, 409), await resp.text()
+
+
+async def test_settings_need_admin(api):
+    _, token = await pair(api, ALL_BUT_ADMIN)
+    resp, text = await raw(api, "GET", "/v1/settings", headers=bearer(token))
+    assert resp.status == 403 and json.loads(text)["error"]["code"] == "insufficient_scope", text
+    resp, text = await raw(api, "PATCH", "/v1/settings", headers=bearer(token), json={"max_concurrent_tasks": 4})
+    assert resp.status == 403 and json.loads(text)["error"]["code"] == "insufficient_scope", text
+    resp, text = await raw(api, "PATCH", "/v1/settings", json={"max_concurrent_tasks": 4})
+    assert resp.status == 401, text
+    assert (await settings(api))["max_concurrent_tasks"] == 1
