@@ -12,13 +12,14 @@ import json
 import os
 import signal
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import pytest
 
 from app.core import auth
 from app.server.app import Server
+from tests.helpers import poll
 
 SAY_HI = {"input": "Say hi", "max_output_tokens": 8, "temperature": 0}
 # SmolLM2 answers this at length at temperature 0 ("1, 2, 3, ..." for well over 2000 tokens): the
@@ -30,19 +31,6 @@ TABLES = ("responses", "tasks", "task_events")
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-async def poll(check: Callable[[], Awaitable[Any]], timeout: float = 60.0, interval: float = 0.03,
-               what: str = "condition") -> Any:
-    """Await `check()` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(interval)
-
 
 async def counts(service: Any) -> dict[str, int]:
     out = {}

@@ -54,7 +54,7 @@ class Child:
         started = time.monotonic()
         self.llm = self.formatter = None
         try:
-            llm = Llama(model_path=msg["path"], n_ctx=msg.get("n_ctx", 4096), n_threads=os.cpu_count(),
+            llm = Llama(model_path=msg["path"], n_ctx=msg.get("n_ctx", 4096), n_threads=msg.get("n_threads") or os.cpu_count(),
                         verbose=False)
         except Exception as exc:  # llama.cpp reports a bad file as a ValueError/RuntimeError
             self.conn.send({"ev": "error", "code": "model_load_failed", "message": str(exc)})

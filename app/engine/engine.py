@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -47,9 +48,10 @@ class Generation:
 class Engine:
     _ids = itertools.count(1)
 
-    def __init__(self, name: str = "engine", n_ctx: int = 4096) -> None:
+    def __init__(self, name: str = "engine", n_ctx: int = 4096, n_threads: int | None = None) -> None:
         self.name = name
         self.n_ctx = n_ctx
+        self.n_threads = n_threads or os.cpu_count() or 1
         self.model_path: str | None = None
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
@@ -117,7 +119,7 @@ class Engine:
         async with self._lock:
             if self.model_path == path and self.alive:
                 return {"ev": "loaded", "cached": True}
-            self._send({"op": "load", "path": path, "n_ctx": self.n_ctx})
+            self._send({"op": "load", "path": path, "n_ctx": self.n_ctx, "n_threads": self.n_threads})
             msg = await self._next()
             if msg["ev"] != "loaded":
                 raise EngineError(msg["code"], msg["message"])

@@ -6,12 +6,12 @@ import time
 from typing import Any
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QPushButton, QTableWidget,
-                               QTableWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QHBoxLayout, QLabel, QPushButton, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from app.gui import style
 from app.gui.async_ui import confirm, spawn
 from app.gui.session import Session
+from app.gui.widgets import list_table
 
 COLUMNS = ("Name", "Scopes", "Last used", "Paired")
 
@@ -34,18 +34,7 @@ class ClientsTab(QWidget):
         super().__init__(parent)
         self.session = session
         self.clients: list[dict[str, Any]] = []
-        self.table = QTableWidget(0, len(COLUMNS))
-        self.table.setHorizontalHeaderLabels(COLUMNS)
-        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
-        self.table.verticalHeader().hide()
-        self.table.setTabKeyNavigation(False)  # Tab leaves the table, as in a form
-        self.table.setWordWrap(False)
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(1, QHeaderView.ResizeMode.Stretch)
-        for col, width in ((0, 220), (2, 120), (3, 120)):
-            header.resizeSection(col, width)
+        self.table = list_table(COLUMNS, stretch=1, widths={0: 220, 2: 120, 3: 120})
         self.table.itemSelectionChanged.connect(self._update_buttons)
         self.revoke_button = QPushButton("Revoke access")
         self.revoke_button.clicked.connect(self.revoke_selected)

@@ -20,6 +20,7 @@ from app.gui.async_ui import spawn
 from app.gui.icons import app_icon
 from app.gui.models_tab import human_size
 from app.gui.session import Session
+from app.gui.widgets import hashing_progress
 
 SOURCES = {"lmstudio": "LM Studio", "ollama": "Ollama", "huggingface": "Hugging Face"}
 COLUMNS = ("Model", "From", "Size", "")
@@ -225,16 +226,8 @@ class FoundModelsDialog(QDialog):
         self.busy = True
         self.errors = {}
         self._update_buttons()
-        dialog = self.progress = QProgressDialog("", "", 0, 100, self)
+        dialog = self.progress = hashing_progress(self, "Adding models", "", 440)
         dialog.setObjectName("found-progress")
-        dialog.setWindowTitle("Adding models")
-        dialog.setCancelButton(None)  # hashing runs in a thread that cannot be interrupted
-        # Not modal: a modal progress dialog runs a nested event loop on every setValue().
-        dialog.setWindowModality(Qt.WindowModality.NonModal)
-        dialog.setMinimumDuration(0)
-        dialog.setMinimumWidth(440)
-        dialog.setValue(0)
-        dialog.show()
         spawn(self._add(picked, dialog), self)
 
     async def _add(self, picked: list[dict[str, Any]], dialog: QProgressDialog) -> None:

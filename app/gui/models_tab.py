@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import Any, Awaitable
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHeaderView, QLabel, QProgressDialog,
-                               QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QProgressDialog,
+                               QPushButton, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from app.errors import LmspError
 from app.gui import style
 from app.gui.async_ui import confirm, show_error, spawn
 from app.gui.session import Session
+from app.gui.widgets import hashing_progress, list_table
 
 COLUMNS = ("Model", "Size", "Digest", "State")
 STATES = {"available": "Ready", "loaded": "Loaded", "missing": "File missing", "changed": "File changed on disk"}
@@ -38,18 +39,7 @@ class ModelsTab(QWidget):
         super().__init__(parent)
         self.session = session
         self.progress: QProgressDialog | None = None
-        self.table = QTableWidget(0, len(COLUMNS))
-        self.table.setHorizontalHeaderLabels(COLUMNS)
-        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
-        self.table.verticalHeader().hide()
-        self.table.setTabKeyNavigation(False)  # Tab leaves the table, as in a form
-        self.table.setWordWrap(False)
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        for col, width in ((1, 90), (2, 120), (3, 160)):
-            header.resizeSection(col, width)
+        self.table = list_table(COLUMNS, stretch=0, widths={1: 90, 2: 120, 3: 160})
         self.table.itemSelectionChanged.connect(self._update_buttons)
 
         self.buttons: dict[str, QPushButton] = {}
@@ -118,15 +108,8 @@ class ModelsTab(QWidget):
 
     def register(self, path: str) -> None:
         """Validate and hash the file (long for big models), showing progress meanwhile."""
-        dialog = self.progress = QProgressDialog(f"Checking and hashing {Path(path).name}…", "", 0, 100, self)
-        dialog.setWindowTitle("Adding a model")
-        dialog.setCancelButton(None)  # hashing runs in a thread that cannot be interrupted
-        # Not modal: a modal progress dialog runs a nested event loop on every setValue().
-        dialog.setWindowModality(Qt.WindowModality.NonModal)
-        dialog.setMinimumDuration(0)
-        dialog.setMinimumWidth(420)
-        dialog.setValue(0)
-        dialog.show()
+        dialog = self.progress = hashing_progress(self, "Adding a model",
+                                                  f"Checking and hashing {Path(path).name}…", 420)
         self.buttons["add"].setEnabled(False)  # one file at a time
 
         def report(done: int, total: int) -> None:  # called on the loop thread

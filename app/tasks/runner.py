@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -94,8 +95,11 @@ class Runner:
 
     def resize(self, capacity: int) -> None:
         """Change how many tasks run at once; engines beyond it finish their task and then rest."""
+        # Engines share the cores: several llama.cpp processes each spinning every core would
+        # all run slower than one. An engine keeps its share until it is restarted.
+        threads = max(1, (os.cpu_count() or 1) // capacity)
         while len(self.engines) < capacity:
-            self.engines.append(Engine(f"engine{len(self.engines)}"))
+            self.engines.append(Engine(f"engine{len(self.engines)}", n_threads=threads))
         self.capacity = capacity
         self.wake()
 

@@ -1,0 +1,36 @@
+"""Widgets set up the same way in several places: a list table and a hashing progress dialog."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QProgressDialog, QTableWidget, QWidget
+
+
+def list_table(columns: list[str], stretch: int, widths: dict[int, int]) -> QTableWidget:
+    """A read-only table of whole-row, single selections; Tab leaves it, as in a form."""
+    table = QTableWidget(0, len(columns))
+    table.setHorizontalHeaderLabels(columns)
+    table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+    table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+    table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+    table.verticalHeader().hide()
+    table.setTabKeyNavigation(False)
+    table.setWordWrap(False)
+    header = table.horizontalHeader()
+    header.setSectionResizeMode(stretch, QHeaderView.ResizeMode.Stretch)
+    for col, width in widths.items():
+        header.resizeSection(col, width)
+    return table
+
+
+def hashing_progress(parent: QWidget, title: str, label: str, width: int) -> QProgressDialog:
+    dialog = QProgressDialog(label, "", 0, 100, parent)
+    dialog.setWindowTitle(title)
+    dialog.setCancelButton(None)  # hashing runs in a thread that cannot be interrupted
+    # Not modal: a modal progress dialog runs a nested event loop on every setValue().
+    dialog.setWindowModality(Qt.WindowModality.NonModal)
+    dialog.setMinimumDuration(0)
+    dialog.setMinimumWidth(width)
+    dialog.setValue(0)
+    dialog.show()
+    return dialog
