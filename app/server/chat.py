@@ -93,6 +93,8 @@ async def _stream(request: web.Request, service: Any, task_id: str, ident: str,
             pending = await service.events_after(task_id, last)
             if not pending:
                 event = await feed.queue.get()
+                if event["type"] == "service.stopping":
+                    return out
                 if event.get("sequence_number", -1) <= last:
                     continue
                 pending = await service.events_after(task_id, last)

@@ -45,7 +45,7 @@ class Feed:
         self._stop = bus.listen(self._on_event)
 
     def _on_event(self, event: Event) -> None:
-        if event.get("task_id") == self._task_id:
+        if event.get("task_id") == self._task_id or event["type"] == "service.stopping":
             self.queue.put_nowait(event)
 
     def close(self) -> None:
