@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from app import paths
-from app.core import auth, idempotency, pairing, requests
+from app.core import auth, idempotency, requests
+from app.core.access import AccessFacade
 from app.core.auth import Client
-from app.engine import discovery, models
-from app.engine.engine import Engine, EngineError
+from app.core.models_facade import ModelsFacade
+from app.engine import models
+from app.engine.engine import Engine
 from app.errors import Conflict, InvalidRequest, LmspError, NotFound
 from app.secrets import TokenVault
 from app.store import config
@@ -46,7 +48,7 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-class AppService:
+class AppService(AccessFacade, ModelsFacade):
     def __init__(self, data_dir: Path, *, flush_seconds: float = 0.2) -> None:
         self.data_dir = data_dir
         self.store = Store(data_dir / paths.DB_NAME)
@@ -240,134 +242,6 @@ class AppService:
     def set_paused(self, paused: bool) -> None:
         self.runner.set_paused(paused)
         self.bus.publish([{"type": "service.paused", "paused": paused}])
-
-    # -- pairing and clients ---------------------------------------------------------------
-
-    async def request_pairing(self, body: Any) -> dict[str, Any]:
-        name, scopes = pairing.parse(body)
-        row = await self.store.write(pairing.create, name, scopes)
-        shown = pairing.pairing_object(row)
-        self.bus.publish([{"type": "pairing.requested", "pairing": shown}])
-        return shown
-
-    async def pairing_status(self, pairing_id: str) -> dict[str, Any]:
-        """What the requester sees; the token is in it exactly once, after approval."""
-        row = await self.store.read(pairing.get, pairing_id)
-        shown = pairing.pairing_object(row)
-        if shown["status"] == "approved" and pairing_id in self._pairing_tokens:
-            if await self.store.write(pairing.hand_over, pairing_id):
-                shown["token"] = self._pairing_tokens.pop(pairing_id)
-        return shown
-
-    async def pending_pairings(self) -> list[dict[str, Any]]:
-        return [pairing.pairing_object(r) for r in await self.store.read(pairing.pending)]
-
-    async def approve_pairing(self, pairing_id: str) -> dict[str, Any]:
-        return await self._decide(pairing_id, True)
-
-    async def deny_pairing(self, pairing_id: str) -> dict[str, Any]:
-        return await self._decide(pairing_id, False)
-
-    async def _decide(self, pairing_id: str, approve: bool) -> dict[str, Any]:
-        row, token = await self.store.write(pairing.decide, pairing_id, approve)
-        if token is not None:
-            self._pairing_tokens[pairing_id] = token
-        self.bus.publish([{"type": "pairing.resolved", "id": pairing_id, "status": row["status"]}])
-        return pairing.pairing_object(row)
-
-    async def list_clients(self) -> list[dict[str, Any]]:
-        rows = await self.store.read(lambda c: c.execute(
-            "SELECT * FROM clients WHERE revoked_at IS NULL ORDER BY created_at").fetchall())
-        return [{"id": r["id"], "object": "client", "name": r["name"], "scopes": json.loads(r["scopes"]),
-                 "owner": bool(r["is_owner"]), "created_at": r["created_at"], "last_used_at": r["last_used_at"]}
-                for r in rows]
-
-    async def revoke_client(self, client_id: str) -> None:
-        if client_id == auth.OWNER_ID:
-            raise Conflict("cannot_revoke_owner", "The owner token cannot be revoked.")
-        done = await self.store.write(lambda c: c.execute(
-            "UPDATE clients SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), client_id)).rowcount)
-        if not done:
-            raise NotFound("client", client_id)
-        self.bus.publish([{"type": "clients.changed"}])
-
-    # -- models ------------------------------------------------------------------------------
-
-    def loaded_paths(self) -> set[str]:
-        return {e.model_path for e in self.engines if e.model_path and e.alive}
-
-    async def list_models(self) -> list[dict[str, Any]]:
-        rows = await self.store.read(lambda c: c.execute("SELECT * FROM models ORDER BY created_at").fetchall())
-        loaded = self.loaded_paths()
-        return [models.model_object(r, loaded) for r in rows]
-
-    async def model(self, model_id: str) -> dict[str, Any]:
-        return models.model_object(await self.store.read(models.get, model_id), self.loaded_paths())
-
-    async def register_model(self, body: Any, progress: Any = None) -> dict[str, Any]:
-        if not isinstance(body, dict) or not isinstance(body.get("path"), str):
-            raise InvalidRequest("`path` (an absolute file path) is required.", param="path")
-        if set(body) - {"path", "id"}:
-            unknown = sorted(set(body) - {"path", "id"})[0]
-            raise InvalidRequest(f"Unknown parameter {unknown!r}.", param=unknown)
-        model_id = body.get("id")
-        if model_id is not None and (not isinstance(model_id, str) or not models.ID_PATTERN.match(model_id)):
-            # Checked before hashing: an explicit but bad id (even "") is refused, never replaced.
-            raise InvalidRequest("`id` must be 1-128 letters, digits and . _ : - (starting with a letter "
-                                 "or digit).", param="id")
-        loop = asyncio.get_running_loop()
-
-        def report(done: int, total: int) -> None:
-            event = {"type": "models.hashing", "path": body["path"], "done": done, "total": total}
-            loop.call_soon_threadsafe(self.bus.publish, [event])
-            if progress:
-                loop.call_soon_threadsafe(progress, done, total)
-
-        found = await asyncio.to_thread(models.examine, body["path"], report)
-        model_id = models.suggest_id(found.path) if model_id is None else model_id
-        await self.store.write(models.insert, model_id, found)
-        self.bus.publish([{"type": "models.changed"}])
-        return await self.model(model_id)
-
-    async def discover_models(self) -> list[dict[str, Any]]:
-        """GGUF files that LM Studio, Ollama and the Hugging Face cache already have here."""
-        found = await asyncio.to_thread(discovery.discover)
-        registered = {m["path"] for m in await self.list_models()}
-        return [{**item.__dict__, "suggested_id": models.suggest_id(
-                    item.name.replace("/", "-") if item.source == "ollama" else Path(item.name).name),
-                 "registered": item.path in registered} for item in found]
-
-    async def remove_model(self, model_id: str) -> None:
-        row = await self.store.read(models.get, model_id)
-        for engine in self.engines:
-            if engine.model_path == row["path"] and not self.runner.busy(engine):
-                await engine.unload()
-        await self.store.write(lambda c: c.execute("DELETE FROM models WHERE id = ?", (model_id,)))
-        self.bus.publish([{"type": "models.changed"}])
-
-    async def load_model(self, model_id: str) -> dict[str, Any]:
-        row = await self.store.read(models.usable, model_id)
-        engine = self.runner.idle_engine()
-        if engine is None:
-            raise Conflict("engines_busy", "Every engine is busy with a task; try again when one is free.")
-        started = time.monotonic()
-        try:
-            await engine.load(row["path"])
-        except EngineError as exc:
-            raise LmspError("model_load_failed", f"The model could not be loaded: {exc.message}", status=422) from exc
-        self.model_load_seconds = time.monotonic() - started
-        self.bus.publish([{"type": "models.changed"}])
-        return await self.model(model_id)
-
-    async def unload_model(self, model_id: str) -> dict[str, Any]:
-        row = await self.store.read(models.get, model_id)
-        for engine in self.engines:
-            if engine.model_path == row["path"]:
-                if self.runner.busy(engine):
-                    raise Conflict("model_in_use", "A task is running on this model; cancel it first.")
-                await engine.unload()
-        self.bus.publish([{"type": "models.changed"}])
-        return await self.model(model_id)
 
     # -- settings ----------------------------------------------------------------------------
 

@@ -118,10 +118,16 @@ class Child:
         # then each earlier output token on its own. Batch shapes change the floating-point
         # results, so reusing a cache or batching the prefix could flip a near-tie at
         # temperature 0 and break the promise that a resumed task ends with the same text.
+        # The prompt goes in the same n_batch slices llama.cpp's own eval uses (same numbers),
+        # one slice at a time so that a cancel is seen during a long prompt too.
         llm.reset()
-        llm.eval(prompt)
-        for tok in prefix:
-            llm.eval([tok])
+        steps = [prompt[i:i + llm.n_batch] for i in range(0, len(prompt), llm.n_batch)] + [[t] for t in prefix]
+        for step in steps:
+            llm.eval(step)
+            if self.cancelled(job):
+                self.conn.send({"ev": "done", "job": job, "reason": "cancelled", "input_tokens": len(prompt),
+                                "output_tokens": count})
+                return
         if msg.get("seed") is not None:
             llm.set_seed(int(msg["seed"]))
         temperature = float(msg.get("temperature", 1.0))

@@ -1,0 +1,69 @@
+"""The part of the facade that deals with who may use the service: pairing and clients (LMSP §3)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from app.core import auth, pairing
+from app.errors import Conflict, NotFound
+from app.store.store import Store
+from app.tasks.bus import EventBus
+
+
+class AccessFacade:
+    """Mixed into AppService; the plaintext token of an approved pairing lives only in memory,
+    until the requester collects it (once)."""
+
+    store: Store
+    bus: EventBus
+    _pairing_tokens: dict[str, str]
+
+    async def request_pairing(self, body: Any) -> dict[str, Any]:
+        name, scopes = pairing.parse(body)
+        row = await self.store.write(pairing.create, name, scopes)
+        shown = pairing.pairing_object(row)
+        self.bus.publish([{"type": "pairing.requested", "pairing": shown}])
+        return shown
+
+    async def pairing_status(self, pairing_id: str) -> dict[str, Any]:
+        """What the requester sees; the token is in it exactly once, after approval."""
+        row = await self.store.read(pairing.get, pairing_id)
+        shown = pairing.pairing_object(row)
+        if shown["status"] == "approved" and pairing_id in self._pairing_tokens:
+            if await self.store.write(pairing.hand_over, pairing_id):
+                shown["token"] = self._pairing_tokens.pop(pairing_id)
+        return shown
+
+    async def pending_pairings(self) -> list[dict[str, Any]]:
+        return [pairing.pairing_object(r) for r in await self.store.read(pairing.pending)]
+
+    async def approve_pairing(self, pairing_id: str) -> dict[str, Any]:
+        return await self._decide(pairing_id, True)
+
+    async def deny_pairing(self, pairing_id: str) -> dict[str, Any]:
+        return await self._decide(pairing_id, False)
+
+    async def _decide(self, pairing_id: str, approve: bool) -> dict[str, Any]:
+        row, token = await self.store.write(pairing.decide, pairing_id, approve)
+        if token is not None:
+            self._pairing_tokens[pairing_id] = token
+        self.bus.publish([{"type": "pairing.resolved", "id": pairing_id, "status": row["status"]}])
+        return pairing.pairing_object(row)
+
+    async def list_clients(self) -> list[dict[str, Any]]:
+        rows = await self.store.read(lambda c: c.execute(
+            "SELECT * FROM clients WHERE revoked_at IS NULL ORDER BY created_at").fetchall())
+        return [{"id": r["id"], "object": "client", "name": r["name"], "scopes": json.loads(r["scopes"]),
+                 "owner": bool(r["is_owner"]), "created_at": r["created_at"], "last_used_at": r["last_used_at"]}
+                for r in rows]
+
+    async def revoke_client(self, client_id: str) -> None:
+        if client_id == auth.OWNER_ID:
+            raise Conflict("cannot_revoke_owner", "The owner token cannot be revoked.")
+        done = await self.store.write(lambda c: c.execute(
+            "UPDATE clients SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), client_id)).rowcount)
+        if not done:
+            raise NotFound("client", client_id)
+        self.bus.publish([{"type": "clients.changed"}])

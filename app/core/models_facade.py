@@ -1,0 +1,101 @@
+"""The part of the facade that deals with models: registry, discovery, load and unload (LMSP §4)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from app.engine import discovery, models
+from app.engine.engine import Engine, EngineError
+from app.errors import Conflict, InvalidRequest, LmspError
+from app.store.store import Store
+from app.tasks.bus import EventBus
+from app.tasks.runner import Runner
+
+
+class ModelsFacade:
+    """Mixed into AppService."""
+
+    store: Store
+    bus: EventBus
+    engines: list[Engine]
+    runner: Runner
+    model_load_seconds: float | None
+
+    def loaded_paths(self) -> set[str]:
+        return {e.model_path for e in self.engines if e.model_path and e.alive}
+
+    async def list_models(self) -> list[dict[str, Any]]:
+        rows = await self.store.read(lambda c: c.execute("SELECT * FROM models ORDER BY created_at").fetchall())
+        loaded = self.loaded_paths()
+        return [models.model_object(r, loaded) for r in rows]
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        return models.model_object(await self.store.read(models.get, model_id), self.loaded_paths())
+
+    async def register_model(self, body: Any, progress: Any = None) -> dict[str, Any]:
+        if not isinstance(body, dict) or not isinstance(body.get("path"), str):
+            raise InvalidRequest("`path` (an absolute file path) is required.", param="path")
+        if set(body) - {"path", "id"}:
+            unknown = sorted(set(body) - {"path", "id"})[0]
+            raise InvalidRequest(f"Unknown parameter {unknown!r}.", param=unknown)
+        model_id = body.get("id")
+        if model_id is not None and (not isinstance(model_id, str) or not models.ID_PATTERN.match(model_id)):
+            # Checked before hashing: an explicit but bad id (even "") is refused, never replaced.
+            raise InvalidRequest("`id` must be 1-128 letters, digits and . _ : - (starting with a letter "
+                                 "or digit).", param="id")
+        loop = asyncio.get_running_loop()
+
+        def report(done: int, total: int) -> None:
+            event = {"type": "models.hashing", "path": body["path"], "done": done, "total": total}
+            loop.call_soon_threadsafe(self.bus.publish, [event])
+            if progress:
+                loop.call_soon_threadsafe(progress, done, total)
+
+        found = await asyncio.to_thread(models.examine, body["path"], report)
+        model_id = models.suggest_id(found.path) if model_id is None else model_id
+        await self.store.write(models.insert, model_id, found)
+        self.bus.publish([{"type": "models.changed"}])
+        return await self.model(model_id)
+
+    async def discover_models(self) -> list[dict[str, Any]]:
+        """GGUF files that LM Studio, Ollama and the Hugging Face cache already have here."""
+        found = await asyncio.to_thread(discovery.discover)
+        registered = {m["path"] for m in await self.list_models()}
+        return [{**item.__dict__, "suggested_id": models.suggest_id(
+                    item.name.replace("/", "-") if item.source == "ollama" else Path(item.name).name),
+                 "registered": item.path in registered} for item in found]
+
+    async def remove_model(self, model_id: str) -> None:
+        row = await self.store.read(models.get, model_id)
+        for engine in self.engines:
+            if engine.model_path == row["path"] and not self.runner.busy(engine):
+                await engine.unload()
+        await self.store.write(lambda c: c.execute("DELETE FROM models WHERE id = ?", (model_id,)))
+        self.bus.publish([{"type": "models.changed"}])
+
+    async def load_model(self, model_id: str) -> dict[str, Any]:
+        row = await self.store.read(models.usable, model_id)
+        engine = self.runner.idle_engine()
+        if engine is None:
+            raise Conflict("engines_busy", "Every engine is busy with a task; try again when one is free.")
+        started = time.monotonic()
+        try:
+            await engine.load(row["path"])
+        except EngineError as exc:
+            raise LmspError("model_load_failed", f"The model could not be loaded: {exc.message}", status=422) from exc
+        self.model_load_seconds = time.monotonic() - started
+        self.bus.publish([{"type": "models.changed"}])
+        return await self.model(model_id)
+
+    async def unload_model(self, model_id: str) -> dict[str, Any]:
+        row = await self.store.read(models.get, model_id)
+        for engine in self.engines:
+            if engine.model_path == row["path"]:
+                if self.runner.busy(engine):
+                    raise Conflict("model_in_use", "A task is running on this model; cancel it first.")
+                await engine.unload()
+        self.bus.publish([{"type": "models.changed"}])
+        return await self.model(model_id)
