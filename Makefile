@@ -41,4 +41,4 @@ package: system-deps $(BIN)/.installed
 	packaging/build.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

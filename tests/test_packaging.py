@@ -1,6 +1,6 @@
 """Installing and launching like a desktop app: the XDG files, install-desktop.sh, and the
-frozen one-folder build (packaging/). The build test is marked `package` and left out of the
-default run: `pytest -m package` (it builds dist/lmsp-tray/ unless it is already there)."""
+frozen one-folder build (packaging/). The build test is marked `package` (`pytest -m package` runs it
+alone); it builds dist/lmsp-tray/ unless a build is already there (LMSP_REBUILD=1 forces one)."""
 
 from __future__ import annotations
 
