@@ -6,12 +6,11 @@ import time
 from typing import Any
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QHBoxLayout, QLabel, QPushButton, QTableWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QHBoxLayout, QPushButton, QTableWidgetItem, QWidget)
 
-from app.gui import style
 from app.gui.async_ui import confirm, spawn
 from app.gui.session import Session
-from app.gui.widgets import list_table
+from app.gui.widgets import list_page, list_table
 
 COLUMNS = ("Name", "Scopes", "Last used", "Paired")
 
@@ -41,14 +40,8 @@ class ClientsTab(QWidget):
         row = QHBoxLayout()
         row.addWidget(self.revoke_button)
         row.addStretch(1)
-        note = QLabel("Apps get access by pairing: they ask, you allow. Revoking takes effect on the app's "
-                      "next request; it can pair again later.")
-        note.setWordWrap(True)
-        note.setStyleSheet(style.HINT)
-        layout = QVBoxLayout(self)
-        layout.addLayout(row)
-        layout.addWidget(self.table, 1)
-        layout.addWidget(note)
+        list_page(self, row, self.table, "Apps get access by pairing: they ask, you allow. Revoking takes effect "
+                  "on the app's next request; it can pair again later.")
         session.bridge.clients_changed.connect(self.load)
         session.bridge.pairing_resolved.connect(lambda *_: self.load())
         self._update_buttons()

@@ -6,14 +6,13 @@ from pathlib import Path
 from typing import Any, Awaitable
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QProgressDialog,
-                               QPushButton, QTableWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QProgressDialog,
+                               QPushButton, QTableWidgetItem, QWidget)
 
 from app.errors import LmspError
-from app.gui import style
 from app.gui.async_ui import confirm, show_error, spawn
 from app.gui.session import Session
-from app.gui.widgets import hashing_progress, list_table
+from app.gui.widgets import hashing_progress, list_page, list_table
 
 COLUMNS = ("Model", "Size", "Digest", "State")
 STATES = {"available": "Ready", "loaded": "Loaded", "missing": "File missing", "changed": "File changed on disk"}
@@ -54,14 +53,8 @@ class ModelsTab(QWidget):
         find.setToolTip("Models that LM Studio, Ollama or Hugging Face already downloaded (nothing is copied)")
         find.clicked.connect(self.find_models)
         row.addWidget(find)
-        note = QLabel("Removing a model only forgets it here: the file itself is never deleted. "
-                      "A loaded model stays in memory until it is unloaded or idle too long.")
-        note.setWordWrap(True)
-        note.setStyleSheet(style.HINT)
-        layout = QVBoxLayout(self)
-        layout.addLayout(row)
-        layout.addWidget(self.table, 1)
-        layout.addWidget(note)
+        list_page(self, row, self.table, "Removing a model only forgets it here: the file itself is never deleted. "
+                  "A loaded model stays in memory until it is unloaded or idle too long.")
         session.models_updated.connect(self.show_models)
         self.show_models()
 

@@ -1,9 +1,13 @@
-"""Widgets set up the same way in several places: a list table and a hashing progress dialog."""
+"""Widgets set up the same way in several places: a list tab (buttons, table, note), a hashing
+progress dialog."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QProgressDialog, QTableWidget, QWidget
+from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QProgressDialog, QTableWidget,
+                               QVBoxLayout, QWidget)
+
+from app.gui import style
 
 
 def list_table(columns: list[str], stretch: int, widths: dict[int, int]) -> QTableWidget:
@@ -34,3 +38,13 @@ def hashing_progress(parent: QWidget, title: str, label: str, width: int) -> QPr
     dialog.setValue(0)
     dialog.show()
     return dialog
+
+
+def list_page(page: QWidget, buttons: QHBoxLayout, table: QTableWidget, note: str) -> None:
+    """Lay out a tab that lists things: its buttons, the table, and a hint underneath."""
+    hint = QLabel(note, wordWrap=True)
+    hint.setStyleSheet(style.HINT)
+    layout = QVBoxLayout(page)
+    layout.addLayout(buttons)
+    layout.addWidget(table, 1)
+    layout.addWidget(hint)
