@@ -52,12 +52,21 @@ class Lifecycle:
         self.log_file: Path | None = None  # set by main(); the desktop app's "Open logs"
 
     async def start(self) -> str:
+        running = self.running_elsewhere()
+        if running:
+            raise LmspError("already_running", f"LMSP Tray is already running for {self.data_dir} at {running}.",
+                            status=409, title="Already running")
         # Recovery (inside service.start) finishes before the port is even open.
         await self.service.start()
         settings = self.service.settings
         host = self.host or settings["host"]
         port = settings["port"] if self.port is None else self.port
-        url = await self.server.start(host, port)
+        try:
+            url = await self.server.start(host, port)
+        except OSError as exc:
+            await self.service.stop()
+            raise LmspError("cannot_listen", f"Cannot serve on {host}:{port}: {exc.strerror or exc}.",
+                            status=503, title="The port is not available") from None
         self._write_service_file(url)
         log.info("serving LMSP on %s (data in %s)", url, self.data_dir)
         return url
@@ -69,6 +78,19 @@ class Lifecycle:
         await self.server.stop()
         (self.data_dir / paths.SERVICE_FILE).unlink(missing_ok=True)
         log.info("stopped cleanly")
+
+    def running_elsewhere(self) -> str | None:
+        """The URL of another live process serving this data folder, if there is one: two
+        services on one database would each run the other's tasks."""
+        try:
+            info = json.loads((self.data_dir / paths.SERVICE_FILE).read_text(encoding="utf-8"))
+            pid = int(info["pid"])
+            if pid != os.getpid():
+                os.kill(pid, 0)  # raises if no such process: the file was left by a crash
+                return str(info["url"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return None
 
     def _write_service_file(self, url: str) -> None:
         info = {"url": url, "pid": os.getpid(), "version": __version__,

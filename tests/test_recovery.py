@@ -155,3 +155,22 @@ def test_sigterm_commits_a_snapshot_and_exits_zero(headless: Headless) -> None:
     deltas = "".join(json.loads(d)["delta"] for (d,) in conn.execute(
         "SELECT data FROM task_events WHERE task_id = ? AND type = 'response.output_text.delta'", (task_id,)))
     assert deltas == text and last is not None
+
+
+def test_a_second_service_on_the_same_data_refuses_and_a_busy_port_is_reported(headless: Headless) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    headless.start()
+    second = subprocess.run([sys.executable, "-m", "app", "--headless", "--data-dir", str(headless.data_dir),
+                             "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2 and f"already running for {headless.data_dir} at {headless.url}" in second.stderr
+    port = headless.url.rsplit(":", 1)[1]
+    other = subprocess.run([sys.executable, "-m", "app", "--headless", "--data-dir",
+                            str(headless.data_dir.parent / "other"), "--port", port],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert other.returncode == 2 and f"Cannot serve on 127.0.0.1:{port}" in other.stderr
+    assert "Traceback" not in other.stderr
+    assert headless.get("/health")[0] == 200  # the first one is untouched
