@@ -112,6 +112,14 @@ async def run_headless(life: Lifecycle) -> int:
     return 0
 
 
+def has_screen() -> bool:
+    """On Linux and the BSDs a window needs an X11 or Wayland display (or a Qt platform chosen
+    explicitly, as tests do); elsewhere there always is one."""
+    if not sys.platform.startswith(("linux", "freebsd", "openbsd")):
+        return True
+    return any(os.environ.get(name) for name in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"))
+
+
 def main(argv: list[str] | None = None) -> int:
     # In a frozen app the engine child (spawn) and multiprocessing's resource tracker are this
     # same executable: run them and exit here, before the command line is parsed. No-op otherwise.
@@ -124,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     life = Lifecycle(data_dir, args.host, args.port)
     life.log_file = log_file
     try:
-        if args.headless:
+        if args.headless or not has_screen():
+            if not args.headless:
+                log.warning("no screen to show a tray icon on: running the service without a window")
             return asyncio.run(run_headless(life))
         from app.gui.desktop import run_desktop  # Qt is imported only for the desktop app
         return run_desktop(life)

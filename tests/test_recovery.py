@@ -174,3 +174,22 @@ def test_a_second_service_on_the_same_data_refuses_and_a_busy_port_is_reported(h
     assert other.returncode == 2 and f"Cannot serve on 127.0.0.1:{port}" in other.stderr
     assert "Traceback" not in other.stderr
     assert headless.get("/health")[0] == 200  # the first one is untouched
+
+
+def test_without_a_screen_the_app_serves_headless(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
+    proc = subprocess.Popen([sys.executable, "-m", "app", "--data-dir", str(tmp_path / "data"), "--port", "0"],
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: (tmp_path / "data" / "service.json").exists(), timeout=60)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "no screen to show a tray icon on" in err
