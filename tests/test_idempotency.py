@@ -203,3 +203,26 @@ async def test_fifty_concurrent_retries_create_one_task(api, service):
     assert sum("Idempotent-Replayed" not in r.headers for r in results) == 1
     responses = await service.store.read(lambda c: c.execute("SELECT count(*) FROM responses").fetchone()[0])
     assert responses == 1
+
+
+async def test_other_posts_take_keys_too(api, service):
+    """Pairing requests (no token yet), chat completions and cancels replay as well."""
+    body = {"client_name": "Retrying app", "scopes": ["models:read"]}
+    first, _ = await raw(api, "POST", "/v1/pairings", headers=key("pair-1"), json=body)
+    again, again_text = await raw(api, "POST", "/v1/pairings", headers=key("pair-1"), json=body)
+    assert first.status == again.status == 202 and again.headers["Idempotent-Replayed"] == "true"
+    pending = await service.pending_pairings()
+    assert len(pending) == 1 and pending[0]["id"] == json.loads(again_text)["id"]  # one request, not two
+    other, _ = await raw(api, "POST", "/v1/pairings", headers=key("pair-1"), json={**body, "client_name": "x"})
+    assert other.status == 422
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    before = len(await task_ids(service))
+    one = await api.post("/v1/chat/completions", json=chat, headers=key("chat-1"))
+    two = await api.post("/v1/chat/completions", json=chat, headers=key("chat-1"))
+    assert one.status == two.status == 200 and two.headers["Idempotent-Replayed"] == "true"
+    assert await one.json() == await two.json()
+    assert len(await task_ids(service)) == before + 1  # the model ran once
+
+    refused = await api.post("/v1/tasks/task_nope/cancel", headers=key("cancel-1"))
+    assert refused.status == 404 and await key_row(service, "client_owner", "cancel-1") is None  # errors not kept

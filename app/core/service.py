@@ -172,12 +172,20 @@ class AppService(AccessFacade, ModelsFacade):
         self.runner.wake()
         return Created(202 if req.background else 200, records.response_object(row), False)
 
-    async def remember(self, client: Client, idempotency_key: str, status: int, body: dict[str, Any]) -> None:
-        """Store the final answer of a foreground request made with an idempotency key."""
-        await self.store.write(idempotency.finish, client.id, idempotency_key, status, body)
+    async def claim_key(self, owner: str, idempotency_key: str, method: str, path: str,
+                        body: Any) -> idempotency.Stored | None:
+        """For requests other than `POST /v1/responses` (which claims its key in the same
+        transaction as its task): None means go ahead, else the stored answer to replay."""
+        digest = idempotency.digest(method, path, owner, body)
+        return await self.store.write(idempotency.claim, owner, idempotency.check_key(idempotency_key), digest,
+                                      self.settings["idempotency_ttl_seconds"])
 
-    async def forget(self, client: Client, idempotency_key: str) -> None:
-        await self.store.write(idempotency.release, client.id, idempotency_key)
+    async def remember(self, owner: str, idempotency_key: str, status: int, body: dict[str, Any]) -> None:
+        """Store the final answer of a request made with an idempotency key."""
+        await self.store.write(idempotency.finish, owner, idempotency_key, status, body)
+
+    async def forget(self, owner: str, idempotency_key: str) -> None:
+        await self.store.write(idempotency.release, owner, idempotency_key)
 
     async def response(self, client: Client, response_id: str) -> dict[str, Any]:
         return records.response_object(await self._owned(client, "response", response_id))

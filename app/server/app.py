@@ -12,7 +12,7 @@ from app.server import admin as a
 from app.server import handlers as h
 from app.server.chat import chat_completions
 from app.server.keys import LATENCY, SCOPES, SERVICE
-from app.server.middleware import authorize, boundary, cors_headers, errors, timing
+from app.server.middleware import authorize, boundary, cors_headers, errors, idempotent, timing
 
 MAX_BODY = 8 * 1024 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -51,7 +51,7 @@ ROUTES: list[tuple[str, str, Handler, str | None]] = [
 
 
 def make_app(service: AppService) -> web.Application:
-    app = web.Application(middlewares=[timing, errors, boundary, authorize], client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[timing, errors, boundary, authorize, idempotent], client_max_size=MAX_BODY)
     app[SERVICE] = service
     app[LATENCY] = LatencyHistogram()
     app[SCOPES] = {}

@@ -79,10 +79,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     except (ConnectionResetError, asyncio.CancelledError):
         await _cancel_quietly(service, client, task_id)
         if key:
-            await asyncio.shield(service.forget(client, key))
+            await asyncio.shield(service.forget(client.id, key))
         raise
     if key:
-        await service.remember(client, key, 200, final)
+        await service.remember(client.id, key, 200, final)
     return answer
 
 
