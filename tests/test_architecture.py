@@ -1,0 +1,44 @@
+"""Dependencies point one way: gui and server -> core -> store. Checked on the source, so a
+new import in the wrong direction fails here rather than in a code review."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+APP = Path(__file__).resolve().parent.parent / "app"
+CORE = ("store", "tasks", "engine", "core")
+QT = ("PySide6", "shiboken6", "qasync")
+
+
+def imports(folder: str) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for file in (APP / folder).rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+        found[str(file.relative_to(APP))] = names
+    return found
+
+
+def offenders(folders: tuple[str, ...], banned: tuple[str, ...]) -> list[str]:
+    return sorted(f"{file}: {name}" for folder in folders for file, names in imports(folder).items()
+                  for name in names if name.split(".")[0] in banned or name.startswith(banned))
+
+
+def test_the_core_imports_neither_qt_nor_aiohttp() -> None:
+    assert offenders(CORE, (*QT, "aiohttp")) == []
+
+
+def test_the_server_imports_no_qt_and_the_gui_no_server() -> None:
+    assert offenders(("server",), QT) == []
+    assert offenders(("gui",), ("aiohttp", "app.server")) == []
+
+
+def test_the_gui_reaches_state_only_through_the_facade() -> None:
+    """No SQL from the GUI: not the store, not the engine, not the runner."""
+    assert offenders(("gui",), ("sqlite3", "app.store", "app.engine", "app.tasks.runner", "app.tasks.machine",
+                                "app.tasks.records")) == []
