@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 from typing import Any
 
@@ -33,13 +34,22 @@ def _str_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(s, str) and s for s in v)
 
 
+# What a browser sends as Origin: scheme://host[:port], nothing after it. No wildcard: each web
+# page that may call the service is named.
+ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#*]+\Z")
+
+
+def _origins(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(s, str) and ORIGIN.match(s) for s in v)
+
+
 VALIDATORS: dict[str, Any] = {
     "host": lambda v: isinstance(v, str) and 0 < len(v) < 256,
     "port": _int_in(0, 65535),
     "retention_seconds": _int_in(60, 10 * 365 * 86400),
     "default_on_restart": lambda v: v in ON_RESTART,
     "max_concurrent_tasks": _int_in(1, 16),
-    "allowed_origins": _str_list,
+    "allowed_origins": _origins,
     "idempotency_ttl_seconds": _int_in(60, 365 * 86400),
     "model_idle_ttl_seconds": _int_in(0, 365 * 86400),
     "allowed_hosts": _str_list,
