@@ -183,3 +183,11 @@ async def test_settings_need_admin(api):
     resp, text = await raw(api, "PATCH", "/v1/settings", json={"max_concurrent_tasks": 4})
     assert resp.status == 401, text
     assert (await settings(api))["max_concurrent_tasks"] == 1
+
+
+async def test_what_get_returns_can_be_patched_back(api):
+    current = await (await api.get("/v1/settings")).json()
+    changed = {**current, "retention_seconds": 3600}
+    resp = await api.patch("/v1/settings", json=changed)
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["retention_seconds"] == 3600

@@ -34,6 +34,7 @@ from app.tasks.runner import Runner, request_cancel
 from app.tasks.states import TERMINAL
 
 log = logging.getLogger(__name__)
+RESTART_KEY, RESTART_REQUIRED = "restart_required_for", ["host", "port"]  # settings read at start only
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
 
 
@@ -254,7 +255,10 @@ class AppService(AccessFacade, ModelsFacade):
     # -- settings ----------------------------------------------------------------------------
 
     async def update_settings(self, changes: Any) -> dict[str, Any]:
-        """Validate all, then save all: a bad value changes nothing."""
+        """Validate all, then save all: a bad value changes nothing. The read-only part of
+        `GET /v1/settings` may come back unchanged, so a client can PATCH what it read."""
+        if isinstance(changes, dict) and changes.get(RESTART_KEY) == RESTART_REQUIRED:
+            changes = {k: v for k, v in changes.items() if k != RESTART_KEY}
         changes = config.validate(changes)
         await self.store.write(config.save, changes)
         self.settings = {**self.settings, **changes}
@@ -264,7 +268,7 @@ class AppService(AccessFacade, ModelsFacade):
         return self.settings_view()
 
     def settings_view(self) -> dict[str, Any]:
-        return {**{k: v for k, v in self.settings.items()}, "restart_required_for": ["host", "port"]}
+        return {**self.settings, RESTART_KEY: RESTART_REQUIRED}
 
     async def preference(self, key: str) -> Any:
         """A front end's own remembered choice (keys "gui.*"), kept in service_config; None if unset."""
