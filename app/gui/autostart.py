@@ -57,7 +57,8 @@ def _quote(arg: str) -> str:
     arg = arg.replace("%", "%%")
     if arg and all(c.isalnum() or c in "/-._=+:,%" for c in arg):
         return arg
-    return '"' + "".join("\\" + c if c in '"`$\\' else c for c in arg) + '"'
+    quoted = '"' + "".join("\\" + c if c in '"`$\\' else c for c in arg) + '"'
+    return quoted.replace("\\", "\\\\")  # Exec is also a string value: its backslashes escape again
 
 
 def enable(data_dir: Path | None = None) -> Path:
