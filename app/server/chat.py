@@ -4,6 +4,7 @@ so existing local apps work unchanged. Foreground only: durable work goes throug
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -11,9 +12,10 @@ from aiohttp import web
 
 from app.core.service import TERMINAL_EVENTS
 from app.errors import InvalidRequest
-from app.server.keys import CLIENT, SERVICE
 from app.server.handlers import unless_client_leaves
+from app.server.keys import CLIENT, SERVICE
 from app.server.middleware import read_json
+from app.server.sse import follow
 from app.tasks import records
 
 ALLOWED = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
@@ -85,25 +87,16 @@ async def _stream(request: web.Request, service: Any, task_id: str, ident: str,
                   response: dict[str, Any]) -> web.StreamResponse:
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
     model, created = response["model"], response["created_at"]
-    with service.feed(task_id) as feed:
-        await out.prepare(request)
-        await out.write(_chunk(ident, model, created, {"role": "assistant", "content": ""}, None))
-        last = -1
-        while True:
-            pending = await service.events_after(task_id, last)
-            if not pending:
-                event = await feed.queue.get()
-                if event["type"] == "service.stopping":
-                    return out
-                if event.get("sequence_number", -1) <= last:
-                    continue
-                pending = await service.events_after(task_id, last)
-            for event in pending:
-                last = event["sequence_number"]
-                if event["type"] == "response.output_text.delta":
-                    await out.write(_chunk(ident, model, created, {"content": event["delta"]}, None))
-                elif event["type"] in TERMINAL_EVENTS:
-                    finish = "length" if event["type"] == "response.incomplete" else "stop"
-                    await out.write(_chunk(ident, model, created, {}, finish))
-                    await out.write(b"data: [DONE]\n\n")
-                    return out
+    await out.prepare(request)
+    await out.write(_chunk(ident, model, created, {"role": "assistant", "content": ""}, None))
+    async with contextlib.aclosing(follow(service, task_id, -1)) as events:
+        async for event in events:
+            if event is None:  # silence: chat streams send no heartbeat
+                continue
+            if event["type"] == "response.output_text.delta":
+                await out.write(_chunk(ident, model, created, {"content": event["delta"]}, None))
+            elif event["type"] in TERMINAL_EVENTS:
+                finish = "length" if event["type"] == "response.incomplete" else "stop"
+                await out.write(_chunk(ident, model, created, {}, finish))
+                await out.write(b"data: [DONE]\n\n")
+    return out

@@ -7,8 +7,9 @@ one or the other (or both: duplicates are dropped by sequence number). No gap, n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from typing import Any
+from typing import Any, AsyncIterator
 
 from aiohttp import web
 
@@ -24,44 +25,54 @@ def frame(event: dict[str, Any]) -> bytes:
             f"data: {json.dumps(event, ensure_ascii=False)}\n\n").encode()
 
 
+async def follow(service: AppService, task_id: str, after: int,
+                 heartbeat: float = HEARTBEAT_SECONDS) -> AsyncIterator[dict[str, Any] | None]:
+    """A task's events after `after`: the stored ones, then live ones, ending with the terminal
+    event (or when the service stops). Yields None when `heartbeat` seconds pass in silence."""
+    with service.feed(task_id) as feed:
+        last = after
+        while True:  # replay, page by page
+            batch = await service.events_after(task_id, last)
+            for event in batch:
+                yield event
+                last = event["sequence_number"]
+                if event["type"] in TERMINAL_EVENTS:
+                    return
+            if len(batch) < 1000:
+                break
+        if await service.store.read(machine.status_of, task_id) in (*TERMINAL, None):
+            # Asked for events after the terminal one (e.g. a reconnect with its Last-Event-ID), or the
+            # task is gone: nothing more will ever come, so end instead of sending heartbeats forever.
+            # Its status and last event commit together: whatever came after the replay is here now.
+            for event in await service.events_after(task_id, last):
+                yield event
+            return
+        while True:  # live
+            try:
+                event = await asyncio.wait_for(feed.queue.get(), heartbeat)
+            except asyncio.TimeoutError:
+                yield None
+                continue
+            if event["type"] == "service.stopping":
+                return
+            if event["sequence_number"] <= last:
+                continue
+            for missed in await service.events_after(task_id, last) if event["sequence_number"] > last + 1 else [event]:
+                yield missed
+                last = missed["sequence_number"]
+                if missed["type"] in TERMINAL_EVENTS:
+                    return
+
+
 async def stream_task(request: web.Request, service: AppService, task_id: str, after: int, *,
                       status: int = 200, headers: dict[str, str] | None = None,
                       heartbeat: float = HEARTBEAT_SECONDS) -> web.StreamResponse:
     response = web.StreamResponse(status=status, headers={
         "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
         "X-Accel-Buffering": "no", **(headers or {})})
-    with service.feed(task_id) as feed:
-        await response.prepare(request)
-        last = after
-        while True:  # replay, page by page
-            batch = await service.events_after(task_id, last)
-            for event in batch:
-                await response.write(frame(event))
-                last = event["sequence_number"]
-                if event["type"] in TERMINAL_EVENTS:
-                    return response
-            if len(batch) < 1000:
-                break
-        if await service.store.read(machine.status_of, task_id) in (*TERMINAL, None):
-            # Asked for events after the terminal one (e.g. a reconnect with its Last-Event-ID), or the
-            # task is gone: nothing more will ever come, so close instead of sending heartbeats forever.
-            # Its status and last event commit together: whatever came after the replay is here now.
-            for event in await service.events_after(task_id, last):
-                await response.write(frame(event))
-            return response
-        while True:  # live
-            try:
-                event = await asyncio.wait_for(feed.queue.get(), heartbeat)
-            except asyncio.TimeoutError:
-                # A lone comment line, no blank line after it: see LMSP §6 on the openai SDK.
-                await response.write(b": keep-alive\n")
-                continue
-            if event["type"] == "service.stopping":
-                return response
-            if event["sequence_number"] <= last:
-                continue
-            for missed in await service.events_after(task_id, last) if event["sequence_number"] > last + 1 else [event]:
-                await response.write(frame(missed))
-                last = missed["sequence_number"]
-                if missed["type"] in TERMINAL_EVENTS:
-                    return response
+    await response.prepare(request)
+    async with contextlib.aclosing(follow(service, task_id, after, heartbeat)) as events:
+        async for event in events:
+            # A heartbeat is a lone comment line, no blank line after it: see LMSP §6 on the openai SDK.
+            await response.write(frame(event) if event is not None else b": keep-alive\n")
+    return response
