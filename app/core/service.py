@@ -189,15 +189,13 @@ class AppService(AccessFacade, ModelsFacade):
         await self.store.write(idempotency.release, owner, idempotency_key)
 
     async def response(self, client: Client, response_id: str) -> dict[str, Any]:
-        return records.response_object(await self._owned(client, "response", response_id))
+        return records.response_object(await self.owned(client, "response", response_id))
 
     async def task(self, client: Client, task_id: str) -> dict[str, Any]:
-        return records.task_object(await self._owned(client, "task", task_id))
+        return records.task_object(await self.owned(client, "task", task_id))
 
-    async def task_row(self, client: Client, kind: str, ident: str) -> sqlite3.Row:
-        return await self._owned(client, kind, ident)
-
-    async def _owned(self, client: Client, kind: str, ident: str) -> sqlite3.Row:
+    async def owned(self, client: Client, kind: str, ident: str) -> sqlite3.Row:
+        """The task row (with its response) of a task or response `client` may see; else 404."""
         finder = records.one_task if kind == "task" else records.one_response
         row = await self.store.read(finder, ident)
         if row is None or not (client.is_admin or row["client_id"] == client.id):
@@ -205,8 +203,8 @@ class AppService(AccessFacade, ModelsFacade):
         return row
 
     async def events(self, client: Client, task_id: str, after: int) -> list[dict[str, Any]]:
-        await self._owned(client, "task", task_id)
-        return await self.store.read(records.events_after, task_id, after)
+        await self.owned(client, "task", task_id)
+        return await self.events_after(task_id, after)
 
     async def events_after(self, task_id: str, after: int) -> list[dict[str, Any]]:
         return await self.store.read(records.events_after, task_id, after)
@@ -215,7 +213,7 @@ class AppService(AccessFacade, ModelsFacade):
         return self.bus.feed(task_id)
 
     async def cancel(self, client: Client, kind: str, ident: str) -> dict[str, Any]:
-        row = await self._owned(client, kind, ident)
+        row = await self.owned(client, kind, ident)
         events = await self.store.write(request_cancel, row["id"])
         if events is None:
             raise Conflict("task_not_cancellable", f"Task {row['id']} has already ended.")
@@ -243,7 +241,7 @@ class AppService(AccessFacade, ModelsFacade):
         return [records.task_object(r) for r in rows[:limit]], len(rows) > limit
 
     async def delete_response(self, client: Client, response_id: str) -> None:
-        row = await self._owned(client, "response", response_id)
+        row = await self.owned(client, "response", response_id)
         if row["status"] not in TERMINAL:
             raise Conflict("response_not_finished", "The response is still being generated; cancel it first.")
         await self.store.write(lambda c: c.execute("DELETE FROM responses WHERE id = ?", (response_id,)))

@@ -112,7 +112,7 @@ async def get_response(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
     response_id = request.match_info["response_id"]
     if request.query.get("stream") == "true":
-        row = await service.task_row(_client(request), "response", response_id)
+        row = await service.owned(_client(request), "response", response_id)
         return await sse.stream_task(request, service, row["id"], _after(request))
     return web.json_response(await service.response(_client(request), response_id))
 
@@ -133,7 +133,7 @@ async def task_events(request: web.Request) -> web.StreamResponse:
     task_id = request.match_info["task_id"]
     after = _after(request)
     if _wants_stream(request):
-        await service.task_row(_client(request), "task", task_id)
+        await service.owned(_client(request), "task", task_id)
         return await sse.stream_task(request, service, task_id, after)
     return web.json_response({"object": "list", "data": await service.events(_client(request), task_id, after)})
 
