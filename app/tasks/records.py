@@ -27,6 +27,11 @@ def one_response(conn: sqlite3.Connection, response_id: str) -> sqlite3.Row | No
     return rows[0] if rows else None
 
 
+def message_id(response_id: str) -> str:
+    """The id of a response's one output message: `msg_` + the random part of `resp_...`."""
+    return "msg_" + response_id[5:]
+
+
 def response_status(row: sqlite3.Row) -> str:
     status = row["status"]
     if status == COMPLETED:
@@ -60,7 +65,7 @@ def response_object(row: sqlite3.Row) -> dict[str, Any]:
     text = row["output_text"]
     done = status in ("completed", "incomplete")
     output = [] if not text and not done else [{
-        "type": "message", "id": "msg_" + row["response_id"][5:], "role": "assistant",
+        "type": "message", "id": message_id(row["response_id"]), "role": "assistant",
         "status": "completed" if status == "completed" else ("in_progress" if status == "in_progress" else "incomplete"),
         "content": [{"type": "output_text", "text": text, "annotations": []}],
     }]

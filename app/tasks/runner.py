@@ -39,12 +39,7 @@ class Job:
     unsaved: int = 0        # tokens not yet in the snapshot
     started: float = field(default_factory=time.monotonic)
     new_tokens: int = 0
-    item_id: str = ""       # the output message's id: "msg_" + the response id's random part
-
-
-def _message_id(response_id: str) -> str:
-    """The id of a response's one output message, as `records.response_object` gives it."""
-    return "msg_" + response_id[5:]
+    item_id: str = ""       # the id of the response's one output message
 
 
 def _delta(job: Job) -> list[tuple[str, dict[str, Any]]]:
@@ -140,7 +135,7 @@ class Runner:
     async def _execute(self, job: Job) -> None:
         row = await self.store.read(records.one_task, job.task_id)
         assert row is not None
-        job.item_id = _message_id(row["response_id"])
+        job.item_id = records.message_id(row["response_id"])
         log.info("task %s: %s on %s (attempt %d, %d tokens so far)", job.task_id,
                  "resuming" if row["status"] == RUNNING else "starting", job.engine.name, row["attempt"],
                  row["output_tokens"])
