@@ -12,7 +12,7 @@ from aiohttp import web
 
 from app.core.service import TERMINAL_EVENTS
 from app.errors import InvalidRequest
-from app.server.handlers import unless_client_leaves
+from app.server.handlers import cancel_quietly, unless_client_leaves
 from app.server.keys import CLIENT, SERVICE
 from app.server.middleware import read_json
 from app.server.sse import follow
@@ -76,10 +76,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                           "total_tokens": usage["total_tokens"]}})
         return await _stream(request, service, task_id, ident, response)
     except (ConnectionResetError, asyncio.CancelledError):
-        try:
-            await asyncio.shield(service.cancel(client, "task", task_id))
-        except Exception:  # already finished
-            pass
+        await cancel_quietly(service, client, task_id)
         raise
 
 

@@ -77,7 +77,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             final = records.response_object(await unless_client_leaves(request, service.wait(task_id)))
             answer = web.json_response(final)
     except (ConnectionResetError, asyncio.CancelledError):
-        await _cancel_quietly(service, client, task_id)
+        await cancel_quietly(service, client, task_id)
         if key:
             await asyncio.shield(service.forget(client.id, key))
         raise
@@ -101,7 +101,7 @@ async def unless_client_leaves(request: web.Request, work: Any) -> Any:
         waiter.cancel()
 
 
-async def _cancel_quietly(service: Any, client: Client, task_id: str) -> None:
+async def cancel_quietly(service: Any, client: Client, task_id: str) -> None:
     try:
         await asyncio.shield(service.cancel(client, "task", task_id))
     except Exception:  # already finished: nothing to stop
