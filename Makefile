@@ -1,11 +1,17 @@
 # The two commands of README.md:  `make run`  and  `make test`.
-# Both create .venv and install what they need; the first install compiles llama.cpp
-# (llama-cpp-python, about 9 minutes on 2 cores; pip caches the wheel afterwards).
+# Both create .venv and install what they need. The first install on a machine compiles
+# llama.cpp (llama-cpp-python) once, portable: every x86-64 CPU variant, the best one picked
+# at run time (GGML_BACKEND_DL), so the venv, the wheel and the frozen app run on any CPU.
+# The wheel is kept in $(WHEELS) and reused by every later install.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+LLAMA_VERSION := 0.3.36
+LLAMA_CMAKE   := -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON
+WHEELS        ?= $(HOME)/.cache/lmsp-tray/wheels/llama-$(LLAMA_VERSION)-portable
+LLAMA_WHEEL   := $(WHEELS)/.built
 
 # Qt's platform plugins and the virtual screen + tray host the GUI tests use.
 APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbcommon-x11-0 \
@@ -15,10 +21,18 @@ APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbc
 
 .PHONY: run test bench package system-deps clean
 
-$(BIN)/.installed: pyproject.toml
+# --no-cache-dir: pip's own wheel cache does not know CMAKE_ARGS and could hand back a
+# native build made elsewhere.
+$(LLAMA_WHEEL):
+	mkdir -p $(WHEELS)
+	CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PYTHON) -m pip wheel --no-deps \
+	  --no-cache-dir --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_VERSION) -w $(WHEELS)
+	touch $@
+
+$(BIN)/.installed: pyproject.toml $(LLAMA_WHEEL)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install --find-links $(WHEELS) -e '.[test]' llama-cpp-python==$(LLAMA_VERSION)
 	touch $@
 
 system-deps:
