@@ -49,11 +49,14 @@ class Child:
 
     def load(self, msg: Message) -> None:
         from llama_cpp import Llama
+
+        from app.engine import backend
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         started = time.monotonic()
         self.llm = self.formatter = None
         try:
+            backend.load()
             llm = Llama(model_path=msg["path"], n_ctx=msg.get("n_ctx", 4096), n_threads=msg.get("n_threads") or os.cpu_count(),
                         verbose=False)
         except Exception as exc:  # llama.cpp reports a bad file as a ValueError/RuntimeError

@@ -19,6 +19,9 @@ def bare_tokens_per_second() -> float:
     """Plain llama-cpp-python, same model, prompt, context and threads as the service's engine."""
     from llama_cpp import Llama
 
+    from app.engine import backend
+
+    backend.load()
     llm = Llama(model_path=str(paths.default_model_file()), n_ctx=4096, n_threads=os.cpu_count(), verbose=False)
     llm.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)  # warm up
     best = 0.0
