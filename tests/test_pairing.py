@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 import subprocess
 import sys
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +162,18 @@ async def test_invalid_pairing_bodies_are_400_naming_the_field(api, service, bod
     resp, text = await raw(api, "POST", "/v1/pairings", json=body)
     check_error(resp.status, text, 400, "invalid_request", param)
     assert await pairings_count(service) == before
+
+
+@pytest.mark.parametrize("name", ["Evil\x1b[2J\x1b[H", "Bell\x07", "Nul\x00", "Two\nlines", "Back\rspace",
+                                  "Line\u2028sep", "Para\u2029sep", "\u202eppA lanimreT", "Iso\u2066late",
+                                  "Zero\u200bwidth", "Del\x7f", "C1\x9b31m"])
+async def test_control_and_format_characters_in_a_name_are_400(api, service, name):
+    """A name is shown in a terminal, the tray and notifications: nothing in it may redraw or
+    reorder what the owner sees (a fake row, a hidden `admin`)."""
+    resp, text = await raw(api, "POST", "/v1/pairings", json={"client_name": name, "scopes": WORKER})
+    check_error(resp.status, text, 400, "invalid_request", "client_name")
+    assert await pairings_count(service) == 0
+    await request_pairing(api, "Éditeur 文字 ✓")  # ordinary letters and symbols of any script still pass
 
 
 async def test_pairing_body_must_be_a_json_object(api, service):
@@ -345,3 +359,20 @@ def test_cli_pairings_token_status_models_tasks(headless):
     done = cli(data_dir, "status")
     assert done.returncode == 1 and "not running" in done.stderr, (done.stdout, done.stderr)
     assert cli(data_dir, "token").stdout.strip() == headless.token  # needs no running service
+
+
+def test_cli_shows_control_characters_escaped(headless):
+    """A pairing stored before names were checked (or written by anything else) still cannot
+    drive the owner's terminal: `lmsp-tray pairings` prints its control characters as escapes."""
+    headless.start()
+    evil = "Editor\x1b[1A\x1b[2K\rFake  123-456  models:read\u202e\x07"
+    with sqlite3.connect(headless.data_dir / "lmsp.sqlite3") as conn:
+        conn.execute("INSERT INTO pairings(id, client_name, scopes, code, status, created_at, expires_at) "
+                     "VALUES ('pair_old', ?, '[\"admin\"]', '111-222', 'pending', ?, ?)",
+                     (evil, time.time(), time.time() + 300))
+    done = cli(headless.data_dir, "pairings")
+    assert done.returncode == 0, done.stderr
+    assert not any(unicodedata.category(c) in ("Cc", "Cf") for c in done.stdout.replace("\n", "")), done.stdout
+    assert "Editor\\u001b[1A\\u001b[2K\\u000dFake" in done.stdout and "\\u202e\\u0007" in done.stdout
+    row = next(line for line in done.stdout.splitlines() if "pair_old" in line)
+    assert "111-222" in row and "admin" in row  # the real code and scope stay on the row, visible

@@ -6,6 +6,7 @@ import json
 import secrets
 import sqlite3
 import time
+import unicodedata
 from typing import Any
 
 from app.core.auth import SCOPES, new_token, token_hash
@@ -13,6 +14,18 @@ from app.errors import Conflict, InvalidRequest, LmspError, NotFound
 
 LIFETIME_SECONDS = 300
 MAX_PENDING = 20
+# Control and format characters (ESC, BEL, NUL, bidi overrides, zero-width marks) and line or
+# paragraph separators: in a terminal or a notification they redraw or reorder what is shown.
+UNSAFE = ("Cc", "Cf", "Cs", "Zl", "Zp")
+
+
+def unsafe(char: str) -> bool:
+    return unicodedata.category(char) in UNSAFE
+
+
+def shown(text: str) -> str:
+    """`text` with every unsafe character written as a visible escape (`\\u202e`)."""
+    return "".join(f"\\u{ord(c):04x}" if unsafe(c) else c for c in text)
 
 
 def parse(body: Any) -> tuple[str, list[str]]:
@@ -24,6 +37,9 @@ def parse(body: Any) -> tuple[str, list[str]]:
     name = body.get("client_name")
     if not isinstance(name, str) or not name.strip() or len(name) > 100:
         raise InvalidRequest("`client_name` must be a name of 1 to 100 characters.", param="client_name")
+    if any(unsafe(c) for c in name):
+        raise InvalidRequest("`client_name` must not contain control or formatting characters (newlines, "
+                             "escapes, direction overrides).", param="client_name")
     scopes = body.get("scopes")
     if not isinstance(scopes, list) or not scopes or not all(isinstance(s, str) and s in SCOPES for s in scopes):
         raise InvalidRequest(f"`scopes` must be a non-empty list drawn from {list(SCOPES)}.", param="scopes")
