@@ -1,4 +1,4 @@
-"""Logging: a rotating file in the per-user log folder, and no token ever written to it."""
+"""Logging: a rotating file in the per-user log folder, no token ever written to it, and no flood."""
 
 from __future__ import annotations
 
@@ -7,22 +7,29 @@ import logging.handlers
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from app import paths
 
-TOKEN = re.compile(r"lmsp_[A-Za-z0-9_\-]{8,}")
+# A token, also when a stray byte inside it is escaped in a repr (`\x7f`, `\x00`).
+TOKEN = re.compile(r"lmsp_(?:[A-Za-z0-9_\-]|\\x[0-9a-fA-F]{2})+")
+# Whatever follows "Bearer": the token of a malformed header, quoted or cut however a parser does it.
+BEARER = re.compile(r"(?i)(bearer\s+)\S+")
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-class Redact(logging.Filter):
-    """Blanks anything shaped like a token, whatever module logged it and however."""
+def redact(text: str) -> str:
+    return BEARER.sub(r"\1[redacted]", TOKEN.sub("lmsp_[redacted]", text))
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if TOKEN.search(message):
-            record.msg, record.args = TOKEN.sub("lmsp_[redacted]", message), None
-        return True
+
+class RedactingFormatter(logging.Formatter):
+    """Redacts the whole record as written: the message, and the traceback and stack the formatter
+    appends (aiohttp puts the raw header line of a malformed request in its exception), whatever
+    module logged it and however."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
 
 
 def log_dir(data_dir: Path, explicit_data_dir: bool) -> Path:
@@ -35,12 +42,10 @@ def log_dir(data_dir: Path, explicit_data_dir: bool) -> Path:
 def setup(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     file = folder / "lmsp-tray.log"
-    redact = Redact()
     handlers: list[logging.Handler] = [
         logging.handlers.RotatingFileHandler(file, maxBytes=2_000_000, backupCount=5, encoding="utf-8"),
         logging.StreamHandler(sys.stderr)]
     for handler in handlers:
-        handler.setFormatter(logging.Formatter(FORMAT))
-        handler.addFilter(redact)
+        handler.setFormatter(RedactingFormatter(FORMAT))
     logging.basicConfig(level=os.environ.get("LMSP_LOG_LEVEL", "INFO"), handlers=handlers, force=True)
     return file

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import urllib.request
 from pathlib import Path
 
@@ -30,6 +31,33 @@ def test_no_token_reaches_the_log(headless: Headless) -> None:
     text = "".join(p.read_text() for p in log_files) + headless.log.read_text()
     assert "serving LMSP on" in text  # the log is really written
     assert owner not in text and client_token not in text
+
+
+def raw_request(url: str, head: bytes) -> bytes:
+    """Send `head` as is (no client library would send a malformed header) and read the answer."""
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        return answer
+
+
+def test_a_malformed_authorization_header_leaves_no_token_in_the_log(headless: Headless) -> None:
+    """aiohttp's parser puts the raw header line of a malformed request in its exception, and the
+    formatter appends that traceback after any filter ran: the token must not survive either."""
+    headless.start()
+    owner = headless.token
+    for header in (f"Bearer {owner}\x7f", f"Bearer {owner[:20]}\x00{owner[20:]}", f"Bearer {owner}{'A' * 9000}",
+                   f"Bearer {owner[:20]}\x7f{owner[20:]}"):
+        answer = raw_request(headless.url, b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+                             b"Authorization: " + header.encode("latin-1") + b"\r\n\r\n")
+        assert answer.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request"), answer[:200]
+    assert headless.terminate() == 0
+    text = "".join(p.read_text() for p in (headless.data_dir / "logs").glob("lmsp-tray.log*")) + headless.log.read_text()
+    assert "serving LMSP on" in text
+    assert owner[5:25] not in text and owner[25:] not in text, text[-3000:]
 
 
 def test_anything_shaped_like_a_token_is_redacted(tmp_path: Path) -> None:
