@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from app import paths
+from app.secrets import make_private
 
 # A token, also when a stray byte inside it is escaped in a repr (`\x7f`, `\x00`).
 TOKEN = re.compile(r"lmsp_(?:[A-Za-z0-9_\-]|\\x[0-9a-fA-F]{2})+")
@@ -40,7 +41,7 @@ def log_dir(data_dir: Path, explicit_data_dir: bool) -> Path:
 
 
 def setup(folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
+    make_private(folder)
     file = folder / "lmsp-tray.log"
     handlers: list[logging.Handler] = [
         logging.handlers.RotatingFileHandler(file, maxBytes=2_000_000, backupCount=5, encoding="utf-8"),

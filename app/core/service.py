@@ -25,7 +25,7 @@ from app.core.models_facade import ModelsFacade
 from app.engine import models
 from app.engine.engine import Engine
 from app.errors import Conflict, InvalidRequest, LmspError, NotFound
-from app.secrets import TokenVault
+from app.secrets import TokenVault, make_private
 from app.store import config
 from app.store.store import Store
 from app.tasks import machine, records, recovery, retention
@@ -69,6 +69,7 @@ class AppService(AccessFacade, ModelsFacade):
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        await asyncio.to_thread(make_private, self.data_dir)
         await self.store.open()
         self.settings = await self.store.read(config.load)
         self.service_id = await self.store.write(_service_id)
