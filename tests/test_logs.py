@@ -70,3 +70,25 @@ def test_anything_shaped_like_a_token_is_redacted(tmp_path: Path) -> None:
         assert "lmsp_[redacted]" in text and "abcdefghijklmnop" not in text
     finally:
         logging.basicConfig(force=True)
+
+
+def test_a_repeated_error_is_logged_a_few_times_not_ten_thousand(tmp_path: Path) -> None:
+    """asyncio logs every failed accept() when descriptors run out: such a flood must not rotate
+    the whole history away. Other messages still get through meanwhile."""
+    file = logs.setup(tmp_path / "logs")
+    try:
+        flood = logging.getLogger("asyncio")
+        for _ in range(10_000):
+            try:
+                raise OSError(24, "Too many open files")
+            except OSError:
+                flood.exception("socket.accept() out of system resource\nsocket: <socket fd=7>")
+        logging.getLogger("app").warning("something else happened")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        text = file.read_text()
+        assert text.count("socket.accept() out of system resource") == 20
+        assert "something else happened" in text
+        assert len(list((tmp_path / "logs").glob("lmsp-tray.log.*"))) == 0  # nothing rotated away
+    finally:
+        logging.basicConfig(force=True)

@@ -11,11 +11,12 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from app.errors import Forbidden, LmspError, Unauthorized
-from app.server.keys import CLIENT, LATENCY, SCOPES, SERVICE
+from app.server.keys import BUSY, CLIENT, LATENCY, SCOPES, SERVICE
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "[::1]", "::1"}
+BODY_SECONDS = 10.0  # to send a whole body once its headers are in (loopback sends 8 MiB in milliseconds)
 CORS_ORIGIN = web.RequestKey("cors_origin", str)  # set once the Origin passed the check
 
 
@@ -26,6 +27,18 @@ def error_response(status: int, code: str, message: str, *, param: str | None = 
 
 
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 400: "invalid_request"}
+
+
+@web.middleware
+async def working(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Marks the connection busy while its request is handled: the gate (app/server/gate.py) makes
+    room by closing idle connections only, never one being answered or streamed to."""
+    busy = request.app[BUSY]
+    busy.add(request.protocol)
+    try:
+        return await handler(request)
+    finally:
+        busy.discard(request.protocol)
 
 
 @web.middleware
@@ -125,10 +138,19 @@ async def authorize(request: web.Request, handler: Handler) -> web.StreamRespons
 
 async def read_json(request: web.Request) -> Any:
     """The body as JSON, or a 400 `invalid_json` / 413 `payload_too_large`."""
+    busy = request.app[BUSY]
+    busy.discard(request.protocol)  # while its body is still coming, the gate may close it to make room
     try:
-        raw = await request.read()
+        async with asyncio.timeout(BODY_SECONDS):  # a body that never completes would hold its connection
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise LmspError("payload_too_large", "The request body is larger than the limit.", status=413) from None
+    except TimeoutError:
+        request.protocol.close()  # its unread rest must not be taken for the next request
+        raise LmspError("request_timeout", f"The request body did not arrive within {BODY_SECONDS:.0f} s.",
+                        status=408) from None
+    finally:
+        busy.add(request.protocol)
     try:
         value = json.loads(raw or b"null")
         # `"\ud800"` parses into a str that is not text: it cannot be stored or hashed (I-JSON forbids it).

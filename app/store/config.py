@@ -21,6 +21,7 @@ DEFAULTS: dict[str, Any] = {
     "idempotency_ttl_seconds": 86400,
     "model_idle_ttl_seconds": 0,  # 0: never unload for idleness
     "allowed_hosts": [],
+    "max_connections": 256,  # open HTTP connections at once; capped at a quarter of the fd limit
 }
 
 
@@ -53,6 +54,7 @@ VALIDATORS: dict[str, Any] = {
     "idempotency_ttl_seconds": _int_in(60, 365 * 86400),
     "model_idle_ttl_seconds": _int_in(0, 365 * 86400),
     "allowed_hosts": _str_list,
+    "max_connections": _int_in(8, 65536),
 }
 
 

@@ -1,0 +1,130 @@
+"""What one misbehaving local program can no longer do to everyone else: hold every socket the
+service may open, or keep a connection forever with a request that never completes."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import time
+from typing import Any
+
+from tests.conftest import Headless, wait_until
+from tests.helpers import http
+
+FD_LIMIT = 1024  # the usual soft limit of a desktop session
+HOSTILE = 1100   # more than the service could ever hold at that limit
+
+
+def _address(url: str) -> tuple[str, int]:
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    return host, int(port)
+
+
+def _open(url: str, first_bytes: bytes) -> socket.socket | None:
+    try:
+        sock = socket.create_connection(_address(url), timeout=2)
+    except OSError:  # the listen backlog is full: refused before it cost the service anything
+        return None
+    if first_bytes:
+        sock.sendall(first_bytes)
+    return sock
+
+
+def _held_by_server(sock: socket.socket) -> bool:
+    """True while the server keeps the connection open and has not answered on it."""
+    sock.setblocking(False)
+    try:
+        sock.recv(65536)  # an answer (408, 400) or EOF: the server let go of it
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def _lower_fd_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
+def test_idle_and_half_sent_connections_cannot_starve_the_service(headless: Headless) -> None:
+    """Idle connections, request lines cut short and bodies that never complete, more of them than
+    the service has file descriptors: a real task still completes, and new requests are answered."""
+    headless.start(preexec=_lower_fd_limit)
+    kinds = [b"",                                                         # says nothing at all
+             b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: aaaa",  # headers never finish
+             b"POST /v1/pairings HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+             b"Content-Length: 100000\r\n\r\n{\"client_name\": "]           # the body never completes
+    hostile = [_open(headless.url, kinds[i % 3]) for i in range(HOSTILE)]
+    opened = [s for s in hostile if s is not None]
+    try:
+        time.sleep(1)
+        held = sum(_held_by_server(s) for s in opened)  # by the service, or still in the kernel's backlog
+        assert headless.proc is not None
+        descriptors = len(os.listdir(f"/proc/{headless.proc.pid}/fd"))
+        started = time.monotonic()
+        status, created = http(f"{headless.url}/v1/responses", "POST",
+                               {"input": "Say hi", "max_output_tokens": 8, "temperature": 0, "background": True},
+                               token=headless.token, timeout=30)
+        first_answer = time.monotonic() - started
+        assert status == 202, created
+        for _ in range(20):  # new legitimate requests, each on a new connection, while the flood holds
+            asked = time.monotonic()
+            assert http(f"{headless.url}/health", timeout=10)[0] == 200
+            assert time.monotonic() - asked < 2.0
+        task_id = created["task"]["id"]
+        done = wait_until(lambda: (t := http(f"{headless.url}/v1/tasks/{task_id}", token=headless.token)[1])
+                          ["status"] in ("completed", "failed") and t, timeout=120)
+        assert done["status"] == "completed", done
+        print(f"\nfd limit {FD_LIMIT}: {len(opened)} of {HOSTILE} hostile connections opened, {held} not let go "
+              f"a second later, the service using {descriptors} descriptors; a new request answered in "
+              f"{first_answer:.2f} s; the task {done['status']}")
+        assert descriptors < FD_LIMIT // 2
+    finally:
+        for sock in opened:
+            sock.close()
+    assert headless.terminate() == 0
+    text = "".join(p.read_text() for p in (headless.data_dir / "logs").glob("lmsp-tray.log*"))
+    assert len(text.splitlines()) < 200, text[-3000:]  # no error flood rotated the history away
+
+
+def test_requests_that_never_complete_are_cut_off(headless: Headless) -> None:
+    """Headers that never end are dropped after 10 s; a body that never completes gets 408."""
+    headless.start()
+    slow_headers = _open(headless.url, b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: a")
+    slow_body = _open(headless.url, b"POST /v1/pairings HTTP/1.1\r\nHost: localhost\r\n"
+                                    b"Content-Type: application/json\r\nContent-Length: 50\r\n\r\n{")
+    assert slow_headers is not None and slow_body is not None
+    started = time.monotonic()
+    for sock in (slow_headers, slow_body):
+        sock.settimeout(30)
+    answer = slow_body.recv(65536)
+    body_seconds = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    assert slow_headers.recv(65536) == b""  # closed without an answer: nothing was asked
+    header_seconds = time.monotonic() - started
+    print(f"\nunfinished headers dropped after {header_seconds:.1f} s, unfinished body answered 408 after "
+          f"{body_seconds:.1f} s")
+    assert 9 < body_seconds < 15 and 9 < header_seconds < 15
+    for sock in (slow_headers, slow_body):
+        sock.close()
+
+
+def test_malformed_requests_get_the_lmsp_error_and_no_traceback(headless: Headless) -> None:
+    headless.start()
+    sock = _open(headless.url, b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Bad: a\x7fb\r\n\r\n")
+    assert sock is not None
+    sock.settimeout(10)
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    sock.close()
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert b" 400 " in head.split(b"\r\n")[0] and b"application/json" in head, answer
+    error: dict[str, Any] = json.loads(body)["error"]
+    assert error["code"] == "invalid_request" and error["type"] == "invalid_request_error", error
+    assert headless.terminate() == 0
+    text = "".join(p.read_text() for p in (headless.data_dir / "logs").glob("lmsp-tray.log*"))
+    assert "refused a malformed request" in text and "Traceback" not in text and " ERROR " not in text, text
