@@ -3,15 +3,17 @@ service may open, or keep a connection forever with a request that never complet
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import resource
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 from tests.conftest import Headless, wait_until
-from tests.helpers import http
+from tests.helpers import bearer, http, pair
 
 FD_LIMIT = 1024  # the usual soft limit of a desktop session
 HOSTILE = 1100   # more than the service could ever hold at that limit
@@ -128,3 +130,56 @@ def test_malformed_requests_get_the_lmsp_error_and_no_traceback(headless: Headle
     assert headless.terminate() == 0
     text = "".join(p.read_text() for p in (headless.data_dir / "logs").glob("lmsp-tray.log*"))
     assert "refused a malformed request" in text and "Traceback" not in text and " ERROR " not in text, text
+
+
+def _rss_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(field)
+
+
+async def test_listing_large_tasks_costs_little_and_starves_no_one(service: Any, api: Any) -> None:
+    """100 queued tasks with 2 MiB prompts: two listings of them at once neither load the prompts
+    (memory) nor hold up another client's requests."""
+    service.set_paused(True)  # they stay queued, as behind a long task
+    _, other = await pair(api, ["models:read"], name="Other app")
+    prompt = "word " * (2 * 1024 * 1024 // 5)
+    for _ in range(100):
+        resp = await api.post("/v1/responses", json={"input": prompt, "background": True, "max_output_tokens": 4})
+        assert resp.status == 202, await resp.text()
+    assert (await api.get("/v1/models", headers=bearer(other))).status == 200  # the other app, seen before
+    Path("/proc/self/clear_refs").write_text("5")  # restart the peak-RSS count from here
+    before = _rss_mib("VmRSS")
+
+    async def listing() -> float:
+        started = time.monotonic()
+        resp = await api.get("/v1/tasks?limit=100")
+        assert resp.status == 200 and len((await resp.json())["data"]) == 100
+        return time.monotonic() - started
+
+    async def other_app() -> list[float]:
+        waits = []
+        for _ in range(10):
+            started = time.monotonic()
+            resp = await api.get("/v1/models", headers=bearer(other))
+            assert resp.status == 200, await resp.text()
+            waits.append(time.monotonic() - started)
+            await asyncio.sleep(0.02)
+        return waits
+
+    lists = asyncio.gather(listing(), listing())
+    waits = await other_app()
+    took = await lists
+    grew = _rss_mib("VmHWM") - before
+    print(f"\ntwo listings of 100 tasks with 2 MiB prompts: {max(took):.2f} s, peak RSS +{grew:.0f} MiB; "
+          f"the other app's slowest request meanwhile {max(waits) * 1000:.0f} ms")
+    assert grew < 50 and max(waits) < 0.5
+
+
+async def test_a_revoked_token_is_refused_at_once_though_it_was_just_verified(api: Any) -> None:
+    client_id, token = await pair(api, ["models:read"], name="Soon revoked")
+    assert (await api.get("/v1/models", headers=bearer(token))).status == 200
+    assert (await api.delete(f"/v1/clients/{client_id}")).status == 200
+    resp = await api.get("/v1/models", headers=bearer(token))
+    assert resp.status == 401, await resp.text()

@@ -19,6 +19,8 @@ class AccessFacade:
     store: Store
     bus: EventBus
     _pairing_tokens: dict[str, str]
+    _verified: dict[str, tuple[float, auth.Client]]
+    _revocations: int
 
     async def request_pairing(self, body: Any) -> dict[str, Any]:
         name, scopes = pairing.parse(body)
@@ -66,4 +68,6 @@ class AccessFacade:
             "UPDATE clients SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), client_id)).rowcount)
         if not done:
             raise NotFound("client", client_id)
+        self._revocations += 1  # a lookup that read the row before this must not be remembered
+        self._verified = {k: v for k, v in self._verified.items() if v[1].id != client_id}  # refused from now on
         self.bus.publish([{"type": "clients.changed"}])

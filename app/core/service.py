@@ -35,6 +35,7 @@ from app.tasks.states import TERMINAL
 
 log = logging.getLogger(__name__)
 RESTART_KEY, RESTART_REQUIRED = "restart_required_for", ["host", "port"]  # settings read at start only
+VERIFIED_SECONDS = 60.0  # a verified token is trusted from memory this long, unless revoked
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
 
 
@@ -65,6 +66,8 @@ class AppService(AccessFacade, ModelsFacade):
         self._janitor: asyncio.Task[None] | None = None
         self._pairing_tokens: dict[str, str] = {}  # approved, not yet collected; memory only
         self._touched: dict[str, float] = {}
+        self._verified: dict[str, tuple[float, Client]] = {}  # token hash -> (when verified, its client)
+        self._revocations = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -146,7 +149,20 @@ class AppService(AccessFacade, ModelsFacade):
     # -- auth ------------------------------------------------------------------------------
 
     async def authenticate(self, token: str) -> Client | None:
-        client = await self.store.read(auth.authenticate, token)
+        """The client of a bearer token. A token verified in the last minute is answered from memory,
+        so no client's heavy reads can hold up everyone's authentication; revoking drops it at once."""
+        digest = auth.token_hash(token)
+        known = self._verified.get(digest)
+        if known is not None and time.monotonic() - known[0] < VERIFIED_SECONDS:
+            client: Client | None = known[1]
+        else:
+            revocations = self._revocations
+            client = await self.store.read(auth.authenticate, token)
+            if client is not None and revocations == self._revocations:  # no revoke raced the read
+                if len(self._verified) > 10_000:  # only real tokens get here; forget the stale ones
+                    self._verified = {k: v for k, v in self._verified.items()
+                                      if time.monotonic() - v[0] < VERIFIED_SECONDS}
+                self._verified[digest] = (time.monotonic(), client)
         if client is not None and time.monotonic() - self._touched.get(client.id, -1e9) > 60:
             # "Last used" for the Clients tab, written at most once a minute per client and
             # off the request's path: a request never waits for this fsync.
@@ -298,7 +314,7 @@ def _list_tasks(conn: sqlite3.Connection, client_id: str | None, status: str | N
             raise InvalidRequest(f"No task {after!r} to page after.", param="after")
         where.append("(t.created_at, t.id) < (?, ?)")
         params.extend([anchor["created_at"], anchor["id"]])
-    return conn.execute(f"{records.JOINED} WHERE {' AND '.join(where)} ORDER BY t.created_at DESC, t.id DESC LIMIT ?",
+    return conn.execute(f"{records.LISTED} WHERE {' AND '.join(where)} ORDER BY t.created_at DESC, t.id DESC LIMIT ?",
                         (*params, limit)).fetchall()
 
 
