@@ -8,6 +8,8 @@ import json
 import os
 import resource
 import socket
+import struct
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -183,3 +185,40 @@ async def test_a_revoked_token_is_refused_at_once_though_it_was_just_verified(ap
     assert (await api.delete(f"/v1/clients/{client_id}")).status == 200
     resp = await api.get("/v1/models", headers=bearer(token))
     assert resp.status == 401, await resp.text()
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_registering_a_slow_file_stops_when_the_client_leaves_and_never_delays_exit(headless: Headless,
+                                                                                   tmp_path: Path) -> None:
+    """A 1 TiB sparse file with 2^22 strings: valid enough to walk (a minute of CPU here) and then
+    to hash (1 TiB). The work stops when its client leaves, and a SIGTERM exits at once."""
+    bomb = tmp_path / "bomb.gguf"
+    key = b"tokenizer.ggml.tokens"
+    bomb.write_bytes(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, len(key)) + key + struct.pack("<IIQ", 9, 8, 2**22))
+    os.truncate(bomb, 1 << 40)
+    headless.start()
+    assert headless.proc is not None
+    pid = headless.proc.pid
+    try:
+        http(f"{headless.url}/v1/models", "POST", {"path": str(bomb)}, token=headless.token, timeout=1)
+        raise AssertionError("a 1 TiB file cannot be registered within a second")
+    except TimeoutError:
+        pass  # the client gives up and leaves
+    time.sleep(1.5)  # the connection is watched every 0.25 s
+    burnt = _cpu_seconds(pid)
+    time.sleep(3)
+    after_leaving = _cpu_seconds(pid) - burnt
+    waiting = threading.Thread(target=http, args=(f"{headless.url}/v1/models", "POST", {"path": str(bomb)}),
+                               kwargs={"token": headless.token, "timeout": 60}, daemon=True)
+    waiting.start()  # this one is still waited for when the service is told to stop
+    time.sleep(1)
+    started = time.monotonic()
+    assert headless.terminate() == 0
+    exit_seconds = time.monotonic() - started
+    print(f"\nafter the client left: {after_leaving:.2f} s of CPU in 3 s; SIGTERM during a registration: "
+          f"exited in {exit_seconds:.2f} s")
+    assert after_leaving < 0.5 and exit_seconds < 5

@@ -12,6 +12,7 @@ import json
 import logging
 import secrets
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,7 @@ class AppService(AccessFacade, ModelsFacade):
         self._touched: dict[str, float] = {}
         self._verified: dict[str, tuple[float, Client]] = {}  # token hash -> (when verified, its client)
         self._revocations = 0
+        self._examining: set[threading.Event] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -89,6 +91,7 @@ class AppService(AccessFacade, ModelsFacade):
     async def stop(self) -> None:
         """Stop taking work, snapshot running work, close streams, close the store."""
         self.ready = False
+        self.stop_examining()  # asyncio.run() waits for every thread at exit: they must end now
         if self._janitor:
             self._janitor.cancel()
         await self.runner.stop()
@@ -120,7 +123,7 @@ class AppService(AccessFacade, ModelsFacade):
         if known and (known["path"] == str(path) or models.file_status(known) == "available"):
             return
         # First start, or the app (and the model inside it) moved since: register it where it is now.
-        found = await asyncio.to_thread(models.examine, str(path))
+        found = await self.examine(str(path))
         await self.store.write(models.insert, models.DEFAULT_MODEL_ID, found, True)
         log.info("registered the default model %s at %s (%s)", models.DEFAULT_MODEL_ID, path, found.digest)
 
