@@ -264,7 +264,7 @@ class AppService(AccessFacade, ModelsFacade):
         row = await self.owned(client, "response", response_id)
         if row["status"] not in TERMINAL:
             raise Conflict("response_not_finished", "The response is still being generated; cancel it first.")
-        await self.store.write(lambda c: c.execute("DELETE FROM responses WHERE id = ?", (response_id,)))
+        await self.store.write(_delete_response, response_id)
 
     def set_paused(self, paused: bool) -> None:
         self.runner.set_paused(paused)
@@ -319,6 +319,11 @@ def _list_tasks(conn: sqlite3.Connection, client_id: str | None, status: str | N
         params.extend([anchor["created_at"], anchor["id"]])
     return conn.execute(f"{records.LISTED} WHERE {' AND '.join(where)} ORDER BY t.created_at DESC, t.id DESC LIMIT ?",
                         (*params, limit)).fetchall()
+
+
+def _delete_response(conn: sqlite3.Connection, response_id: str) -> None:
+    conn.execute("DELETE FROM responses WHERE id = ?", (response_id,))  # its task and events cascade
+    idempotency.forget_response(conn, response_id)
 
 
 def _service_id(conn: sqlite3.Connection) -> str:

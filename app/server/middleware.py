@@ -165,25 +165,26 @@ async def read_json(request: web.Request) -> Any:
 
 @web.middleware
 async def idempotent(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """`Idempotency-Key` on every POST (LMSP §7). `POST /v1/responses` handles its own key, in the
-    transaction that creates its task; here the key is claimed before and the answer stored after."""
+    """`Idempotency-Key` on every POST by a client (LMSP §7). `POST /v1/responses` handles its own
+    key, in the transaction that creates its task; here the key is claimed before and the answer
+    stored after. Without a client (pairing requests, unknown routes) a key is ignored: it would be
+    shared by every local program, and a replay would hand one app's pairing to another."""
     key = request.headers.get("Idempotency-Key")
-    if key is None or request.method != "POST" or request.path == "/v1/responses":
+    client = request.get(CLIENT)  # set by `authorize` only on a known route with a valid token
+    if key is None or client is None or request.method != "POST" or request.path == "/v1/responses":
         return await handler(request)
     service = request.app[SERVICE]
-    client = request.get(CLIENT)
-    owner = client.id if client is not None else "anonymous"  # pairing requests come before any token
     body = await read_json(request)  # aiohttp keeps the body: the handler reads it again for free
-    stored = await service.claim_key(owner, key, request.method, request.path, body)
+    stored = await service.claim_key(client.id, key, request.method, request.path, body)
     if stored is not None:
         return web.json_response(stored.body, status=stored.status, headers={"Idempotent-Replayed": "true"})
     try:
         response = await handler(request)
     except BaseException:
-        await asyncio.shield(service.forget(owner, key))  # nothing done: a retry may run it
+        await asyncio.shield(service.forget(client.id, key))  # nothing done: a retry may run it
         raise
     if isinstance(response, web.Response) and response.content_type == "application/json" and response.body:
-        await service.remember(owner, key, response.status, json.loads(bytes(response.body)))  # type: ignore[arg-type]
+        await service.remember(client.id, key, response.status, json.loads(bytes(response.body)))  # type: ignore[arg-type]
     else:
-        await service.forget(owner, key)  # a stream is not stored; a retry runs again
+        await service.forget(client.id, key)  # a stream is not stored; a retry runs again
     return response
