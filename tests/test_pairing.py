@@ -5,7 +5,9 @@ Also the CLI (`pairings`, `token`, `status`, `models`, `tasks`) against a real h
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -16,6 +18,9 @@ from typing import Any
 
 import pytest
 
+from app.core import pairing
+from app.errors import LmspError
+from app.server import peer
 from tests.conftest import ROOT
 from tests.helpers import SAY_HI, bearer, check_error, expect_error, http, pair, raw
 
@@ -64,7 +69,7 @@ async def test_request_is_pending_with_unguessable_id_and_code(api):
     assert resp.status == 200
     assert created["id"] in [p["id"] for p in (await resp.json())["data"]]
     # Two requests never share an id.
-    other = await request_pairing(api)
+    other = await request_pairing(api, "Another editor")
     assert other["id"] != created["id"]
 
 
@@ -126,16 +131,31 @@ async def test_expired_request_cannot_be_approved(api, service):
     assert created["id"] not in [p["id"] for p in (await resp.json())["data"]]
 
 
-async def test_too_many_waiting_requests_are_refused(api, service):
-    for i in range(20):
-        await request_pairing(api, f"App {i}")
-    resp, text = await raw(api, "POST", "/v1/pairings", json={"client_name": "One too many", "scopes": WORKER})
-    check_error(resp.status, text, 429, "too_many_pairings")
+async def test_each_requester_has_its_own_share_of_waiting_requests(api, service):
+    """Another local user (told apart by the socket's owner, app/server/peer.py) fills its share
+    and asks again and again: the owner's apps can still pair. One waiting request per name."""
+    for i in range(pairing.MAX_PENDING_PER_REQUESTER):
+        await service.request_pairing({"client_name": f"Flood {i}", "scopes": WORKER}, requester="uid:4242")
+    with pytest.raises(LmspError) as refused:
+        await service.request_pairing({"client_name": "Flood more", "scopes": WORKER}, requester="uid:4242")
+    assert refused.value.status == 429 and refused.value.code == "too_many_pairings"
+    created = await request_pairing(api, "Real app")  # through the API, from this test's own user
+    resp, text = await raw(api, "POST", "/v1/pairings", json={"client_name": "Real app", "scopes": WORKER})
+    check_error(resp.status, text, 429, "too_many_pairings")  # its first request is still waiting
+    approved = await api.post(f"/v1/pairings/{created['id']}/approve")
+    assert approved.status == 200, await approved.text()
+    assert (await status_of(api, created["id"]))["token"].startswith("lmsp_")
     # Answered (or expired) requests no longer count.
-    waiting = (await (await api.get("/v1/pairings")).json())["data"]
-    assert len(waiting) == 20
-    await api.post(f"/v1/pairings/{waiting[0]['id']}/deny")
-    await request_pairing(api, "Now there is room")
+    await request_pairing(api, "Real app")
+
+
+def test_the_user_at_the_other_end_of_a_loopback_connection_is_known() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server, \
+            socket.create_connection(server.getsockname()) as client:
+        accepted, _ = server.accept()
+        with accepted:
+            uid = peer.loopback_uid(client.getsockname()[1], server.getsockname()[1])
+    assert uid == os.getuid()
 
 
 async def test_unknown_pairing_is_404(api):

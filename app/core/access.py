@@ -19,14 +19,24 @@ class AccessFacade:
     store: Store
     bus: EventBus
     _pairing_tokens: dict[str, str]
+    _requesters: dict[str, tuple[str, float]]  # pending pairing id -> (who asked, when it expires)
+    _announced: dict[str, float]  # requester -> when a notification last announced one of theirs
     _verified: dict[str, tuple[float, auth.Client]]
     _revocations: int
 
-    async def request_pairing(self, body: Any) -> dict[str, Any]:
+    async def request_pairing(self, body: Any, requester: str = "local") -> dict[str, Any]:
+        """`requester`: who asks, as far as the connection tells (app/server/peer.py)."""
         name, scopes = pairing.parse(body)
-        row = await self.store.write(pairing.create, name, scopes)
+        now = time.time()
+        self._requesters = {pid: (who, until) for pid, (who, until) in self._requesters.items() if until > now}
+        theirs = {pid for pid, (who, _) in self._requesters.items() if who == requester}
+        row = await self.store.write(pairing.create, name, scopes, theirs)
+        self._requesters[row["id"]] = (requester, row["expires_at"])
+        notify = now - self._announced.get(requester, 0.0) >= pairing.NOTIFY_EVERY_SECONDS
+        if notify:
+            self._announced[requester] = now
         shown = pairing.pairing_object(row)
-        self.bus.publish([{"type": "pairing.requested", "pairing": shown}])
+        self.bus.publish([{"type": "pairing.requested", "pairing": shown, "notify": notify}])
         return shown
 
     async def pairing_status(self, pairing_id: str) -> dict[str, Any]:

@@ -66,6 +66,8 @@ class AppService(AccessFacade, ModelsFacade):
         self.model_load_seconds: float | None = None
         self._janitor: asyncio.Task[None] | None = None
         self._pairing_tokens: dict[str, str] = {}  # approved, not yet collected; memory only
+        self._requesters: dict[str, tuple[str, float]] = {}
+        self._announced: dict[str, float] = {}
         self._touched: dict[str, float] = {}
         self._verified: dict[str, tuple[float, Client]] = {}  # token hash -> (when verified, its client)
         self._revocations = 0

@@ -9,10 +9,11 @@ from app.errors import InvalidRequest
 from app.server.handlers import unless_client_leaves
 from app.server.keys import LATENCY, SERVICE
 from app.server.middleware import read_json
+from app.server.peer import requester
 
 
 async def request_pairing(request: web.Request) -> web.Response:
-    created = await request.app[SERVICE].request_pairing(await read_json(request))
+    created = await request.app[SERVICE].request_pairing(await read_json(request), await requester(request))
     return web.json_response(created, status=202)
 
 
