@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from typing import Any, Awaitable, Callable
 
@@ -15,7 +16,7 @@ from app.server.keys import BUSY, CLIENT, LATENCY, SCOPES, SERVICE
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-LOCAL_HOSTS = {"localhost", "127.0.0.1", "[::1]", "::1"}
+LOCAL_HOSTS = {"localhost", "127.0.0.1", "[::1]"}
 BODY_SECONDS = 10.0  # to send a whole body once its headers are in (loopback sends 8 MiB in milliseconds)
 CORS_ORIGIN = web.RequestKey("cors_origin", str)  # set once the Origin passed the check
 
@@ -76,10 +77,14 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                               etype="server_error")
 
 
+# RFC 9110 `Host`: a name, an IPv4 address or a bracketed IPv6 one, then at most ":port".
+HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+)(?::[0-9]{1,5})?")
+
+
 def _host_name(host: str) -> str:
-    if host.startswith("["):
-        return host[: host.index("]") + 1] if "]" in host else host
-    return host.rsplit(":", 1)[0] if ":" in host else host
+    """The name part of a well-formed Host value; "" for anything else (`[::1]evil`, `localhost:x`)."""
+    match = HOST.fullmatch(host)
+    return match.group(1) if match else ""
 
 
 @web.middleware
