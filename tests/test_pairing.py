@@ -251,6 +251,12 @@ async def test_paired_clients_see_only_their_own_work(api, service):
     # The owner's work is just as invisible to a client.
     resp, text = await raw(api, "GET", f"/v1/responses/{owned['owner']['id']}", headers=bearer(bob))
     check_error(resp.status, text, 404, "not_found")
+    # Paging after another's task answers exactly as after one that does not exist (no oracle).
+    unknown, unknown_text = await raw(api, "GET", "/v1/tasks?after=task_doesnotexist", headers=bearer(bob))
+    theirs, theirs_text = await raw(api, "GET", f"/v1/tasks?after={a_task}", headers=bearer(bob))
+    assert theirs.status == unknown.status == 400, theirs_text
+    assert json.loads(theirs_text)["error"]["message"].replace(a_task, "X") == \
+        json.loads(unknown_text)["error"]["message"].replace("task_doesnotexist", "X")
 
     # Each client lists only its own tasks; the owner (admin) lists all.
     for who, token in (("alice", alice), ("bob", bob)):

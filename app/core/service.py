@@ -310,15 +310,16 @@ def _list_tasks(conn: sqlite3.Connection, client_id: str | None, status: str | N
     if client_id is not None:
         where.append("r.client_id = ?")
         params.append(client_id)
-    if status is not None:
-        where.append("t.status = ?")
-        params.append(status)
     if after is not None:
-        anchor = conn.execute("SELECT created_at, id FROM tasks WHERE id = ?", (after,)).fetchone()
+        # Looked up among the tasks this client may see: another's looks exactly like an unknown id.
+        anchor = conn.execute(f"{records.LISTED} WHERE {' AND '.join(where)} AND t.id = ?", (*params, after)).fetchone()
         if anchor is None:
             raise InvalidRequest(f"No task {after!r} to page after.", param="after")
         where.append("(t.created_at, t.id) < (?, ?)")
         params.extend([anchor["created_at"], anchor["id"]])
+    if status is not None:
+        where.append("t.status = ?")
+        params.append(status)
     return conn.execute(f"{records.LISTED} WHERE {' AND '.join(where)} ORDER BY t.created_at DESC, t.id DESC LIMIT ?",
                         (*params, limit)).fetchall()
 
