@@ -18,7 +18,7 @@ class AccessFacade:
 
     store: Store
     bus: EventBus
-    _pairing_tokens: dict[str, str]
+    _pairing_tokens: dict[str, tuple[str, float]]  # pairing id -> (token, collect it before this time)
     _requesters: dict[str, tuple[str, float]]  # pending pairing id -> (who asked, when it expires)
     _announced: dict[str, float]  # requester -> when a notification last announced one of theirs
     _verified: dict[str, tuple[float, auth.Client]]
@@ -45,8 +45,15 @@ class AccessFacade:
         shown = pairing.pairing_object(row)
         if shown["status"] == "approved" and pairing_id in self._pairing_tokens:
             if await self.store.write(pairing.hand_over, pairing_id):
-                shown["token"] = self._pairing_tokens.pop(pairing_id)
+                shown["token"] = self._pairing_tokens.pop(pairing_id)[0]
         return shown
+
+    def forget_uncollected(self, now: float) -> int:
+        """Approved tokens their app never came for: a token must not wait in memory forever."""
+        late = [pid for pid, (_, until) in self._pairing_tokens.items() if until < now]
+        for pairing_id in late:
+            del self._pairing_tokens[pairing_id]
+        return len(late)
 
     async def pending_pairings(self) -> list[dict[str, Any]]:
         return [pairing.pairing_object(r) for r in await self.store.read(pairing.pending)]
@@ -60,7 +67,8 @@ class AccessFacade:
     async def _decide(self, pairing_id: str, approve: bool) -> dict[str, Any]:
         row, token = await self.store.write(pairing.decide, pairing_id, approve)
         if token is not None:
-            self._pairing_tokens[pairing_id] = token
+            # To be collected within a pairing's lifetime; `forget_uncollected` drops it after that.
+            self._pairing_tokens[pairing_id] = (token, time.time() + pairing.LIFETIME_SECONDS)
         self.bus.publish([{"type": "pairing.resolved", "id": pairing_id, "status": row["status"]}])
         return pairing.pairing_object(row)
 

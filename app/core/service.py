@@ -65,7 +65,7 @@ class AppService(AccessFacade, ModelsFacade):
         self.recovery_counts: dict[str, int] = {}
         self.model_load_seconds: float | None = None
         self._janitor: asyncio.Task[None] | None = None
-        self._pairing_tokens: dict[str, str] = {}  # approved, not yet collected; memory only
+        self._pairing_tokens: dict[str, tuple[str, float]] = {}  # approved, not yet collected; memory only
         self._requesters: dict[str, tuple[str, float]] = {}
         self._announced: dict[str, float] = {}
         self._touched: dict[str, float] = {}
@@ -129,9 +129,11 @@ class AppService(AccessFacade, ModelsFacade):
         await self.store.write(models.insert, models.DEFAULT_MODEL_ID, found, True)
         log.info("registered the default model %s at %s (%s)", models.DEFAULT_MODEL_ID, path, found.digest)
 
-    async def purge(self) -> dict[str, int]:
-        return await self.store.write(retention.purge, self.settings["retention_seconds"],
-                                      self.settings["idempotency_ttl_seconds"])
+    async def purge(self, now: float | None = None) -> dict[str, int]:
+        now = time.time() if now is None else now
+        counts = await self.store.write(retention.purge, self.settings["retention_seconds"],
+                                        self.settings["idempotency_ttl_seconds"], now)
+        return {**counts, "uncollected_tokens": self.forget_uncollected(now)}
 
     async def _housekeeping(self, tick: float = 5.0) -> None:
         """Retention every ten minutes; idle models unloaded after `model_idle_ttl_seconds`."""
