@@ -34,10 +34,11 @@ class RedactingFormatter(logging.Formatter):
 
 
 class Throttle(logging.Filter):
-    """The same message (logger, level, first line of the format) at most `burst` times a `window`;
-    the first one after a quiet spell says how many were dropped. Under file-descriptor exhaustion
-    asyncio's accept loop logs one error per failed accept(), tens of thousands a second, which
-    would rotate the whole log history away in seconds."""
+    """The same warning or error (logger, level, first line of the format) at most `burst` times
+    a `window`; the first one after a quiet spell says how many were dropped. Under file-descriptor
+    exhaustion asyncio's accept loop logs one error per failed accept(), tens of thousands a
+    second, which would rotate the whole log history away in seconds. Routine INFO lines of a busy
+    service are never dropped."""
 
     def __init__(self, burst: int = 20, window: float = 60.0) -> None:
         super().__init__()
@@ -45,6 +46,8 @@ class Throttle(logging.Filter):
         self.seen: dict[tuple[str, int, str], list[float]] = {}  # key -> [window start, count]
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
         verdict = getattr(record, "lmsp_throttle", None)  # one decision per record, however many handlers
         if verdict is None:
             verdict = record.lmsp_throttle = self._admit(record)

@@ -92,3 +92,15 @@ def test_a_repeated_error_is_logged_a_few_times_not_ten_thousand(tmp_path: Path)
         assert len(list((tmp_path / "logs").glob("lmsp-tray.log.*"))) == 0  # nothing rotated away
     finally:
         logging.basicConfig(force=True)
+
+
+def test_routine_lines_of_a_busy_service_are_never_dropped(tmp_path: Path) -> None:
+    file = logs.setup(tmp_path / "logs")
+    try:
+        for n in range(500):
+            logging.getLogger("app.tasks.runner").info("task %s: starting", f"task_{n}")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        assert file.read_text().count(": starting") == 500
+    finally:
+        logging.basicConfig(force=True)

@@ -40,7 +40,7 @@ class _Handler(RequestHandler):
             return super().handle_error(request, status, exc, message)
         first = (getattr(exc, "message", None) or message or "malformed request").splitlines()[0]
         reason = first.split(":")[0][:80]
-        log.info("refused a malformed request from %s: %s", request.remote, reason)
+        log.warning("refused a malformed request from %s: %s", request.remote, reason)  # throttled (app.logs)
         response = error_response(status, "invalid_request", f"The request is not valid HTTP ({reason}).")
         response.force_close()
         return response
