@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from app import paths
+from app.core.pairing import shown
 from app.secrets import TokenVault
 
 COMMANDS = ("status", "models", "tasks", "pairings", "token")
@@ -46,8 +47,10 @@ class Client:
 
 
 def _table(rows: list[list[str]]) -> str:
+    """Aligned columns; a cell's control characters are shown escaped, never sent to the terminal."""
     if not rows:
         return ""
+    rows = [[shown(cell) for cell in row] for row in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -90,7 +93,7 @@ def run(command: str, args: list[str], data_dir: Path) -> int:
 def _pairings(client: Client, args: list[str]) -> int:
     if len(args) == 2 and args[0] in ("approve", "deny"):
         done = client.call("POST", f"/v1/pairings/{args[1]}/{args[0]}")
-        print(f"{done['client_name']}: {done['status']}")
+        print(f"{shown(done['client_name'])}: {done['status']}")
         return 0
     if args:
         raise CliError("usage: lmsp-tray pairings [approve ID | deny ID]")

@@ -52,10 +52,12 @@ class Headless:
         self.token = ""
         self.log = data_dir.parent / f"{data_dir.name}.log"
 
-    def start(self, timeout: float = 60.0) -> "Headless":
+    def start(self, timeout: float = 60.0, preexec: Any = None) -> "Headless":
+        """`preexec`: run in the child before it starts (e.g. to lower its resource limits)."""
         (self.data_dir / "service.json").unlink(missing_ok=True)
         self.proc = subprocess.Popen([sys.executable, "-m", "app", "--headless", "--data-dir", str(self.data_dir),
-                                      "--port", "0"], cwd=ROOT, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
+                                      "--port", "0"], cwd=ROOT, stdout=self.log.open("ab"), stderr=subprocess.STDOUT,
+                                     preexec_fn=preexec)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"service exited: {self.log.read_text()[-2000:]}"

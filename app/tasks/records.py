@@ -13,6 +13,14 @@ JOINED = ("SELECT t.*, r.model_id, r.client_id, r.request, r.background, r.metad
           "r.created_at AS response_created_at FROM tasks t JOIN responses r ON r.id = t.response_id")
 
 
+# The same, with only what a task object shows: a listing never loads the request or the output
+# text of each task (megabytes each, and never shown in a list).
+LISTED = ("SELECT t.id, t.status, t.on_restart, t.attempt, t.response_id, t.created_at, t.started_at, "
+          "t.finished_at, t.output_tokens, t.max_output_tokens, t.tokens_per_second, t.error_code, "
+          "t.error_message, t.last_sequence_number, r.model_id, r.client_id "
+          "FROM tasks t JOIN responses r ON r.id = t.response_id")
+
+
 def joined(conn: sqlite3.Connection, where: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
     return conn.execute(f"{JOINED} WHERE {where}", params).fetchall()
 
