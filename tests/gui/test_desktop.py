@@ -152,6 +152,8 @@ async def test_safe_mode_is_said_once_and_shown_in_the_models_tab(desktop: Deskt
     table = dashboard.models.table
     await until(lambda: table.rowCount() and table.item(0, 4).text() == "Safe mode", 10, "engine column")
     assert "SIGSEGV" in table.item(0, 4).toolTip()
+
+
 async def test_pairing_notifications_are_plain_text_throttled_and_a_click_opens_what_was_announced(
         desktop: Desktop, until: Until, monkeypatch: pytest.MonkeyPatch) -> None:
     shown: list[tuple[str, str]] = []
