@@ -1,0 +1,2 @@
+-- Placeholder on the "stream" branch for the lead's migration 0003 of the same name (engine
+-- modes), which replaces this file when the branches are merged.
