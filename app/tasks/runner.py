@@ -46,7 +46,7 @@ class Job:
     task_id: str
     engine: Engine
     text: str = ""          # all the output text, for the final `output_text.done`
-    tokens: int = 0         # output tokens produced, earlier attempts' snapshot included
+    tokens: int = 0         # output tokens produced, a resumed snapshot's included
     ids: list[int] = field(default_factory=list)  # produced, not yet written
     pending: str = ""       # text produced, not yet written
     started: float = field(default_factory=time.monotonic)
