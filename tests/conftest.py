@@ -20,13 +20,23 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from app.core.service import AppService  # noqa: E402
 from app.server.app import make_app  # noqa: E402
+from app.store.store import Store  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[Store]:
+    """The store alone, on a fresh database file."""
+    opened = Store(tmp_path / "lmsp.sqlite3")
+    await opened.open()
+    yield opened
+    await opened.close()
+
+
+@pytest.fixture
 async def service(tmp_path: Path) -> AsyncIterator[AppService]:
-    svc = AppService(tmp_path / "data", flush_seconds=0.05)
+    svc = AppService(tmp_path / "data")
     await svc.start()
     yield svc
     await svc.stop()

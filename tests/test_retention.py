@@ -165,7 +165,7 @@ async def test_service_start_purges_expired_finished_work(tmp_path: Path) -> Non
                 add_task(conn, FAILED, finished_at=time.time() - DAY))
 
     old, recent = seed(data_dir, earlier_run)
-    svc = AppService(data_dir, flush_seconds=0.05)
+    svc = AppService(data_dir)
     await svc.start()
     try:
         assert await read(svc, lambda c: left(c, old)) == {"task": 0, "response": 0, "events": 0}
@@ -184,7 +184,7 @@ async def test_service_start_uses_the_configured_retention_period(tmp_path: Path
                 add_task(conn, CANCELLED, finished_at=time.time() - 600))
 
     old, recent = seed(data_dir, earlier_run)
-    svc = AppService(data_dir, flush_seconds=0.05)
+    svc = AppService(data_dir)
     await svc.start()
     try:
         assert (await read(svc, lambda c: left(c, old)))["task"] == 0
@@ -194,7 +194,7 @@ async def test_service_start_uses_the_configured_retention_period(tmp_path: Path
 
 
 async def test_service_purge_removes_work_that_expired_while_it_ran(tmp_path: Path) -> None:
-    svc = AppService(tmp_path / "data", flush_seconds=0.05)
+    svc = AppService(tmp_path / "data")
     await svc.start()
     try:
         old = await svc.store.write(lambda c: add_task(c, COMPLETED, finished_at=time.time() - 2 * WEEK))

@@ -59,7 +59,7 @@ def database_files(data_dir: Path) -> list[Path]:
 
 
 async def started(data_dir: Path) -> AppService:
-    svc = AppService(data_dir, flush_seconds=0.05)
+    svc = AppService(data_dir)
     await svc.start()
     return svc
 

@@ -53,14 +53,14 @@ def _new_id(prefix: str) -> str:
 
 
 class AppService(AccessFacade, ModelsFacade):
-    def __init__(self, data_dir: Path, *, flush_seconds: float = 0.2) -> None:
+    def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.store = Store(data_dir / paths.DB_NAME)
         self.bus = EventBus()
         self.vault = TokenVault(data_dir)
         self.engines: list[Engine] = []
         self.modes = EngineModes(self.store, self.bus, lambda: str(self.settings["engine_mode"]))
-        self.runner = Runner(self.store, self.bus, self.engines, self.modes, flush_seconds)
+        self.runner = Runner(self.store, self.bus, self.engines, self.modes)
         self.settings: dict[str, Any] = dict(config.DEFAULTS)
         self.service_id = ""
         self.ready = False
@@ -221,7 +221,7 @@ class AppService(AccessFacade, ModelsFacade):
     async def task(self, client: Client, task_id: str) -> dict[str, Any]:
         return records.task_object(await self.owned(client, "task", task_id))
 
-    async def owned(self, client: Client, kind: str, ident: str) -> sqlite3.Row:
+    async def owned(self, client: Client, kind: str, ident: str) -> dict[str, Any]:
         """The task row (with its response) of a task or response `client` may see; else 404."""
         finder = records.one_task if kind == "task" else records.one_response
         row = await self.store.read(finder, ident)
@@ -248,7 +248,7 @@ class AppService(AccessFacade, ModelsFacade):
         self.runner.cancel(row["id"])
         return records.task_object(await self.store.read(records.one_task, row["id"]))
 
-    async def wait(self, task_id: str) -> sqlite3.Row:
+    async def wait(self, task_id: str) -> dict[str, Any]:
         """Wait until the task is finished; returns its final row."""
         with self.feed(task_id) as feed:
             row = await self.store.read(records.one_task, task_id)
@@ -344,7 +344,7 @@ def _service_id(conn: sqlite3.Connection) -> str:
 
 def _insert_response(conn: sqlite3.Connection, client_id: str, model_id: str, req: requests.ResponseRequest,
                      on_restart: str, key: tuple[str, str, int] | None
-                     ) -> tuple[idempotency.Stored | None, sqlite3.Row | None, list[machine.Event]]:
+                     ) -> tuple[idempotency.Stored | None, dict[str, Any] | None, list[machine.Event]]:
     if key is not None:
         stored = idempotency.claim(conn, client_id, key[0], key[1], key[2])
         if stored is not None:

@@ -90,6 +90,7 @@ async def get_metrics(request: web.Request) -> web.Response:
     text = metrics.render(counts, tokens=service.runner.tokens_generated,
                           tokens_per_second=service.runner.last_tokens_per_second,
                           load_seconds=service.model_load_seconds, recovery=service.recovery_counts,
-                          latency=request.app[LATENCY])
+                          latency=request.app[LATENCY], commits=service.store.commits,
+                          transactions=service.store.transactions)
     return web.Response(text=text, content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
