@@ -4,8 +4,8 @@ A portable build of llama-cpp-python (`make`: GGML_BACKEND_DL, GGML_CPU_ALL_VARI
 one CPU backend per instruction-set level, `libggml-cpu-<variant>.so`, beside libllama.
 llama.cpp loads the best one by itself, but it looks only beside the executable and in the
 current folder (python's bin/, wherever the user started us): from a venv, a wheel or the
-frozen app it would find none. So we point it at llama_cpp's own lib folder, once, before
-the first model. A native build (one CPU backend linked in) needs nothing and is left alone.
+frozen app it would find none. So we point it at the folder that has them, once, before the
+first model. A native build (one CPU backend linked in) needs nothing and is left alone.
 """
 
 from __future__ import annotations
@@ -24,14 +24,29 @@ def lib_dir() -> Path:
     return Path(llama_cpp.__file__).resolve().parent / "lib"
 
 
+def variants_dir() -> Path | None:
+    """The folder of the CPU variants: llama_cpp/lib (the frozen app's), or the wheel's top-level
+    bin/ (site-packages/bin/), where llama-cpp-python's build installs ggml's backend modules.
+    None for a native build."""
+    for folder in (lib_dir(), lib_dir().parent.parent / "bin"):
+        if list(folder.glob("*ggml-cpu-*")):
+            return folder
+    return None
+
+
 @cache
 def load() -> str | None:
     """Load the best CPU variant; its name (`haswell`, `icelake`, ...) or None for a native build."""
-    folder = lib_dir()
-    if not list(folder.glob("*ggml-cpu-*")):
+    folder = variants_dir()
+    if folder is None:
         return None
-    suffix = {"win32": "ggml.dll", "darwin": "libggml.dylib"}.get(sys.platform, "libggml.so")
-    ggml = ctypes.CDLL(str(folder / suffix))
+    # The very libggml that libllama linked (import llama_cpp, in lib_dir(), loaded it): the wheel
+    # has byte-identical copies (libggml.so, libggml.so.0, ...), and dlopen of another copy would
+    # load a second libggml whose backend registry llama.cpp never looks in ("no backends are
+    # loaded"). On Linux that is the file named by its soname, libggml.so.<N>.
+    names = {"win32": ["ggml.dll"], "darwin": ["libggml.dylib"]}.get(
+        sys.platform, sorted((f.name for f in lib_dir().glob("libggml.so.*")), key=len)[:1] or ["libggml.so"])
+    ggml = ctypes.CDLL(str(lib_dir() / names[0]))
     ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
     ggml.ggml_backend_load_all_from_path(str(folder).encode())
     return loaded_variant()
