@@ -13,7 +13,7 @@ from app.store import db
 from app.tasks import machine, records, recovery
 from app.tasks.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING
 
-from tests.conftest import Headless, wait_until
+from tests.conftest import Headless, Processes, wait_until
 
 TABLE = {  # (found, policy) -> expected state
     (QUEUED, "fail"): FAILED, (QUEUED, "retry"): QUEUED, (QUEUED, "resume"): QUEUED,
@@ -185,11 +185,9 @@ def test_without_a_screen_the_app_serves_headless(tmp_path: Path) -> None:
     from tests.conftest import ROOT
 
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
-    proc = subprocess.Popen([sys.executable, "-m", "app", "--data-dir", str(tmp_path / "data"), "--port", "0"],
-                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until(lambda: (tmp_path / "data" / "service.json").exists(), timeout=60)
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    proc = procs.popen([sys.executable, "-m", "app", "--data-dir", str(tmp_path / "data"), "--port", "0"],
+                       cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: (tmp_path / "data" / "service.json").exists(), timeout=60)
+    proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0 and "no screen to show a tray icon on" in err
