@@ -15,7 +15,8 @@ APP_NAME = "lmsp-tray"
 FROZEN = bool(getattr(sys, "frozen", False))
 BUNDLE = Path(getattr(sys, "_MEIPASS", Path(sys.executable).parent)).resolve() if FROZEN else None
 DB_NAME = "lmsp.sqlite3"
-SERVICE_FILE = "service.json"
+SERVICE_FILE = "service.json"  # where a running service says its URL, for discovery
+LOCK_FILE = "service.lock"  # held by the process that serves a data folder (app.main.lock_data_dir)
 
 
 def resource(*parts: str) -> Traversable:

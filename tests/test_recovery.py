@@ -174,9 +174,31 @@ def test_a_second_service_on_the_same_data_refuses_and_a_busy_port_is_reported(h
     assert other.returncode == 2 and f"Cannot serve on 127.0.0.1:{port}" in other.stderr
     assert "Traceback" not in other.stderr
     assert headless.get("/health")[0] == 200  # the first one is untouched
+    assert json.loads((headless.data_dir / "service.json").read_text())["pid"] == headless.proc.pid
 
 
-def test_without_a_screen_the_app_serves_headless(tmp_path: Path) -> None:
+@pytest.mark.parametrize("holder", ["this test process", "an unrelated sleep"])
+def test_a_service_json_left_by_a_kill_never_stops_the_next_start(headless: Headless, procs: Processes,
+                                                                  holder: str) -> None:
+    """After a crash or power cut the pid in the leftover service.json may be a live process's
+    (pids are reused): the next start must not mistake it for a running LMSP Tray."""
+    import os
+
+    headless.start()
+    status, _ = headless.post("/v1/responses", {**PROMPT, "max_output_tokens": 4})  # an engine child too
+    assert status == 200
+    headless.kill()
+    leftover = headless.data_dir / "service.json"
+    info = json.loads(leftover.read_text())
+    info["pid"] = os.getpid() if holder == "this test process" else procs.popen(["sleep", "300"]).pid
+    leftover.write_text(json.dumps(info))
+    started = time.monotonic()
+    headless.start()  # fails if the service exits ("already running")
+    assert time.monotonic() - started < 30
+    assert headless.get("/health")[0] == 200
+
+
+def test_without_a_screen_the_app_serves_headless(tmp_path: Path, procs: Processes) -> None:
     import os
     import signal
     import subprocess
