@@ -44,8 +44,9 @@ system-deps:
 run: system-deps $(BIN)/.installed
 	$(BIN)/lmsp-tray
 
+# tests/test_wheel.py installs the app's wheel in a fresh venv, with llama.cpp from $(WHEELS).
 test: system-deps $(BIN)/.installed
-	$(BIN)/python -m pytest -q
+	LMSP_WHEELS=$(WHEELS) $(BIN)/python -m pytest -q
 
 bench: system-deps $(BIN)/.installed
 	$(BIN)/python -m pytest -q -s tests/bench

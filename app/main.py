@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 from app import __version__, cli, logs, paths
 from app.core.service import AppService
@@ -50,12 +51,20 @@ class Lifecycle:
         self.server = Server(self.service)
         self.host, self.port = host, port
         self.log_file: Path | None = None  # set by main(); the desktop app's "Open logs"
+        self._lock: IO[bytes] | None = None
 
     async def start(self) -> str:
-        running = self.running_elsewhere()
-        if running:
-            raise LmspError("already_running", f"LMSP Tray is already running for {self.data_dir} at {running}.",
+        self._lock = lock_data_dir(self.data_dir)
+        if self._lock is None:
+            raise LmspError("already_running", f"LMSP Tray is already running for {self.data_dir}{self._where()}.",
                             status=409, title="Already running")
+        try:
+            return await self._serve()
+        except BaseException:
+            self._release()  # not serving: another start may have the folder
+            raise
+
+    async def _serve(self) -> str:
         # Recovery (inside service.start) finishes before the port is even open.
         await self.service.start()
         settings = self.service.settings
@@ -76,21 +85,22 @@ class Lifecycle:
         await self.server.stop_accepting()
         await self.service.stop()
         await self.server.stop()
-        (self.data_dir / paths.SERVICE_FILE).unlink(missing_ok=True)
+        self._release()
         log.info("stopped cleanly")
 
-    def running_elsewhere(self) -> str | None:
-        """The URL of another live process serving this data folder, if there is one: two
-        services on one database would each run the other's tasks."""
+    def _release(self) -> None:
+        if self._lock is not None:  # only the process that holds the folder wrote its service.json
+            (self.data_dir / paths.SERVICE_FILE).unlink(missing_ok=True)
+            self._lock.close()  # closing the file releases the lock
+            self._lock = None
+
+    def _where(self) -> str:
+        """" at <url>" of the service holding the lock, from its service.json (unless it is
+        still starting and has not written it yet)."""
         try:
-            info = json.loads((self.data_dir / paths.SERVICE_FILE).read_text(encoding="utf-8"))
-            pid = int(info["pid"])
-            if pid != os.getpid():
-                os.kill(pid, 0)  # raises if no such process: the file was left by a crash
-                return str(info["url"])
+            return f" at {json.loads((self.data_dir / paths.SERVICE_FILE).read_text(encoding='utf-8'))['url']}"
         except (OSError, ValueError, KeyError, TypeError):
-            pass
-        return None
+            return ""
 
     def _write_service_file(self, url: str) -> None:
         info = {"url": url, "pid": os.getpid(), "version": __version__,
@@ -99,6 +109,30 @@ class Lifecycle:
         tmp = target.with_suffix(".tmp")
         tmp.write_text(json.dumps(info, indent=2), encoding="utf-8")
         tmp.replace(target)
+
+
+def lock_data_dir(data_dir: Path) -> IO[bytes] | None:
+    """Claim the data folder for this process: two services on one database would each run the
+    other's tasks. An exclusive lock on paths.LOCK_FILE, held while the returned file stays open;
+    None if another process holds it. The kernel releases it when the holder ends, however it
+    ends (a crash, SIGKILL, a power cut), so nothing left on disk can keep the app from starting,
+    unlike a pid in service.json, which may by then be another process's."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(data_dir / paths.LOCK_FILE, "a+b")  # never truncated: another may hold it
+    try:
+        if sys.platform == "win32":  # untested: a lock on the first byte, released with the handle
+            import msvcrt
+
+            handle.seek(0)
+            msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
+        else:
+            import fcntl
+
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        return None
+    return handle
 
 
 async def run_headless(life: Lifecycle) -> int:

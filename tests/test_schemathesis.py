@@ -12,7 +12,7 @@ validated (the model is looked up last) and the answer comes at once (400, or 40
 default model, with `max_output_tokens` capped at 4.
 
 `LMSP_FUZZ_CHECKS=not_a_server_error,response_schema_conformance,...` runs other schemathesis
-checks too (e.g. to audit resources/openapi.yaml against the answers); the default is only
+checks too (e.g. to audit app/resources/openapi.yaml against the answers); the default is only
 `not_a_server_error`.
 """
 

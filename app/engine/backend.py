@@ -19,12 +19,17 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+def lib_dir() -> Path:
+    """llama_cpp/lib, where llama-cpp-python loads libllama and its libggml from."""
+    import llama_cpp
+
+    return Path(llama_cpp.__file__).resolve().parent / "lib"
+
+
 def variants_dir() -> Path | None:
     """Where the CPU variants are: llama_cpp/lib (the frozen app puts them there) or the
     wheel's site-packages/bin; None for a native build."""
-    import llama_cpp
-
-    lib = Path(llama_cpp.__file__).resolve().parent / "lib"
+    lib = lib_dir()
     return next((d for d in (lib, lib.parent.parent / "bin") if any(d.glob("*ggml-cpu-*"))), None)
 
 

@@ -11,16 +11,7 @@ from app import paths
 
 SUPPORTED = sys.platform.startswith("linux")
 UNSUPPORTED_REASON = "Not available on this platform yet"
-TEMPLATE = paths.ROOT / "packaging" / "linux" / "lmsp-tray-autostart.desktop"
-FALLBACK = """[Desktop Entry]
-Type=Application
-Name=LMSP Tray
-Comment=Start the local language model server in the system tray at login
-Exec=lmsp-tray
-Icon=lmsp-tray
-Terminal=false
-X-GNOME-Autostart-enabled=true
-"""
+TEMPLATE = "lmsp-tray-autostart.desktop"  # in app/resources/
 
 
 def entry_path() -> Path:
@@ -62,10 +53,11 @@ def _quote(arg: str) -> str:
 
 
 def enable(data_dir: Path | None = None) -> Path:
-    text = TEMPLATE.read_text(encoding="utf-8") if TEMPLATE.exists() else FALLBACK
+    text = paths.resource(TEMPLATE).read_text(encoding="utf-8")
     lines = [f"Exec={command(data_dir)}" if line.startswith("Exec=") else line for line in text.splitlines()]
     if _script() is None and not paths.FROZEN:
-        lines.append(f"Path={paths.ROOT}")  # `python -m app` must start in the source tree
+        # `python -m app` must start in the folder that holds the app package (the source tree)
+        lines.append(f"Path={Path(__file__).resolve().parents[2]}")
     target = entry_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text("\n".join(lines) + "\n", encoding="utf-8")

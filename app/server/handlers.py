@@ -175,4 +175,4 @@ async def openapi(request: web.Request) -> web.Response:
 def load_openapi() -> dict[str, Any]:
     import yaml
 
-    return yaml.safe_load((paths.RESOURCES / "openapi.yaml").read_text(encoding="utf-8"))
+    return yaml.safe_load(paths.resource("openapi.yaml").read_text(encoding="utf-8"))

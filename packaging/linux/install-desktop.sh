@@ -15,6 +15,7 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
+ICONS="$ROOT/app/resources/icons"  # the app's own icons (package data), one copy
 APP_ID="io.github.lmsp_tray.LmspTray"
 ICON_NAME="lmsp-tray"
 DATA="${XDG_DATA_HOME:-$HOME/.local/share}"
@@ -101,7 +102,7 @@ do_install() {
   mv -f "$tmp" "$APPS/$APP_ID.desktop"
 
   local icon size
-  for icon in "$ROOT"/icons/hicolor/*/apps/"$ICON_NAME".png "$ROOT"/icons/hicolor/*/apps/"$ICON_NAME".svg; do
+  for icon in "$ICONS"/hicolor/*/apps/"$ICON_NAME".png "$ICONS"/hicolor/*/apps/"$ICON_NAME".svg; do
     [ -f "$icon" ] || continue
     size="$(basename "$(dirname "$(dirname "$icon")")")"
     mkdir -p "$HICOLOR/$size/apps"

@@ -11,15 +11,16 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
+
+from tests.conftest import Processes
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / "test-output" / "screenshots"
@@ -42,16 +43,16 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
 class Screen:
     """An Xvfb display (a free number chosen by Xvfb itself) with trayer as the tray host."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, procs: Processes) -> None:
         read, write = os.pipe()
-        self.xvfb = subprocess.Popen(["Xvfb", "-displayfd", str(write), "-screen", "0", "%dx%dx24" % SCREEN,
+        self.xvfb = procs.popen(["Xvfb", "-displayfd", str(write), "-screen", "0", "%dx%dx24" % SCREEN,
                                       "-nolisten", "tcp"], pass_fds=(write,), stderr=subprocess.DEVNULL)
         os.close(write)
         with os.fdopen(read) as pipe:
             self.display = ":" + pipe.readline().strip()
         self.env = {**os.environ, "DISPLAY": self.display}
         self.env.pop("QT_QPA_PLATFORM", None)  # the real xcb platform, not offscreen
-        self.trayer = subprocess.Popen(["trayer", "--edge", "top", "--align", "right", "--widthtype", "pixel",
+        self.trayer = procs.popen(["trayer", "--edge", "top", "--align", "right", "--widthtype", "pixel",
                                         "--width", "160", "--height", "24"], env=self.env,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(lambda: '"panel"' in self.tree(), 20, "trayer's panel")
@@ -113,18 +114,12 @@ class Screen:
     def click(self, x: int, y: int, button: int = 1) -> None:
         self.run("xdotool", "mousemove", str(x), str(y), "click", str(button))
 
-    def close(self) -> None:
-        for proc in (self.trayer, self.xvfb):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
 
 class App:
-    def __init__(self, screen: Screen, data_dir: Path) -> None:
-        self.screen, self.data_dir = screen, data_dir
+    """The desktop app, and its second launches, ended with the test by `procs`."""
+
+    def __init__(self, screen: Screen, data_dir: Path, procs: Processes) -> None:
+        self.screen, self.data_dir, self.procs = screen, data_dir, procs
         self.log = data_dir.parent / "app.log"
         self.proc = self.launch(self.log.open("wb"))
         self.url = wait_for(self._url, 60, "service.json")
@@ -132,7 +127,7 @@ class App:
 
     def launch(self, out: Any = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
         env = {**self.screen.env, "PYTHON_KEYRING_BACKEND": "keyring.backends.fail.Keyring"}
-        return subprocess.Popen([sys.executable, "-m", "app", "--data-dir", str(self.data_dir), "--port", "0"],
+        return self.procs.popen([sys.executable, "-m", "app", "--data-dir", str(self.data_dir), "--port", "0"],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def _url(self) -> str | None:
@@ -153,83 +148,73 @@ class App:
     def task(self, task_id: str) -> dict[str, Any]:
         return self.call("GET", f"/v1/tasks/{task_id}")
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
 
 @pytest.fixture
-def screen(tmp_path: Path) -> Iterator[Screen]:
-    display = Screen(tmp_path)
-    yield display
-    display.close()
+def screen(procs: Processes) -> Screen:
+    return Screen(procs)
 
 
-def test_tray_menu_dashboard_and_pairing_on_a_real_screen(screen: Screen, tmp_path: Path) -> None:
-    app = App(screen, tmp_path / "data")
-    try:
-        icon = wait_for(screen.tray_icon, 30, "icon embedded in trayer's panel")
-        menu_box = (SCREEN[0] - 560, 0, 560, 260)
+def test_tray_menu_dashboard_and_pairing_on_a_real_screen(screen: Screen, tmp_path: Path, procs: Processes) -> None:
+    app = App(screen, tmp_path / "data", procs)
+    icon = wait_for(screen.tray_icon, 30, "icon embedded in trayer's panel")
+    menu_box = (SCREEN[0] - 560, 0, 560, 260)
 
-        # A fresh data folder is a first start: the welcome window, closed here with its Close
-        # button ("Don't show this again" left unticked).
-        wx, wy, ww, wh = wait_for(lambda: screen.window("Welcome to LMSP Tray"), 30, "welcome window")
+    # A fresh data folder is a first start: the welcome window, closed here with its Close
+    # button ("Don't show this again" left unticked).
+    wx, wy, ww, wh = wait_for(lambda: screen.window("Welcome to LMSP Tray"), 30, "welcome window")
+    time.sleep(0.5)
+    screen.shot("welcome", (wx, wy, ww, wh))
+    screen.click(wx + ww - 60, wy + wh - 26)  # Close, at the bottom right
+    wait_for(lambda: screen.window("Welcome to LMSP Tray") is None, 10, "welcome closed")
+
+    # Work to show: a short task that completes, a long one that keeps the engine busy.
+    def submit(tokens: int, text: str, token: str | None = None) -> str:
+        body = {"input": text, "background": True, "max_output_tokens": tokens, "temperature": 0}
+        return app.call("POST", "/v1/responses", body, token)["task"]["id"]
+    short = submit(8, "Name three colours.")
+    long = submit(400, "Tell a long story about a lighthouse keeper.")
+
+    # The tray menu, opened as a person does: right-click on the icon.
+    screen.click(*icon, button=3)
+    time.sleep(1.0)
+    screen.shot("tray-menu", menu_box)
+    screen.key("Down", "Down", "Right")  # Open dashboard, Models, into the submenu
+    time.sleep(0.5)
+    screen.shot("tray-menu-models", (SCREEN[0] - 800, 0, 800, 260))
+    screen.key("Escape", "Escape")
+
+    # A pairing request: the tray's notification; clicking it opens the pairing dialog.
+    pairing = app.call("POST", "/v1/pairings", {"client_name": "Notes App",
+                                                 "scopes": ["responses:write", "models:read", "tasks:read"]})
+    time.sleep(1.5)
+    screen.shot("tray-notification", (SCREEN[0] - 560, 0, 560, 160))
+    screen.click(icon[0] - 150, icon[1] + 55)  # the message balloon, just below the icon
+    dx, dy, dw, dh = wait_for(lambda: screen.window("Allow an app to use your models?"), 20, "pairing dialog")
+    time.sleep(0.5)
+    screen.shot("pairing-dialog", (dx, dy, dw, dh))
+    assert app.call("GET", f"/v1/pairings/{pairing['id']}")["status"] == "pending"
+    screen.click(dx + dw - 137, dy + dh - 24)  # Allow (Deny, the default button, is to its right)
+    granted = wait_for(lambda: app.call("GET", f"/v1/pairings/{pairing['id']}").get("token"), 20, "approved")
+    submit(8, "Say hello.", granted)  # the paired app's task waits behind the long one
+
+    # A second launch does not start a second service: it brings the dashboard forward.
+    wait_for(lambda: app.task(short)["status"] == "completed", 90, "short task completed")
+    wait_for(lambda: app.task(long)["progress"]["output_tokens"] >= 4, 60, "long task under way")
+    second = app.launch()
+    assert second.wait(30) == 0
+    box = wait_for(lambda: screen.window("LMSP Tray"), 20, "dashboard shown")
+    x, y, w, h = box
+    screen.click(x + 300, y + 125)  # the second row: the long task, running
+    time.sleep(1.5)
+    for tab in ("tasks", "models", "clients", "settings"):
+        screen.shot(f"dashboard-{tab}", box)
+        screen.key("ctrl+Tab")
         time.sleep(0.5)
-        screen.shot("welcome", (wx, wy, ww, wh))
-        screen.click(wx + ww - 60, wy + wh - 26)  # Close, at the bottom right
-        wait_for(lambda: screen.window("Welcome to LMSP Tray") is None, 10, "welcome closed")
 
-        # Work to show: a short task that completes, a long one that keeps the engine busy.
-        def submit(tokens: int, text: str, token: str | None = None) -> str:
-            body = {"input": text, "background": True, "max_output_tokens": tokens, "temperature": 0}
-            return app.call("POST", "/v1/responses", body, token)["task"]["id"]
-        short = submit(8, "Name three colours.")
-        long = submit(400, "Tell a long story about a lighthouse keeper.")
-
-        # The tray menu, opened as a person does: right-click on the icon.
-        screen.click(*icon, button=3)
-        time.sleep(1.0)
-        screen.shot("tray-menu", menu_box)
-        screen.key("Down", "Down", "Right")  # Open dashboard, Models, into the submenu
-        time.sleep(0.5)
-        screen.shot("tray-menu-models", (SCREEN[0] - 800, 0, 800, 260))
-        screen.key("Escape", "Escape")
-
-        # A pairing request: the tray's notification; clicking it opens the pairing dialog.
-        pairing = app.call("POST", "/v1/pairings", {"client_name": "Notes App",
-                                                     "scopes": ["responses:write", "models:read", "tasks:read"]})
-        time.sleep(1.5)
-        screen.shot("tray-notification", (SCREEN[0] - 560, 0, 560, 160))
-        screen.click(icon[0] - 150, icon[1] + 55)  # the message balloon, just below the icon
-        dx, dy, dw, dh = wait_for(lambda: screen.window("Allow an app to use your models?"), 20, "pairing dialog")
-        time.sleep(0.5)
-        screen.shot("pairing-dialog", (dx, dy, dw, dh))
-        assert app.call("GET", f"/v1/pairings/{pairing['id']}")["status"] == "pending"
-        screen.click(dx + dw - 137, dy + dh - 24)  # Allow (Deny, the default button, is to its right)
-        granted = wait_for(lambda: app.call("GET", f"/v1/pairings/{pairing['id']}").get("token"), 20, "approved")
-        submit(8, "Say hello.", granted)  # the paired app's task waits behind the long one
-
-        # A second launch does not start a second service: it brings the dashboard forward.
-        wait_for(lambda: app.task(short)["status"] == "completed", 90, "short task completed")
-        wait_for(lambda: app.task(long)["progress"]["output_tokens"] >= 4, 60, "long task under way")
-        second = app.launch()
-        assert second.wait(30) == 0
-        box = wait_for(lambda: screen.window("LMSP Tray"), 20, "dashboard shown")
-        x, y, w, h = box
-        screen.click(x + 300, y + 125)  # the second row: the long task, running
-        time.sleep(1.5)
-        for tab in ("tasks", "models", "clients", "settings"):
-            screen.shot(f"dashboard-{tab}", box)
-            screen.key("ctrl+Tab")
-            time.sleep(0.5)
-
-        # Quit from the tray menu: the service stops in order and the app exits 0.
-        screen.click(*icon, button=3)
-        time.sleep(1.0)
-        screen.key("Up", "Return")  # from the top, Up wraps to the last entry: Quit
-        assert app.proc.wait(60) == 0, app.log.read_text()[-3000:]
-        assert not (app.data_dir / "service.json").exists()
-        assert "stopped cleanly" in app.log.read_text()
-    finally:
-        app.stop()
+    # Quit from the tray menu: the service stops in order and the app exits 0.
+    screen.click(*icon, button=3)
+    time.sleep(1.0)
+    screen.key("Up", "Return")  # from the top, Up wraps to the last entry: Quit
+    assert app.proc.wait(60) == 0, app.log.read_text()[-3000:]
+    assert not (app.data_dir / "service.json").exists()
+    assert "stopped cleanly" in app.log.read_text()
