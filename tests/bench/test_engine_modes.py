@@ -5,41 +5,20 @@ long a task waits between a crash in fast mode and its next text in safe mode.""
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 
 import pytest
 
-from app import paths
 from app.core.service import AppService
 from app.engine import backend
-from app.engine.child import extra_bufts
 from app.engine.models import DEFAULT_MODEL_ID
-
-PROMPT = "Write a detailed essay about the history of lighthouses."
-TOKENS = 200
-
-
-def decode_tokens_per_second(fast: bool) -> float:
-    """Plain llama-cpp-python (the engine's settings: n_ctx 4096, every core), best of 3."""
-    from llama_cpp import Llama
-
-    backend.load()
-    with extra_bufts(fast):
-        llm = Llama(model_path=str(paths.default_model_file()), n_ctx=4096, n_threads=os.cpu_count(), verbose=False)
-    llm.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
-    best = 0.0
-    for _ in range(3):
-        start = time.perf_counter()
-        out = llm.create_chat_completion([{"role": "user", "content": PROMPT}], max_tokens=TOKENS, temperature=0)
-        best = max(best, out["usage"]["completion_tokens"] / (time.perf_counter() - start))
-    return best
+from tests.bench.test_throughput import PROMPT, bare_tokens_per_second
 
 
 def test_decode_speed_fast_vs_safe() -> None:
-    fast = decode_tokens_per_second(True)
-    safe = decode_tokens_per_second(False)
+    fast = bare_tokens_per_second(fast=True)
+    safe = bare_tokens_per_second(fast=False)
     print(f"\n[bench] decode, bare llama-cpp-python ({backend.loaded_variant() or 'native'} CPU backend): "
           f"fast {fast:.1f} tokens/s, safe {safe:.1f} tokens/s; safe / fast = {safe / fast:.3f}")
 

@@ -14,21 +14,24 @@ PROMPT = "Write a detailed essay about the history of lighthouses."
 TOKENS = 256
 
 
-def bare_llama() -> Any:
-    """Plain llama-cpp-python: same model, context and threads as the service's engine, warm."""
+def bare_llama(fast: bool = True) -> Any:
+    """Plain llama-cpp-python: same model, context and threads as the service's engine, warm;
+    `fast=False`: as in the engine's safe mode (no extra buffer types)."""
     from llama_cpp import Llama
 
     from app.engine import backend
+    from app.engine.child import extra_bufts
 
     backend.load()
-    llm = Llama(model_path=str(paths.default_model_file()), n_ctx=4096, n_threads=os.cpu_count(), verbose=False)
+    with extra_bufts(fast):
+        llm = Llama(model_path=str(paths.default_model_file()), n_ctx=4096, n_threads=os.cpu_count(), verbose=False)
     llm.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
     return llm
 
 
-def bare_tokens_per_second() -> float:
+def bare_tokens_per_second(fast: bool = True) -> float:
     """Plain llama-cpp-python, same model, prompt, context and threads as the service's engine."""
-    llm = bare_llama()
+    llm = bare_llama(fast)
     best = 0.0
     for _ in range(3):
         start = time.perf_counter()
