@@ -22,6 +22,7 @@ from tests.helpers import SAY_HI, expect_error
 from tests.test_api import check_sequence, deltas, events, start_background, wait_status
 from tests.test_gguf import T, make_gguf
 
+SLOW = 300.0  # a fresh process, a model load and a rebuilt context, on a machine that may be busy
 LONGER = {"input": "Write the numbers from 1 to 1000 separated by commas.", "max_output_tokens": 60, "temperature": 0}
 
 
@@ -85,7 +86,7 @@ async def test_a_crash_mid_task_continues_the_same_attempt_without_losing_output
 
     created = await start_background(api, LONGER)
     task_id = created["task"]["id"]
-    done = await wait_status(api, task_id, {"completed", "failed", "cancelled"})
+    done = await wait_status(api, task_id, {"completed", "failed", "cancelled"}, timeout=SLOW)
     assert done["status"] == "completed", done
     evs = await events(api, task_id)
     check_sequence(evs)
@@ -134,7 +135,7 @@ async def test_two_crashes_in_safe_mode_fail_the_task_and_the_next_task_gets_a_f
     caplog.set_level(logging.INFO)
     monkeypatch.setenv("LMSP_ENGINE_FAULT", "any:prompt")  # this model cannot run at all
     created = await start_background(api, SAY_HI)
-    done = await wait_status(api, created["task"]["id"], {"completed", "failed", "cancelled"})
+    done = await wait_status(api, created["task"]["id"], {"completed", "failed", "cancelled"}, timeout=SLOW)
     assert done["status"] == "failed" and done["error"]["code"] == "engine_crashed", done
     assert "even in safe mode" in done["error"]["message"]
     evs = await events(api, created["task"]["id"])

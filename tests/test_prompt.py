@@ -59,7 +59,7 @@ def test_an_input_too_big_for_the_context_is_refused_before_tokenizing(child: Ch
     answer = child.prompt_tokens(messages, "j")
     elapsed = time.perf_counter() - started
     assert isinstance(answer, str) and "context holds 4096" in answer
-    assert elapsed < 5, elapsed  # was hours: every fragment tokenized, quadratic in special tokens
+    assert elapsed < 20, elapsed  # was hours: every fragment tokenized, quadratic in special tokens
 
 
 async def test_a_huge_request_fails_fast_and_frees_the_engine(api: Any) -> None:
@@ -68,9 +68,9 @@ async def test_a_huge_request_fails_fast_and_frees_the_engine(api: Any) -> None:
     resp = await api.post("/v1/responses", json=body)
     assert resp.status == 202, await resp.text()
     task_id = (await resp.json())["task"]["id"]
-    done = await wait_status(api, task_id, {"completed", "failed", "cancelled"}, timeout=60)
+    done = await wait_status(api, task_id, {"completed", "failed", "cancelled"}, timeout=120)
     assert done["status"] == "failed" and done["error"]["code"] == "context_length_exceeded", done
-    assert time.perf_counter() - started < 30
+    assert time.perf_counter() - started < 60
     other = await api.post("/v1/responses", json=SAY_HI)  # the engine is free for the next app
     assert other.status == 200 and (await other.json())["output_text"].strip()
 

@@ -145,14 +145,16 @@ class Child:
         except Exception as exc:  # llama.cpp reports a bad file as a ValueError/RuntimeError
             self.conn.send({"ev": "error", "code": "model_load_failed", "message": str(exc)})
             return
-        loaded = time.monotonic()
+        warmup = 0.0
         if self.fast:
             # Fast paths that crash on this CPU do so on the first decode: find out now, in a
             # full batch of realistic size, rather than in a user's task (the parent then
             # reloads in safe mode). A shape-dependent crash can still hit a task later:
             # the parent survives that too.
             fault("warmup", self.fast)
+            warming = time.monotonic()
             llm.eval(llm.tokenize(WARMUP.encode(), add_bos=True))
+            warmup = time.monotonic() - warming
         template = llm.metadata.get("tokenizer.chat_template")
         if template:
             def token_text(tok: int) -> str:
@@ -163,7 +165,7 @@ class Child:
         self.llm = llm
         self.piece_bytes = longest_piece(llm)
         self.conn.send({"ev": "loaded", "n_ctx": llm.n_ctx(), "n_ctx_train": llm._model.n_ctx_train(),
-                        "load_seconds": time.monotonic() - started, "warmup_seconds": time.monotonic() - loaded,
+                        "load_seconds": time.monotonic() - started, "warmup_seconds": warmup,
                         "cpu_variant": variant})
 
     def prompt_tokens(self, messages: list[Message], job: str) -> list[int] | str | None:
