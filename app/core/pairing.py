@@ -15,7 +15,9 @@ from app.errors import Conflict, InvalidRequest, LmspError, NotFound
 LIFETIME_SECONDS = 300
 # Waiting requests: in all (the owner looks at each), and per requester (app/server/peer.py), so
 # one requester filling its share leaves room for everyone else; one per requester and name.
-MAX_PENDING, MAX_PENDING_PER_REQUESTER = 100, 5
+# Where the system does not tell the local user, every local app is one requester: its share
+# is then the old global cap.
+MAX_PENDING, MAX_PENDING_PER_REQUESTER = 100, 20
 NOTIFY_EVERY_SECONDS = 60.0  # at most one desktop notification per requester in this time
 # Control and format characters (ESC, BEL, NUL, bidi overrides, zero-width marks) and line or
 # paragraph separators: in a terminal or a notification they redraw or reorder what is shown.
