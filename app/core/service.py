@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -20,22 +19,25 @@ from typing import Any
 from app import paths
 from app.core import auth, idempotency, requests
 from app.core.access import AccessFacade
+from app.core.downloads_facade import DownloadsFacade
+from app.core.ids import new_id
 from app.core.auth import Client
 from app.core.models_facade import ModelsFacade
 from app.engine import models
 from app.engine.engine import Engine
 from app.errors import Conflict, InvalidRequest, LmspError, NotFound
-from app.secrets import TokenVault
+from app.secrets import TokenVault, hub_token
 from app.store import config
 from app.store.store import Store
-from app.tasks import machine, records, recovery, retention
+from app.tasks import downloads, machine, records, recovery, retention
 from app.tasks.bus import EventBus, Feed
 from app.tasks.runner import Runner, request_cancel
 from app.tasks.states import TERMINAL
 
 log = logging.getLogger(__name__)
 RESTART_KEY, RESTART_REQUIRED = "restart_required_for", ["host", "port"]  # settings read at start only
-TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled",
+                   *downloads.TERMINAL_EVENTS)
 
 
 @dataclass(frozen=True)
@@ -45,11 +47,7 @@ class Created:
     replayed: bool             # answered from an idempotency key
 
 
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
-
-
-class AppService(AccessFacade, ModelsFacade):
+class AppService(AccessFacade, ModelsFacade, DownloadsFacade):
     def __init__(self, data_dir: Path, *, flush_seconds: float = 0.2) -> None:
         self.data_dir = data_dir
         self.store = Store(data_dir / paths.DB_NAME)
@@ -57,6 +55,7 @@ class AppService(AccessFacade, ModelsFacade):
         self.vault = TokenVault(data_dir)
         self.engines: list[Engine] = []
         self.runner = Runner(self.store, self.bus, self.engines, flush_seconds)
+        self.downloads = downloads.Downloads(self.store, self.bus, hub_token)
         self.settings: dict[str, Any] = dict(config.DEFAULTS)
         self.service_id = ""
         self.ready = False
@@ -79,6 +78,7 @@ class AppService(AccessFacade, ModelsFacade):
         await self.purge()
         self.runner.resize(self.settings["max_concurrent_tasks"])
         self.runner.start()
+        await self.downloads.start()
         self._janitor = asyncio.create_task(self._housekeeping(), name="lmsp-housekeeping")
         self.ready = True
 
@@ -87,7 +87,7 @@ class AppService(AccessFacade, ModelsFacade):
         self.ready = False
         if self._janitor:
             self._janitor.cancel()
-        await self.runner.stop()
+        await asyncio.gather(self.runner.stop(), self.downloads.stop())
         self.bus.publish([{"type": "service.stopping"}])
         await asyncio.gather(*(engine.stop() for engine in self.engines))
         await self.store.close()
@@ -198,7 +198,8 @@ class AppService(AccessFacade, ModelsFacade):
         """The task row (with its response) of a task or response `client` may see; else 404."""
         finder = records.one_task if kind == "task" else records.one_response
         row = await self.store.read(finder, ident)
-        if row is None or not (client.is_admin or row["client_id"] == client.id):
+        if row is None or (kind == "response" and row["kind"] != "response") or not (
+                client.is_admin or row["client_id"] == client.id):
             raise NotFound(kind, ident)  # another client's id looks exactly like a missing one
         return row
 
@@ -214,11 +215,12 @@ class AppService(AccessFacade, ModelsFacade):
 
     async def cancel(self, client: Client, kind: str, ident: str) -> dict[str, Any]:
         row = await self.owned(client, kind, ident)
-        events = await self.store.write(request_cancel, row["id"])
+        download = row["kind"] == "download"
+        events = await self.store.write(downloads.request_cancel if download else request_cancel, row["id"])
         if events is None:
             raise Conflict("task_not_cancellable", f"Task {row['id']} has already ended.")
         self.bus.publish(events)
-        self.runner.cancel(row["id"])
+        (self.downloads if download else self.runner).cancel(row["id"])
         return records.task_object(await self.store.read(records.one_task, row["id"]))
 
     async def wait(self, task_id: str) -> sqlite3.Row:
@@ -304,7 +306,7 @@ def _list_tasks(conn: sqlite3.Connection, client_id: str | None, status: str | N
 def _service_id(conn: sqlite3.Connection) -> str:
     ident = config.get_value(conn, "service_id")
     if ident is None:
-        ident = _new_id("svc")
+        ident = new_id("svc")
         config.save(conn, {"service_id": ident})
     return str(ident)
 
@@ -321,7 +323,7 @@ def _insert_response(conn: sqlite3.Connection, client_id: str, model_id: str, re
     except NotFound as exc:
         raise LmspError("model_not_found", f"The model {model_id!r} does not exist.", param="model",
                         status=404) from exc
-    response_id, task_id = _new_id("resp"), _new_id("task")
+    response_id, task_id = new_id("resp"), new_id("task")
     conn.execute("INSERT INTO responses(id, client_id, model_id, request, background, metadata, created_at) "
                  "VALUES (?, ?, ?, ?, ?, ?, ?)",
                  (response_id, client_id, model_id, json.dumps(req.generation()), int(req.background),

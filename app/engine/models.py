@@ -41,8 +41,10 @@ def sha256_file(path: Path, progress: Callable[[int, int], None] | None = None) 
     return "sha256:" + h.hexdigest()
 
 
-def examine(path_text: str, progress: Callable[[int, int], None] | None = None) -> ModelFile:
-    """Validate and hash a model file. Blocking: run it off the event loop."""
+def examine(path_text: str, progress: Callable[[int, int], None] | None = None,
+            digest: str | None = None) -> ModelFile:
+    """Validate and hash a model file (unless its `digest` is already known, as a verified
+    download's is). Blocking: run it off the event loop."""
     path = Path(path_text)
     if not path.is_absolute():
         raise InvalidRequest("The model path must be absolute.", param="path")
@@ -54,7 +56,7 @@ def examine(path_text: str, progress: Callable[[int, int], None] | None = None) 
         raise InvalidRequest(f"{path.name} is not a usable GGUF model: {exc}", param="path",
                              code="invalid_model_file") from exc
     stat = path.stat()
-    return ModelFile(str(path), stat.st_size, stat.st_mtime_ns, sha256_file(path, progress), info)
+    return ModelFile(str(path), stat.st_size, stat.st_mtime_ns, digest or sha256_file(path, progress), info)
 
 
 def suggest_id(path: str) -> str:

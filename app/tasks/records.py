@@ -9,8 +9,11 @@ from typing import Any
 from app.tasks.states import CANCELLED, COMPLETED, FAILED, QUEUED
 
 # A task with the response it belongs to: the unit every reader works with.
+# A download's own columns come along (NULL for a generation).
 JOINED = ("SELECT t.*, r.model_id, r.client_id, r.request, r.background, r.metadata, "
-          "r.created_at AS response_created_at FROM tasks t JOIN responses r ON r.id = t.response_id")
+          "r.created_at AS response_created_at, d.repo, d.file, d.revision, d.sha256, d.total_bytes, d.bytes, "
+          "d.bytes_per_second, d.partial_path, d.model_id AS download_model_id "
+          "FROM tasks t JOIN responses r ON r.id = t.response_id LEFT JOIN downloads d ON d.task_id = t.id")
 
 
 def joined(conn: sqlite3.Connection, where: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
@@ -48,15 +51,23 @@ def _error(row: sqlite3.Row) -> dict[str, Any] | None:
 
 
 def task_object(row: sqlite3.Row) -> dict[str, Any]:
-    return {
-        "id": row["id"], "object": "task", "status": row["status"], "on_restart": row["on_restart"],
-        "attempt": row["attempt"], "response_id": row["response_id"], "model": row["model_id"],
+    download = row["kind"] == "download"
+    task = {
+        "id": row["id"], "object": "task", "kind": row["kind"], "status": row["status"],
+        "on_restart": row["on_restart"], "attempt": row["attempt"],
+        "response_id": None if download else row["response_id"], "model": row["model_id"],
         "client_id": row["client_id"],
         "created_at": row["created_at"], "started_at": row["started_at"], "finished_at": row["finished_at"],
         "progress": {"output_tokens": row["output_tokens"], "max_output_tokens": row["max_output_tokens"],
                      "tokens_per_second": row["tokens_per_second"]},
         "error": _error(row), "last_sequence_number": row["last_sequence_number"],
     }
+    if download:
+        task["progress"] = {"bytes": row["bytes"], "total_bytes": row["total_bytes"],
+                            "bytes_per_second": row["bytes_per_second"]}
+        task["download"] = {"repo": row["repo"], "file": row["file"], "revision": row["revision"],
+                            "sha256": row["sha256"], "model_id": row["download_model_id"]}
+    return task
 
 
 def response_object(row: sqlite3.Row) -> dict[str, Any]:
