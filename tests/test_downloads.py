@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -213,3 +214,23 @@ def test_a_killed_service_continues_from_the_bytes_on_disk(fake_hub: FakeHub, he
     assert [e["sequence_number"] for e in seen] == list(range(len(seen)))
     resent = fake_hub.bytes_sent - size
     assert resent < size * 0.01, (resent, sent_before)
+
+
+def test_pull_from_a_terminal_follows_the_download_already_under_way(fake_hub: FakeHub, headless: Headless) -> None:
+    """`lmsp-tray pull`: a progress bar, and a second pull of the same file follows the same task."""
+    fake_hub.bytes_per_second = 30e6
+    headless.start()
+    command = [sys.executable, "-m", "app", "--data-dir", str(headless.data_dir), "pull", REPO, MODEL.name]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: headless.get("/v1/tasks")[1]["data"], timeout=30)
+        second = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        out_first, _ = first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert second.returncode == 0 and first.returncode == 0, (second.stdout, second.stderr)
+    task_id = headless.get("/v1/tasks")[1]["data"][0]["id"]
+    for out in (out_first, second.stdout):
+        assert f"task {task_id}" in out and "100%" in out and "Ready: model " in out, out
+    assert len(headless.get("/v1/tasks")[1]["data"]) == 1
+    assert fake_hub.bytes_sent == MODEL.stat().st_size  # downloaded once
