@@ -265,8 +265,9 @@ def _claim(conn: sqlite3.Connection, busy: list[str]) -> tuple[str, list[machine
 
 def _begin(conn: sqlite3.Connection, task_id: str, have: int, total: int) -> list[machine.Event] | None:
     conn.execute("UPDATE downloads SET bytes = ? WHERE task_id = ?", (have, task_id))
-    return machine.transition(conn, task_id, RUNNING, [("download.started", {"bytes": have, "total_bytes": total})],
-                              started_at=time.time())
+    row = _download(conn, task_id)
+    started = {"repo": row["repo"], "file": row["file"], "bytes": have, "total_bytes": total}
+    return machine.transition(conn, task_id, RUNNING, [("download.started", started)], started_at=time.time())
 
 
 def _progress(conn: sqlite3.Connection, task_id: str, done: int, rate: float | None) -> list[machine.Event] | None:
