@@ -45,6 +45,7 @@ class FakeHub:
     repos: dict[str, dict[str, HubFile]]
     bytes_sent: int = 0
     requests: list[str] = field(default_factory=list)
+    authorizations: set[str] = field(default_factory=set)  # the Authorization headers it was sent
     bytes_per_second: float | None = None    # a speed limit, like a real line
     cut_after: int | None = None             # close the connection after this many body bytes, once
     corrupt: bool = False                    # flip a byte: the body no longer matches X-Linked-Etag
@@ -95,8 +96,12 @@ class FakeHub:
                                    text="Entry not found")
         return found
 
+    def _note(self, request: web.Request) -> None:
+        self.requests.append(f"{request.method} {request.path} {request.headers.get('Range', '')}".strip())
+        self.authorizations.add(request.headers.get("Authorization", ""))
+
     async def _tree(self, request: web.Request) -> web.Response:
-        self.requests.append(f"{request.method} {request.path}")
+        self._note(request)
         repo = f"{request.match_info['owner']}/{request.match_info['name']}"
         if repo not in self.repos:
             return web.json_response({"error": "Repository not found"}, status=404,
@@ -108,7 +113,7 @@ class FakeHub:
             {"type": "file", "path": "README.md", "size": 12, "oid": "1" * 40}])
 
     async def _resolve(self, request: web.Request) -> web.StreamResponse:
-        self.requests.append(f"{request.method} {request.path} {request.headers.get('Range', '')}".strip())
+        self._note(request)
         found = self._find(request)
         start, end = 0, found.size - 1
         ranged = re.fullmatch(r"bytes=(\d+)-(\d*)", request.headers.get("Range", ""))

@@ -3,19 +3,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 from app import paths
+from app.core.service import AppService
 from app.engine import discovery
+from app.tasks import retention
 from tests.conftest import Headless, wait_until
 from tests.helpers import SAY_HI, expect_error, poll
-from tests.hub_server import FakeHub, HubFile
+from tests.hub_server import COMMIT, FakeHub, HubFile
 
 REPO = "test-org/SmolLM2-GGUF"
 MODEL = paths.default_model_file()
@@ -234,3 +239,59 @@ def test_pull_from_a_terminal_follows_the_download_already_under_way(fake_hub: F
         assert f"task {task_id}" in out and "100%" in out and "Ready: model " in out, out
     assert len(headless.get("/v1/tasks")[1]["data"]) == 1
     assert fake_hub.bytes_sent == MODEL.stat().st_size  # downloaded once
+
+
+async def test_a_hub_token_from_hf_token_is_sent_and_kept_nowhere(api: Any, service: Any, fake_hub: FakeHub,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = "hf_" + "s3cr3t" * 6
+    monkeypatch.setenv("HF_TOKEN", secret)
+    assert (await (await api.get(f"/v1/models/downloads/files?repo={REPO}")).json())["data"]
+    done = await finished(api, (await start(api))["id"])
+    assert done["status"] == "completed" and secret not in str(done)
+    assert fake_hub.authorizations == {f"Bearer {secret}"}  # every call to the hub carried it
+    for kept in service.data_dir.rglob("*"):  # the database, its WAL, the logs: never the token
+        assert not kept.is_file() or secret.encode() not in kept.read_bytes(), kept
+
+
+async def test_finished_downloads_go_with_retention_and_their_models_stay(api: Any, service: Any,
+                                                                          fake_hub: FakeHub) -> None:
+    done = await finished(api, (await start(api))["id"])
+    week_later = time.time() + service.settings["retention_seconds"] + 1
+    await service.store.write(retention.purge, service.settings["retention_seconds"], 86400, week_later)
+    assert (await api.get(f"/v1/tasks/{done['id']}")).status == 404
+    assert await service.store.read(lambda c: c.execute("SELECT COUNT(*) FROM downloads").fetchone()[0]) == 0
+    model = await (await api.get(f"/v1/models/{done['download']['model_id']}")).json()
+    assert model["status"] == "available"
+
+
+async def test_after_a_stop_a_download_continues_and_one_being_cancelled_ends_cancelled(
+        fake_hub: FakeHub, tmp_path: Path) -> None:
+    """A clean stop keeps the bytes; the next start continues from them. A download whose cancel
+    was accepted but not finished when the service went ends cancelled, its partial file gone."""
+    fake_hub.bytes_per_second = 20e6
+    size = HubFile(MODEL).size
+    first = AppService(tmp_path / "data")
+    await first.start()
+    owner = await first.authenticate(await first.owner_token())
+    going = await first.create_download(owner, {"repo": REPO, "file": MODEL.name})
+    stopping = await first.create_download(owner, {"repo": REPO, "file": MODEL.name, "revision": COMMIT})
+    await poll(lambda: asyncio.sleep(0, len(blobs(tmp_path / "hf")) == 2 and all(
+        p.stat().st_size > 1e6 for p in blobs(tmp_path / "hf"))), what="both under way")
+    await first.stop()
+    kept = {p.name: p.stat().st_size for p in blobs(tmp_path / "hf")}
+    with sqlite3.connect(tmp_path / "data" / paths.DB_NAME) as db:  # as if the service died mid-cancel
+        db.execute("UPDATE tasks SET status = 'cancelling' WHERE id = ?", (stopping["id"],))
+
+    second = AppService(tmp_path / "data")
+    await second.start()
+    try:
+        assert (await second.task(owner, stopping["id"]))["status"] == "cancelled"
+        assert (await second.events_after(stopping["id"], -1))[-1]["type"] == "download.cancelled"
+        done = await second.wait(going["id"])
+        assert done["status"] == "completed"
+        started = [e for e in await second.events_after(going["id"], -1) if e["type"] == "download.started"]
+        assert started[-1]["bytes"] == kept[Path(done["partial_path"]).name] > 0
+        assert fake_hub.bytes_sent < size * 1.01 + sum(kept.values())  # nothing sent twice but the cancelled part
+        assert [p.name for p in blobs(tmp_path / "hf")] == [HubFile(MODEL).sha256]
+    finally:
+        await second.stop()

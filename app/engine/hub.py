@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,7 +147,7 @@ class Transfer:
     def __init__(self) -> None:
         self.bytes = 0
         self.stop: str | None = None     # set from the loop: "cancel" or "shutdown"
-        self.phase = "hashing"           # what the thread is doing: hashing | receiving | placing
+        self.receiving: tuple[int, float] | None = None  # (bytes, monotonic time) when bytes began to arrive
 
     def check(self) -> None:
         if self.stop:
@@ -230,7 +231,7 @@ def fetch(remote: Remote, partial: Path, token: str | None, transfer: Transfer) 
             hasher.update(chunk)
             transfer.check()
         transfer.bytes = fh.tell()
-        transfer.phase = "receiving"
+        transfer.receiving = (transfer.bytes, time.monotonic())
         writer = _HashingWriter(fh, hasher, transfer)
         headers = build_hf_headers(token=token)
         if urlparse(remote.url).netloc != urlparse(hf_hub_url(remote.repo, remote.file, endpoint=endpoint())).netloc:

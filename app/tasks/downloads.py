@@ -186,15 +186,17 @@ class Downloads:
 
     async def _report(self, task_id: str, fetching: asyncio.Future[Any], transfer: hub.Transfer, total: int) -> None:
         """While the transfer runs: a progress event a second; a cancel seen in the database stops it."""
-        last_bytes, last_time = transfer.bytes, time.monotonic()
+        last: tuple[int, float] | None = None
         while not fetching.done():
             await asyncio.wait([fetching], timeout=PROGRESS_SECONDS)
-            if fetching.done() or transfer.phase != "receiving" or transfer.bytes == last_bytes:
+            last = last or transfer.receiving  # the speed counts from the first byte received, not read
+            if fetching.done() or last is None or transfer.bytes == last[0]:
                 continue
+            last_bytes, last_time = last
             now = time.monotonic()
-            rate = round((transfer.bytes - last_bytes) / (now - last_time), 1)
-            last_bytes, last_time = transfer.bytes, now
-            if await self.write(_progress, task_id, min(last_bytes, total), rate) is None and not transfer.stop:
+            rate = round(max(0, transfer.bytes - last_bytes) / (now - last_time), 1)
+            last = (transfer.bytes, now)
+            if await self.write(_progress, task_id, min(transfer.bytes, total), rate) is None and not transfer.stop:
                 transfer.stop = "cancel"  # the task left `running`: a cancel was accepted
 
 
