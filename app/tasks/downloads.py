@@ -59,10 +59,7 @@ class Downloads:
 
     async def write(self, fn: Any, *args: Any) -> Any:
         """A transaction whose returned events are published once it has committed."""
-        result = await self.store.write(fn, *args)
-        if result:
-            self.bus.publish(result)
-        return result
+        return await self.bus.commit(self.store, fn, *args)
 
     async def start(self) -> None:
         """Recovery for downloads, then the scheduler. Call after the store is open."""

@@ -67,10 +67,7 @@ class Runner:
 
     async def write(self, fn: Any, *args: Any) -> Any:
         """A transaction whose returned events are published once it has committed."""
-        result = await self.store.write(fn, *args)
-        if result:
-            self.bus.publish(result)
-        return result
+        return await self.bus.commit(self.store, fn, *args)
 
     def start(self) -> None:
         self._main = asyncio.create_task(self._schedule(), name="lmsp-runner")
