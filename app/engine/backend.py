@@ -1,10 +1,11 @@
 """llama.cpp's CPU code, picked for the CPU it runs on.
 
 A portable build of llama-cpp-python (`make`: GGML_BACKEND_DL, GGML_CPU_ALL_VARIANTS) ships
-one CPU backend per instruction-set level, `libggml-cpu-<variant>.so`, beside libllama.
-llama.cpp loads the best one by itself, but it looks only beside the executable and in the
-current folder (python's bin/, wherever the user started us): from a venv, a wheel or the
-frozen app it would find none. So we point it at llama_cpp's own lib folder, once, before
+one CPU backend per instruction-set level, `libggml-cpu-<variant>.so`. llama.cpp loads the
+best one by itself, but it looks only beside the executable and in the current folder
+(python's bin/, wherever the user started us), and llama-cpp-python's wheel puts them in
+`site-packages/bin/` (ggml installs backend modules to CMAKE_INSTALL_BINDIR): from a venv or
+the frozen app it would find none. So we point it at the folder that has them, once, before
 the first model. A native build (one CPU backend linked in) needs nothing and is left alone.
 """
 
@@ -12,28 +13,36 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import sys
 from functools import cache
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 
-def lib_dir() -> Path:
+def variants_dir() -> Path | None:
+    """Where the CPU variants are: llama_cpp/lib (the frozen app puts them there) or the
+    wheel's site-packages/bin; None for a native build."""
     import llama_cpp
-    return Path(llama_cpp.__file__).resolve().parent / "lib"
+
+    lib = Path(llama_cpp.__file__).resolve().parent / "lib"
+    return next((d for d in (lib, lib.parent.parent / "bin") if any(d.glob("*ggml-cpu-*"))), None)
 
 
 @cache
 def load() -> str | None:
     """Load the best CPU variant; its name (`haswell`, `icelake`, ...) or None for a native build."""
-    folder = lib_dir()
-    if not list(folder.glob("*ggml-cpu-*")):
+    folder = variants_dir()
+    if folder is None:
         return None
-    suffix = {"win32": "ggml.dll", "darwin": "libggml.dylib"}.get(sys.platform, "libggml.so")
-    ggml = ctypes.CDLL(str(folder / suffix))
-    ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
-    ggml.ggml_backend_load_all_from_path(str(folder).encode())
+    from llama_cpp import llama_cpp as lib
+
+    # Through libllama's own handle: symbol lookup then reaches the libggml it was linked
+    # with. Opening libggml.so by path could load a second copy (the wheel ships the same
+    # library under three names), whose backend registry libllama never sees.
+    load_all = lib._lib.ggml_backend_load_all_from_path
+    load_all.argtypes = [ctypes.c_char_p]
+    load_all.restype = None
+    load_all(str(folder).encode())
     return loaded_variant()
 
 
