@@ -295,3 +295,15 @@ async def test_after_a_stop_a_download_continues_and_one_being_cancelled_ends_ca
         assert [p.name for p in blobs(tmp_path / "hf")] == [HubFile(MODEL).sha256]
     finally:
         await second.stop()
+
+
+async def test_generation_runs_while_a_download_is_under_way(api: Any, fake_hub: FakeHub) -> None:
+    """A download is I/O, not engine work: it never holds the engine a generation needs."""
+    fake_hub.bytes_per_second = 5e6
+    task = await start(api)
+    resp = await api.post("/v1/responses", json=SAY_HI)
+    answer = await resp.json()
+    assert resp.status == 200 and answer["status"] in ("completed", "incomplete"), answer
+    assert (await (await api.get(f"/v1/tasks/{task['id']}")).json())["status"] == "running"
+    await api.post(f"/v1/tasks/{task['id']}/cancel")
+    assert (await finished(api, task["id"]))["status"] == "cancelled"

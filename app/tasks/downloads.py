@@ -16,6 +16,8 @@ happened (its `on_restart` is always "resume"): left queued, loading or running,
 at the next start from the bytes on disk; left cancelling, it ends cancelled. A failed or
 cancelled download leaves no partial file (removed when it ends, and again at start).
 
+"Pause new tasks" holds generations only: it is about the engines, and a download uses none.
+
 The hub side (metadata, the transfer, the cache layout) is app/engine/hub.py.
 """
 
