@@ -22,12 +22,11 @@ def _parse(body: Any) -> tuple[str, str, str]:
     unknown = sorted(set(body) - {"repo", "file", "revision"})
     if unknown:
         raise InvalidRequest(f"Unknown parameter {unknown[0]!r}.", param=unknown[0])
-    file, revision = body.get("file"), body.get("revision", "main")
-    if not isinstance(file, str) or not file.lower().endswith(".gguf") or file.startswith("/") or ".." in file.split("/"):
+    file = body.get("file")
+    if (not isinstance(file, str) or not file.lower().endswith(".gguf") or file.startswith("/")
+            or ".." in file.split("/") or any(ord(c) < 32 or c == "\x7f" for c in file)):
         raise InvalidRequest("`file` must be the path of a .gguf file in the repository.", param="file")
-    if not isinstance(revision, str) or not revision or len(revision) > 255:
-        raise InvalidRequest("`revision` must be a branch, tag or commit.", param="revision")
-    return hub.check_repo(body.get("repo")), file, revision
+    return hub.check_repo(body.get("repo")), file, hub.check_revision(body.get("revision", "main"))
 
 
 def free_bytes(folder: Path) -> int:
@@ -60,7 +59,7 @@ class DownloadsFacade:
         row = await self.store.read(records.one_task, task_id)
         return records.task_object(row)
 
-    async def hub_files(self, repo: Any, revision: str = "main") -> list[dict[str, Any]]:
+    async def hub_files(self, repo: Any, revision: Any = "main") -> list[dict[str, Any]]:
         """A hub repository's GGUF files with their sizes."""
         token = await asyncio.to_thread(hub_token)
-        return await asyncio.to_thread(hub.gguf_files, hub.check_repo(repo), revision, token)
+        return await asyncio.to_thread(hub.gguf_files, hub.check_repo(repo), hub.check_revision(revision), token)

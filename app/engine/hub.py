@@ -51,6 +51,7 @@ constants.DOWNLOAD_CHUNK_SIZE = 256 * 1024
 
 SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+REVISION = re.compile(r"[^\x00-\x20\x7f]{1,255}\Z")  # git refs hold no spaces or control characters
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,12 @@ def check_repo(repo: Any) -> str:
     return repo
 
 
+def check_revision(revision: Any) -> str:
+    if not isinstance(revision, str) or not REVISION.match(revision):
+        raise LmspError("invalid_request", "`revision` must be a branch, tag or commit.", param="revision")
+    return revision
+
+
 def _hub_error(exc: Exception, what: str) -> LmspError:
     """The library's errors, as our clear ones."""
     if isinstance(exc, GatedRepoError):
@@ -110,7 +117,13 @@ def _hub_error(exc: Exception, what: str) -> LmspError:
         return LmspError("not_found", f"The hub has no {what} (or it is private and needs a hub token).",
                          status=404)
     if isinstance(exc, HfHubHTTPError):
-        return LmspError("hub_unavailable", f"The hub refused {what}: {exc}", status=502)
+        status = exc.response.status_code if exc.response is not None else 502
+        if status == 404:
+            return LmspError("not_found", f"The hub has no {what}.", status=404)
+        if status in (401, 403):
+            return LmspError("hub_access_denied", f"The hub refused {what}: a hub token with access to it is "
+                             "needed.", status=403)
+        return LmspError("hub_unavailable", f"The hub answered {status} for {what}.", status=502)
     return LmspError("hub_unreachable", f"The hub could not be reached for {what}: {exc}", status=502)
 
 
