@@ -45,7 +45,7 @@ PROGRESS_SECONDS = 1.0   # one progress event (and fsynced commit) a second per 
 SLOTS = 3                # downloads at once: more only share the same line
 TERMINAL_EVENTS = ("download.completed", "download.failed", "download.cancelled")
 TRANSIENT = ("hub_unreachable", "hub_unavailable", "download_interrupted")
-RETRY_SECONDS = (2, 10, 30)
+RETRY_SECONDS = (2, 10, 30, 60, 120)  # about four minutes of a lost line before giving up
 
 
 class Downloads:
@@ -152,7 +152,9 @@ class Downloads:
         if await self.write(_begin, task_id, have, remote.size) is None:
             return "cancel"
         blob = hub.blob_path(remote)
-        if blob.exists():  # already in the cache (another tool, or an earlier download): verify it
+        # Already in the cache (another tool, or an earlier download): verified, not fetched. A bad
+        # one fails the task but stays: the cache is shared, and that file is not ours to delete.
+        if blob.exists():
             digest = await asyncio.to_thread(models.sha256_file, blob)
             partial = blob
         else:
