@@ -59,10 +59,6 @@ class Downloads:
         self._main: asyncio.Task[None] | None = None
         self._workers: set[asyncio.Task[None]] = set()
 
-    async def write(self, fn: Any, *args: Any) -> Any:
-        """A transaction whose returned events are published once it has committed."""
-        return await self.bus.commit(self.store, fn, *args)
-
     async def start(self) -> None:
         """Recovery for downloads, then the scheduler. Call after the store is open."""
         events, leftovers = await self.store.write(_recover)
@@ -132,9 +128,9 @@ class Downloads:
             return
         await asyncio.to_thread(_remove, [str(partial)])
         if outcome == "cancel":
-            await self.write(_cancelled, task_id)
-        elif await self.write(_fail, task_id, outcome.code, outcome.message) is None:
-            await self.write(_cancelled, task_id)  # a cancel was accepted first
+            await self.bus.commit(self.store, _cancelled, task_id)
+        elif await self.bus.commit(self.store, _fail, task_id, outcome.code, outcome.message) is None:
+            await self.bus.commit(self.store, _cancelled, task_id)  # a cancel was accepted first
 
     async def _execute(self, row: sqlite3.Row, partial: Path, transfer: hub.Transfer) -> str | LmspError | None:
         """The download, from wherever it stands. Returns None when done or set aside by a
@@ -149,7 +145,7 @@ class Downloads:
             return LmspError("digest_mismatch", f"The hub now gives {row['file']} another sha256 than when the "
                              "download was asked for; ask for it again.")
         have = partial.stat().st_size if partial.exists() else 0
-        if await self.write(_begin, task_id, have, remote.size) is None:
+        if await self.bus.commit(self.store, _begin, task_id, have, remote.size) is None:
             return "cancel"
         blob = hub.blob_path(remote)
         # Already in the cache (another tool, or an earlier download): verified, not fetched. A bad
@@ -168,10 +164,10 @@ class Downloads:
                 digest = "sha256:" + fetching.result()
             except hub.Stopped as exc:
                 if exc.reason == "shutdown":
-                    await self.write(_progress, task_id, transfer.bytes, None)
+                    await self.bus.commit(self.store, _progress, task_id, transfer.bytes, None)
                     return None
                 return "cancel"
-        if await self.write(_verifying, task_id, remote.size) is None:
+        if await self.bus.commit(self.store, _verifying, task_id, remote.size) is None:
             return "cancel"
         if digest != "sha256:" + remote.sha256:
             return LmspError("digest_mismatch", f"{remote.file} arrived with {digest}, not the sha256:{remote.sha256} "
@@ -180,7 +176,7 @@ class Downloads:
         if partial != blob:
             await asyncio.to_thread(hub.place, remote, partial)
         found = dataclasses.replace(found, path=str(blob))
-        if await self.write(_complete, task_id, found, models.suggest_id(remote.file)) is None:
+        if await self.bus.commit(self.store, _complete, task_id, found, models.suggest_id(remote.file)) is None:
             return "cancel"
         self.bus.publish([{"type": "models.changed"}])
         return None
@@ -197,7 +193,8 @@ class Downloads:
             now = time.monotonic()
             rate = round(max(0, transfer.bytes - last_bytes) / (now - last_time), 1)
             last = (transfer.bytes, now)
-            if await self.write(_progress, task_id, min(transfer.bytes, total), rate) is None and not transfer.stop:
+            written = await self.bus.commit(self.store, _progress, task_id, min(transfer.bytes, total), rate)
+            if written is None and not transfer.stop:
                 transfer.stop = "cancel"  # the task left `running`: a cancel was accepted
 
 
