@@ -9,6 +9,7 @@ from typing import Any
 
 from app.engine import discovery, models
 from app.engine.engine import Engine, EngineError
+from app.engine.modes import EngineModes
 from app.errors import Conflict, InvalidRequest, LmspError
 from app.store.store import Store
 from app.tasks.bus import EventBus
@@ -22,6 +23,7 @@ class ModelsFacade:
     bus: EventBus
     engines: list[Engine]
     runner: Runner
+    modes: EngineModes
     model_load_seconds: float | None
 
     def loaded_paths(self) -> set[str]:
@@ -29,11 +31,13 @@ class ModelsFacade:
 
     async def list_models(self) -> list[dict[str, Any]]:
         rows = await self.store.read(lambda c: c.execute("SELECT * FROM models ORDER BY created_at").fetchall())
-        loaded = self.loaded_paths()
-        return [models.model_object(r, loaded) for r in rows]
+        return [self._model_object(r) for r in rows]
 
     async def model(self, model_id: str) -> dict[str, Any]:
-        return models.model_object(await self.store.read(models.get, model_id), self.loaded_paths())
+        return self._model_object(await self.store.read(models.get, model_id))
+
+    def _model_object(self, row: Any) -> dict[str, Any]:
+        return {**models.model_object(row, self.loaded_paths()), "engine": self.modes.describe(row["digest"])}
 
     async def register_model(self, body: Any, progress: Any = None) -> dict[str, Any]:
         if not isinstance(body, dict) or not isinstance(body.get("path"), str):
@@ -83,7 +87,7 @@ class ModelsFacade:
             raise Conflict("engines_busy", "Every engine is busy with a task; try again when one is free.")
         started = time.monotonic()
         try:
-            await engine.load(row["path"])
+            await engine.load(row["path"], row["digest"])
         except EngineError as exc:
             raise LmspError("model_load_failed", f"The model could not be loaded: {exc.message}", status=422) from exc
         self.model_load_seconds = time.monotonic() - started

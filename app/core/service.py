@@ -25,6 +25,7 @@ from app.core.auth import Client
 from app.core.models_facade import ModelsFacade
 from app.engine import models
 from app.engine.engine import Engine
+from app.engine.modes import EngineModes
 from app.errors import Conflict, InvalidRequest, LmspError, NotFound
 from app.secrets import TokenVault, hub_token
 from app.store import config
@@ -54,7 +55,8 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade):
         self.bus = EventBus()
         self.vault = TokenVault(data_dir)
         self.engines: list[Engine] = []
-        self.runner = Runner(self.store, self.bus, self.engines, flush_seconds)
+        self.modes = EngineModes(self.store, self.bus, lambda: str(self.settings["engine_mode"]))
+        self.runner = Runner(self.store, self.bus, self.engines, self.modes, flush_seconds)
         self.downloads = downloads.Downloads(self.store, self.bus, hub_token)
         self.settings: dict[str, Any] = dict(config.DEFAULTS)
         self.service_id = ""
@@ -73,6 +75,7 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade):
         self.service_id = await self.store.write(_service_id)
         await self._ensure_owner_token()
         await self._ensure_default_model()
+        await self.modes.open()
         self.recovery_counts = await self.store.write(recovery.recover)
         await self.store.write(idempotency.forget_in_flight)
         await self.purge()

@@ -1,8 +1,11 @@
 """The parent's side of one engine child: start it, load a model, stream a generation.
 
 A reader thread turns the child's messages into items on an asyncio queue, so the event loop
-never blocks on the pipe. If the child dies, every waiter gets an `engine_crashed` error and
-the next request starts a fresh child.
+never blocks on the pipe. If the child dies from a crash signal in fast mode and the setting
+is `auto`, the engine starts a fresh child in safe mode and carries on with the same load or
+generation from the tokens already produced (LMSP §11): the caller sees no failure. Other
+deaths, and a second crash in safe mode, are an `engine_crashed` error; the next request
+starts a fresh child.
 """
 
 from __future__ import annotations
@@ -12,17 +15,22 @@ import itertools
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, AsyncIterator
 
-from app.engine import child
+from app.engine import child, cpu
+from app.engine.modes import FAST, SAFE, EngineModes
 
 log = logging.getLogger(__name__)
 Message = dict[str, Any]
 CRASHED: Message = {"ev": "error", "code": "engine_crashed", "message": "The inference process stopped unexpectedly."}
+# Deaths that point at llama.cpp's own code (a CPU kernel), not at someone killing the process.
+CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
+SAFE_CRASH_BUDGET = 2  # crashes in safe mode that end one load or generation
 
 
 class EngineError(Exception):
@@ -48,17 +56,23 @@ class Generation:
 class Engine:
     _ids = itertools.count(1)
 
-    def __init__(self, name: str = "engine", n_ctx: int = 4096, n_threads: int | None = None) -> None:
+    def __init__(self, name: str, modes: EngineModes, n_ctx: int = 4096, n_threads: int | None = None) -> None:
         self.name = name
+        self.modes = modes
         self.n_ctx = n_ctx
         self.n_threads = n_threads or os.cpu_count() or 1
         self.model_path: str | None = None
+        self.digest: str | None = None
+        self.mode: str | None = None          # the mode the loaded model runs in
+        self.cpu_variant: str | None = None   # which libggml-cpu-<variant> the child picked
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
         self._inbox: asyncio.Queue[Message] | None = None
         self._lock = asyncio.Lock()  # one request to the child at a time
         self._job: str | None = None
         self._last_used = time.monotonic()
+        self.exit_signal: int | None = None  # how the last child died, if by a signal
+        self._request: tuple[str, str, str] = ("", "", FAST)  # path, digest, mode of the last load asked for
 
     @property
     def alive(self) -> bool:
@@ -104,51 +118,111 @@ class Engine:
         assert self._inbox is not None
         msg = await self._inbox.get()
         if msg is CRASHED:
-            self._reap()
+            await self._reap()
         return msg
 
-    def _reap(self) -> None:
+    async def _reap(self) -> None:
+        self.exit_signal = None
         if self._proc is not None:
-            self._proc.join(timeout=1)
-            log.warning("%s process exited with code %s", self.name, self._proc.exitcode)
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 1)
+            code = self._proc.exitcode
+            self.exit_signal = -code if code is not None and code < 0 else None
+            log.warning("%s process exited with code %s", self.name, code)
         self._proc = self._conn = None
-        self.model_path = None
+        self.model_path = self.mode = None
 
-    async def load(self, path: str) -> Message:
-        """Load `path` unless it is already loaded. Raises EngineError on failure."""
-        async with self._lock:
-            if self.model_path == path and self.alive:
+    async def _survive(self, crashes: list[str], stage: str) -> None:
+        """After the child died: decide whether to carry on (in safe mode) or fail.
+        `crashes` holds the modes the child crashed in during this one request."""
+        sig = self.exit_signal
+        path, digest, mode = self._request
+        name = signal.Signals(sig).name if sig else "no signal"
+        detail = (f"{self.name}: inference process killed by {name} while {stage} {path} in "
+                  f"{mode} mode (CPU: {cpu.summary()}; llama.cpp CPU backend: {self.cpu_variant or 'native'})")
+        log.error("%s", detail)
+        if sig not in CRASH_SIGNALS:
+            raise EngineError(CRASHED["code"], CRASHED["message"])
+        crashes.append(mode)
+        if mode == FAST and self.modes.auto:
+            await self.modes.fall_back(digest, (
+                f"The inference engine crashed ({name}) in fast mode on this CPU while {stage} this model; "
+                "it now runs in safe mode (llama.cpp's weight repacking and AMX kernels off), a little slower."))
+            log.warning("%s: continuing in safe mode", self.name)
+            return
+        if mode == FAST:
+            raise EngineError("engine_crashed", f"The inference engine crashed ({name}). The setting engine_mode "
+                              "is 'fast'; set it to 'auto' or 'safe' to let LMSP Tray avoid the crash.")
+        if crashes.count(SAFE) >= SAFE_CRASH_BUDGET:
+            raise EngineError("engine_crashed", f"The inference engine crashed ({name}) {SAFE_CRASH_BUDGET} times "
+                              "on this model, even in safe mode, so this task stopped. Other models may still "
+                              "work; the log has the details.")
+        log.warning("%s: crashed in safe mode; trying once more with a fresh process", self.name)
+
+    async def _load(self, path: str, digest: str, crashes: list[str]) -> Message:
+        """Load in the mode the model should run in; survive a crash as `_survive` decides."""
+        while True:
+            mode = self.modes.mode(digest)
+            if self.model_path == path and self.mode == mode and self.alive:
                 return {"ev": "loaded", "cached": True}
-            self._send({"op": "load", "path": path, "n_ctx": self.n_ctx, "n_threads": self.n_threads})
+            # Until it has loaded, nothing is: a failed load must not leave the old path behind.
+            self.model_path = self.mode = None
+            self._request = (path, digest, mode)
+            self._send({"op": "load", "path": path, "n_ctx": self.n_ctx, "n_threads": self.n_threads,
+                        "safe": mode == SAFE})
             msg = await self._next()
+            if msg is CRASHED:
+                await self._survive(crashes, "loading and warming up")
+                continue
             if msg["ev"] != "loaded":
                 raise EngineError(msg["code"], msg["message"])
-            log.info("%s: loaded %s in %.2f s", self.name, path, msg["load_seconds"])
-            self.model_path = path
+            self.model_path, self.digest, self.mode = path, digest, mode
+            self.cpu_variant = msg.get("cpu_variant")
+            log.info("%s: loaded %s in %s mode in %.2f s (warm-up %.2f s; llama.cpp CPU backend: %s)", self.name,
+                     path, mode, msg["load_seconds"], msg.get("warmup_seconds", 0.0), self.cpu_variant or "native")
             self._last_used = time.monotonic()
             return msg
+
+    async def load(self, path: str, digest: str) -> Message:
+        """Load `path` unless it is already loaded. Raises EngineError on failure."""
+        async with self._lock:
+            return await self._load(path, digest, [])
 
     async def unload(self) -> None:
         async with self._lock:
             if self.alive and self.model_path is not None:
                 self._send({"op": "unload"})
                 await self._next()
-            self.model_path = None
+            self.model_path = self.mode = None
 
     async def generate(self, gen: Generation) -> AsyncIterator[Message]:
-        """Yield `chunk` messages, then one `done`. Raises EngineError on failure."""
+        """Yield `chunk` messages, then one `done`. Raises EngineError on failure.
+        A crash that `_survive` forgives is invisible here: the model is loaded again and
+        the generation continues from the tokens already yielded."""
         async with self._lock:
-            job = f"job{next(self._ids)}"
-            self._job = job
-            self._send({"op": "generate", "job": job, **gen.__dict__})
+            path, digest = self.model_path, self.digest
+            if path is None or digest is None:
+                raise EngineError("model_not_loaded", "No model is loaded.")
+            crashes: list[str] = []
+            ids, emitted = list(gen.prefix_ids or []), gen.emitted_chars
             while True:
-                msg = await self._next()
-                if msg["ev"] == "error":
-                    raise EngineError(msg["code"], msg["message"])
-                yield msg
-                if msg["ev"] == "done":
-                    self._last_used = time.monotonic()
-                    return
+                job = f"job{next(self._ids)}"
+                self._job = job
+                self._send({"op": "generate", "job": job, **{**gen.__dict__, "prefix_ids": ids, "emitted_chars": emitted}})
+                while True:
+                    msg = await self._next()
+                    if msg is CRASHED:
+                        break
+                    if msg["ev"] == "error":
+                        raise EngineError(msg["code"], msg["message"])
+                    if msg["ev"] == "chunk":
+                        ids.extend(msg["ids"])
+                        emitted += len(msg["text"])
+                    yield msg
+                    if msg["ev"] == "done":
+                        self._last_used = time.monotonic()
+                        return
+                await self._survive(crashes, "generating with")
+                await self._load(path, digest, crashes)
 
     def idle_for(self) -> float:
         return time.monotonic() - self._last_used

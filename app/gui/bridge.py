@@ -19,6 +19,7 @@ class Bridge(QObject):
     pairing_requested = Signal(object)   # the pairing object (dict)
     pairing_resolved = Signal(str, str)  # pairing id, new status
     models_changed = Signal()
+    safe_mode = Signal(object)           # {"models": [ids], "reason"}: the engine fell back (§11)
     model_hashing = Signal(object)       # {"path", "done", "total"}
     clients_changed = Signal()
     settings_changed = Signal(object)    # list of changed keys
@@ -45,6 +46,8 @@ class Bridge(QObject):
             self.pairing_resolved.emit(event["id"], event.get("status", ""))
         elif kind == "models.changed":
             self.models_changed.emit()
+        elif kind == "engine.safe_mode":
+            self.safe_mode.emit(event)
         elif kind == "models.hashing":
             self.model_hashing.emit(event)
         elif kind == "clients.changed":

@@ -70,6 +70,7 @@ class Desktop(QObject):
             instance.show_requested.connect(lambda: self.show_dashboard())
         self.bridge.pairing_requested.connect(self._pairing_requested)
         self.bridge.task_event.connect(self._task_event)
+        self.bridge.safe_mode.connect(self._safe_mode)
         self._clock = QTimer(self, interval=5000)  # pairing requests expire without an event
         self._clock.timeout.connect(lambda: self.session.forget_expired(time.time()))
         self._clock.start()
@@ -226,6 +227,15 @@ class Desktop(QObject):
         title = "A download failed" if event["type"] == "download.failed" else "A task failed"
         self.tray.notify(title, error.get("message") or "The task failed.",
                          lambda: self.show_task(task_id), QSystemTrayIcon.MessageIcon.Warning)
+
+
+    def _safe_mode(self, event: dict[str, Any]) -> None:
+        """Said once per model and CPU: the engine remembers the choice, so this never repeats."""
+        names = ", ".join(event.get("models") or []) or "a model"
+        self.tray.notify("Running in safe mode",
+                         f"{names} crashed the fast inference engine on this CPU. It now runs in safe mode, "
+                         "a little slower; your tasks carry on. Nothing to do; the Models tab says more.",
+                         lambda: self.show_dashboard("Models"), QSystemTrayIcon.MessageIcon.Information)
 
 
 def _start_problem(exc: Exception) -> str:

@@ -14,7 +14,9 @@ from app.gui.async_ui import confirm, show_error, spawn
 from app.gui.session import Session
 from app.gui.widgets import hashing_progress, list_page, list_table
 
-COLUMNS = ("Model", "Size", "Digest", "State")
+COLUMNS = ("Model", "Size", "Digest", "State", "Engine")
+ENGINE_MODES = {"fast": "Fast", "safe": "Safe mode"}
+ENGINE_HINT = "llama.cpp's fastest CPU paths for this processor."
 STATES = {"available": "Ready", "loaded": "Loaded", "missing": "File missing", "changed": "File changed on disk"}
 
 
@@ -38,7 +40,7 @@ class ModelsTab(QWidget):
         super().__init__(parent)
         self.session = session
         self.progress: QProgressDialog | None = None
-        self.table = list_table(COLUMNS, stretch=0, widths={1: 90, 2: 120, 3: 160})
+        self.table = list_table(COLUMNS, stretch=0, widths={1: 90, 2: 120, 3: 140, 4: 90})
         self.table.itemSelectionChanged.connect(self._update_buttons)
 
         self.buttons: dict[str, QPushButton] = {}
@@ -67,12 +69,14 @@ class ModelsTab(QWidget):
         models = self.session.models
         self.table.setRowCount(len(models))
         for row, model in enumerate(models):
+            engine = model.get("engine") or {}
             cells = (model["id"], human_size(model.get("size_bytes")), short_digest(model.get("digest")),
-                     STATES.get(model["status"], model["status"]))
+                     STATES.get(model["status"], model["status"]), ENGINE_MODES.get(engine.get("mode"), "—"))
             for col, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 item.setData(Qt.ItemDataRole.UserRole, model)
-                item.setToolTip(f"{model.get('path', '')}\n{model.get('digest', '')}")
+                item.setToolTip(engine.get("reason") or ENGINE_HINT if col == 4 else
+                                f"{model.get('path', '')}\n{model.get('digest', '')}")
                 if col == 1:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 self.table.setItem(row, col, item)

@@ -18,10 +18,12 @@ from app.gui.session import Session
 DAY, MINUTE = 86400, 60
 ON_RESTART = {"fail": "Mark it failed (the app may resubmit)", "retry": "Run it again from the start",
               "resume": "Continue where it stopped"}
+ENGINE_MODES = {"auto": "Automatic (fast; safe if it crashes)", "fast": "Fast only",
+                "safe": "Safe (slower, avoids CPU-specific crashes)"}
 RESTART_NEEDED = ("host", "port")
 GROUPS = (("Network", ("host", "port", "allowed_origins")),
           ("Tasks", ("max_concurrent_tasks", "default_on_restart", "retention_seconds")),
-          ("Models", ("model_idle_ttl_seconds",)))
+          ("Models", ("model_idle_ttl_seconds", "engine_mode")))
 LONGEST_LABEL = "Unfinished task after a restart:"  # the groups' label columns line up at this width
 
 
@@ -42,6 +44,9 @@ class SettingsTab(QWidget):
         self.origins.setPlaceholderText("https://example.app  (one per line; none: only apps without an Origin)")
         self.origins.setFixedHeight(64)
         self.idle = QSpinBox(minimum=0, maximum=525600, suffix=" min", specialValueText="never")
+        self.engine_mode = QComboBox()
+        for value, text in ENGINE_MODES.items():
+            self.engine_mode.addItem(text, value)
         # param name (as the facade reports it) -> (field, label text, hint)
         self.fields: dict[str, tuple[QWidget, str, str]] = {
             "host": (self.host, "Address", "127.0.0.1 keeps the service on this computer. Takes effect after restart."),
@@ -51,6 +56,8 @@ class SettingsTab(QWidget):
             "max_concurrent_tasks": (self.concurrency, "Tasks at once", "Each needs memory for its own model copy."),
             "allowed_origins": (self.origins, "Allowed web origins", "Web pages from these origins may call the API."),
             "model_idle_ttl_seconds": (self.idle, "Unload idle model after", ""),
+            "engine_mode": (self.engine_mode, "Inference engine", "Safe mode turns off llama.cpp's weight "
+                            "repacking and AMX kernels, which crash on some CPUs. Applies from the next task."),
         }
         self.errors: dict[str, QLabel] = {}
         groups = QVBoxLayout()
@@ -118,6 +125,7 @@ class SettingsTab(QWidget):
         self.concurrency.setValue(s["max_concurrent_tasks"])
         self.origins.setPlainText("\n".join(s["allowed_origins"]))
         self.idle.setValue(round(s["model_idle_ttl_seconds"] / MINUTE))
+        self.engine_mode.setCurrentIndex(max(0, self.engine_mode.findData(s["engine_mode"])))
         self.shown = self.values()  # what the form said before any edit (days/minutes are rounded)
         now = urlsplit(self.session.url)
         differs = self.session.url and (now.hostname, now.port) != (s["host"].strip("[]"), s["port"])
@@ -135,7 +143,8 @@ class SettingsTab(QWidget):
                 "default_on_restart": self.on_restart.currentData(),
                 "max_concurrent_tasks": self.concurrency.value(),
                 "allowed_origins": [o.strip() for o in self.origins.toPlainText().splitlines() if o.strip()],
-                "model_idle_ttl_seconds": self.idle.value() * MINUTE}
+                "model_idle_ttl_seconds": self.idle.value() * MINUTE,
+                "engine_mode": self.engine_mode.currentData()}
 
     def changes(self) -> dict[str, Any]:
         return {k: v for k, v in self.values().items() if v != self.shown.get(k)}

@@ -21,6 +21,7 @@ DEFAULTS: dict[str, Any] = {
     "idempotency_ttl_seconds": 86400,
     "model_idle_ttl_seconds": 0,  # 0: never unload for idleness
     "allowed_hosts": [],
+    "engine_mode": "auto",  # §11: auto falls back to safe per model when fast mode crashes
 }
 
 
@@ -53,6 +54,7 @@ VALIDATORS: dict[str, Any] = {
     "idempotency_ttl_seconds": _int_in(60, 365 * 86400),
     "model_idle_ttl_seconds": _int_in(0, 365 * 86400),
     "allowed_hosts": _str_list,
+    "engine_mode": lambda v: v in ("auto", "fast", "safe"),
 }
 
 

@@ -85,7 +85,7 @@ def response_object(row: sqlite3.Row) -> dict[str, Any]:
         "status": status, "model": row["model_id"], "output": output, "output_text": text,
         "usage": {"input_tokens": row["input_tokens"], "output_tokens": row["output_tokens"],
                   "total_tokens": row["input_tokens"] + row["output_tokens"],
-                  "input_tokens_details": {"cached_tokens": 0},
+                  "input_tokens_details": {"cached_tokens": row["cached_tokens"]},
                   "output_tokens_details": {"reasoning_tokens": 0}},
         "error": _error(row),
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,

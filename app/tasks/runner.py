@@ -18,6 +18,7 @@ from typing import Any
 
 from app.engine import models
 from app.engine.engine import Engine, EngineError, Generation
+from app.engine.modes import EngineModes
 from app.errors import LmspError
 from app.store.store import Store
 from app.tasks import machine, records
@@ -50,10 +51,12 @@ def _delta(job: Job) -> list[tuple[str, dict[str, Any]]]:
 
 
 class Runner:
-    def __init__(self, store: Store, bus: EventBus, engines: list[Engine], flush_seconds: float = 0.2) -> None:
+    def __init__(self, store: Store, bus: EventBus, engines: list[Engine], modes: EngineModes,
+                 flush_seconds: float = 0.2) -> None:
         self.store = store
         self.bus = bus
         self.engines = engines
+        self.modes = modes
         self.flush_seconds = flush_seconds
         self.jobs: dict[str, Job] = {}
         self.capacity = len(engines)  # how many tasks may run at once (max_concurrent_tasks)
@@ -91,7 +94,7 @@ class Runner:
         # all run slower than one. An engine keeps its share until it is restarted.
         threads = max(1, (os.cpu_count() or 1) // capacity)
         while len(self.engines) < capacity:
-            self.engines.append(Engine(f"engine{len(self.engines)}", n_threads=threads))
+            self.engines.append(Engine(f"engine{len(self.engines)}", self.modes, n_threads=threads))
         self.capacity = capacity
         self.wake()
 
@@ -138,7 +141,7 @@ class Runner:
                  row["output_tokens"])
         try:
             model = await self.store.read(models.usable, row["model_id"])
-            if not (await job.engine.load(model["path"])).get("cached"):  # a fresh load: tell the GUI
+            if not (await job.engine.load(model["path"], model["digest"])).get("cached"):  # a fresh load: tell the GUI
                 self.bus.publish([{"type": "models.changed"}])
         except (LmspError, EngineError) as exc:
             code = exc.code if isinstance(exc, LmspError) or exc.code == "engine_crashed" else "model_load_failed"
@@ -184,7 +187,7 @@ class Runner:
             if await self.write(_cancelled, job.task_id) is None:
                 await self._flush(job)  # shutting down: keep the snapshot, recovery decides
             return
-        if await self.write(_complete, job, reason, usage.get("input_tokens", 0)) is None:
+        if await self.write(_complete, job, reason, usage) is None:
             await self.write(_cancelled, job.task_id)
 
     async def _flush(self, job: Job) -> bool:
@@ -254,7 +257,7 @@ def _save_output(conn: sqlite3.Connection, job: Job) -> list[machine.Event] | No
     return machine.record(conn, job.task_id, (RUNNING,), _delta(job), **_snapshot(job))
 
 
-def _complete(conn: sqlite3.Connection, job: Job, reason: str, input_tokens: int) -> list[machine.Event] | None:
+def _complete(conn: sqlite3.Connection, job: Job, reason: str, usage: dict[str, Any]) -> list[machine.Event] | None:
     saved = _save_output(conn, job)
     if saved is None:
         return None
@@ -263,7 +266,8 @@ def _complete(conn: sqlite3.Connection, job: Job, reason: str, input_tokens: int
         [("response.output_text.done", {"text": job.text, "output_index": 0, "content_index": 0,
                                         "item_id": job.item_id}),
          ("response.incomplete" if reason == "length" else "response.completed", {"response": RESPONSE})],
-        finish_reason=reason, input_tokens=input_tokens, finished_at=time.time())
+        finish_reason=reason, input_tokens=usage.get("input_tokens", 0), cached_tokens=usage.get("cached_tokens", 0),
+        finished_at=time.time())
     assert done is not None
     return saved + done
 

@@ -127,3 +127,28 @@ async def test_a_second_launch_while_starting_shows_the_dashboard_once_ready(ser
         shell.request_quit()
         assert await asyncio.wait_for(run, 20) == 0
         instance.release()
+
+
+async def test_safe_mode_is_said_once_and_shown_in_the_models_tab(desktop: Desktop, owner: Client, until: Until,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    messages: list[tuple[str, str, Callable[[], None] | None]] = []
+    desktop.tray.notify = lambda title, text, on_click=None, icon=None: messages.append((title, text, on_click))
+    service = desktop.session.service
+    monkeypatch.setenv("LMSP_ENGINE_FAULT", "fast:warmup")  # the engine child crashes as on an AMX CPU
+    first = await make_task(service, owner, tokens=5)
+    second = await make_task(service, owner, tokens=5)
+    for response in (first, second):
+        row = await service.wait(response["task"]["id"])
+        assert row["status"] == "completed", dict(row)
+    await until(lambda: messages, 20, "notification")
+    await asyncio.sleep(0.3)  # a second notice would have arrived by now
+    assert [m[0] for m in messages] == ["Running in safe mode"]
+    title, text, on_click = messages[0]
+    assert "smollm2-135m-instruct" in text and "carry on" in text
+    assert on_click is not None
+    on_click()
+    dashboard = desktop.dashboard
+    assert isinstance(dashboard, Dashboard) and dashboard.isVisible()
+    table = dashboard.models.table
+    await until(lambda: table.rowCount() and table.item(0, 4).text() == "Safe mode", 10, "engine column")
+    assert "SIGSEGV" in table.item(0, 4).toolTip()
