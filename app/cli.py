@@ -17,6 +17,7 @@ from typing import Any
 from keyring.errors import KeyringError
 
 from app import paths
+from app.core.pairing import shown
 from app.pull import pull
 from app.secrets import TokenVault, set_hub_token
 
@@ -51,8 +52,10 @@ class Client:
 
 
 def _table(rows: list[list[str]]) -> str:
+    """Aligned columns; a cell's control characters are shown escaped, never sent to the terminal."""
     if not rows:
         return ""
+    rows = [[shown(cell) for cell in row] for row in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -116,7 +119,7 @@ def _hub_token() -> int:
 def _pairings(client: Client, args: list[str]) -> int:
     if len(args) == 2 and args[0] in ("approve", "deny"):
         done = client.call("POST", f"/v1/pairings/{args[1]}/{args[0]}")
-        print(f"{done['client_name']}: {done['status']}")
+        print(f"{shown(done['client_name'])}: {done['status']}")
         return 0
     if args:
         raise CliError("usage: lmsp-tray pairings [approve ID | deny ID]")

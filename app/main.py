@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = paths.data_dir(args.data_dir)
     if args.command:
         return cli.run(args.command, args.args, data_dir)
+    os.umask(0o077)  # whatever this process writes (database, WAL, logs, backups, lock) is private to the user
     log_file = logs.setup(logs.log_dir(data_dir, bool(args.data_dir or os.environ.get("LMSP_DATA_DIR"))))
     life = Lifecycle(data_dir, args.host, args.port)
     life.log_file = log_file

@@ -18,6 +18,20 @@ SERVICE = "lmsp-tray"
 TOKEN_FILE = "owner_token"
 
 
+def make_private(folder: Path) -> None:
+    """Create `folder` if needed, and make it and everything in it private to this user (folders
+    0700, files 0600): its database and WAL hold pending pairing ids and prompts, its logs what
+    happened. Also fixes a folder left readable by an older version or made by hand. Links are
+    left alone (their target may not be ours)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o700 if name in dirs else 0o600)
+
+
 class TokenVault:
     """The owner token of one data directory. `where` says which backend holds it."""
 

@@ -20,13 +20,23 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from app.core.service import AppService  # noqa: E402
 from app.server.app import make_app  # noqa: E402
+from app.store.store import Store  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[Store]:
+    """The store alone, on a fresh database file."""
+    opened = Store(tmp_path / "lmsp.sqlite3")
+    await opened.open()
+    yield opened
+    await opened.close()
+
+
+@pytest.fixture
 async def service(tmp_path: Path) -> AsyncIterator[AppService]:
-    svc = AppService(tmp_path / "data", flush_seconds=0.05)
+    svc = AppService(tmp_path / "data")
     await svc.start()
     yield svc
     await svc.stop()
@@ -52,10 +62,12 @@ class Headless:
         self.token = ""
         self.log = data_dir.parent / f"{data_dir.name}.log"
 
-    def start(self, timeout: float = 60.0) -> "Headless":
+    def start(self, timeout: float = 60.0, preexec: Any = None) -> "Headless":
+        """`preexec`: run in the child before it starts (e.g. to lower its resource limits)."""
         (self.data_dir / "service.json").unlink(missing_ok=True)
         self.proc = subprocess.Popen([sys.executable, "-m", "app", "--headless", "--data-dir", str(self.data_dir),
-                                      "--port", "0"], cwd=ROOT, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
+                                      "--port", "0"], cwd=ROOT, stdout=self.log.open("ab"), stderr=subprocess.STDOUT,
+                                     preexec_fn=preexec)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"service exited: {self.log.read_text()[-2000:]}"

@@ -335,7 +335,9 @@ async def test_scopes_and_client_isolation(api, service):
 
 async def test_foreign_host_is_421_even_with_a_valid_token(api, service):
     before = await counts(service)
-    for host in ("evil.example", "evil.example:80", "127.0.0.1.evil.example", "localhost.evil.example:1234"):
+    for host in ("evil.example", "evil.example:80", "127.0.0.1.evil.example", "localhost.evil.example:1234",
+                 "[::1]evil.com", "[::1]:80evil", "localhost:evil", "localhost:80:80", "127.0.0.1:", "[::1",
+                 "localhost:123456", "local host"):
         for method, path in (("GET", "/lmsp"), ("GET", "/health"), ("POST", "/v1/responses"),
                              ("GET", "/v1/tasks/task_x")):
             resp = await api.request(method, path, headers={"Host": host}, json=SAY_HI)

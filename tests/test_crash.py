@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+from app.tasks import output
+
 from tests.conftest import Headless, wait_until
 
 POLICIES = ("fail", "retry", "resume")
@@ -111,8 +113,8 @@ def test_repeated_sigkill_loses_nothing(headless: Headless) -> None:
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
         assert events[-1]["type"] in ("response.completed", "response.incomplete", "response.failed",
                                       "response.cancelled")
-        text, status, attempt = conn.execute("SELECT output_text, status, attempt FROM tasks WHERE id = ?",
-                                             (task_id,)).fetchone()
+        status, attempt = conn.execute("SELECT status, attempt FROM tasks WHERE id = ?", (task_id,)).fetchone()
+        text = output.read(conn, task_id)[1]
         if status == "completed":
             deltas = "".join(e["delta"] for e in events
                              if e["type"] == "response.output_text.delta" and e["attempt"] == attempt)

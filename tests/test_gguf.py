@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 import struct
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from app.engine.gguf import GgufError, GgufInfo, inspect
+from app.engine.gguf import Cancelled, GgufError, GgufInfo, inspect
 
 
 # --- a tiny GGUF writer, so tests can build valid files and then break them on purpose ----------
@@ -339,3 +341,40 @@ def test_random_byte_mutations(tmp_path: Path) -> None:
             outcomes["rejected"] += 1
         assert time.perf_counter() - start < 1.0
     assert outcomes["rejected"] > 0  # the mutations did reach fields that matter
+
+
+def _sparse_bomb(tmp_path: Path, etype: int, count: int, size: int = 1 << 40) -> Path:
+    """A file of `size` bytes (sparse: it costs no disk) whose one array claims `count` elements:
+    every count fits in the file, so only a bound on counts stops the walk."""
+    path = write(tmp_path, make_gguf({"tokenizer.ggml.tokens": Raw(9, struct.pack("<IQ", etype, count))}), "bomb.gguf")
+    os.truncate(path, size)
+    return path
+
+
+def test_a_sparse_file_declaring_a_huge_array_is_rejected_in_well_under_a_second(tmp_path: Path) -> None:
+    """1 TiB of nothing that declares 2^36 strings (they would fit): walking them takes about a day of CPU."""
+    path = _sparse_bomb(tmp_path, 8, 2**36)
+    started = time.perf_counter()
+    with pytest.raises(GgufError) as e:
+        inspect(path)
+    took = time.perf_counter() - started
+    print(f"\nthe 1 TiB sparse file declaring 2^36 strings was rejected in {took * 1000:.1f} ms: {e.value}")
+    assert took < 0.2 and "over the limit" in str(e.value)
+
+
+def test_a_string_over_llama_cpp_s_limit_is_rejected(tmp_path: Path) -> None:
+    path = write(tmp_path, make_gguf({"general.name": Raw(8, struct.pack("<Q", 2**31))}))
+    os.truncate(path, 2**32)
+    with pytest.raises(GgufError, match="over llama.cpp's limit"):
+        inspect(path)
+
+
+def test_validation_stops_soon_after_it_is_cancelled(tmp_path: Path) -> None:
+    """2^22 strings (allowed) cost seconds to walk: a cancel stops the walk at once."""
+    path = _sparse_bomb(tmp_path, 8, 2**22)
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    started = time.perf_counter()
+    with pytest.raises(Cancelled):
+        inspect(path, cancel)
+    assert time.perf_counter() - started < 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import time
 from typing import Any
 
@@ -206,16 +207,7 @@ async def test_fifty_concurrent_retries_create_one_task(api, service):
 
 
 async def test_other_posts_take_keys_too(api, service):
-    """Pairing requests (no token yet), chat completions and cancels replay as well."""
-    body = {"client_name": "Retrying app", "scopes": ["models:read"]}
-    first, _ = await raw(api, "POST", "/v1/pairings", headers=key("pair-1"), json=body)
-    again, again_text = await raw(api, "POST", "/v1/pairings", headers=key("pair-1"), json=body)
-    assert first.status == again.status == 202 and again.headers["Idempotent-Replayed"] == "true"
-    pending = await service.pending_pairings()
-    assert len(pending) == 1 and pending[0]["id"] == json.loads(again_text)["id"]  # one request, not two
-    other, _ = await raw(api, "POST", "/v1/pairings", headers=key("pair-1"), json={**body, "client_name": "x"})
-    assert other.status == 422
-
+    """Chat completions and cancels replay as well."""
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
     before = len(await task_ids(service))
     one = await api.post("/v1/chat/completions", json=chat, headers=key("chat-1"))
@@ -226,3 +218,39 @@ async def test_other_posts_take_keys_too(api, service):
 
     refused = await api.post("/v1/tasks/task_nope/cancel", headers=key("cancel-1"))
     assert refused.status == 404 and await key_row(service, "client_owner", "cancel-1") is None  # errors not kept
+
+
+async def test_a_key_without_a_client_is_ignored_and_never_replays_a_pairing(api, service):
+    """Pairing requests have no client identity: a key there would be shared by every local
+    program, and a replay would hand one app's pairing id (and so its token) to another."""
+    body = {"client_name": "Real app", "scopes": ["models:read"]}
+    first, first_text = await raw(api, "POST", "/v1/pairings", headers=key("pair-1"), json=body)
+    thief, thief_text = await raw(api, "POST", "/v1/pairings", headers=key("pair-1"), json=body)
+    assert first.status == thief.status == 202 and "Idempotent-Replayed" not in thief.headers
+    assert json.loads(thief_text)["id"] != json.loads(first_text)["id"]
+    assert await service.store.read(lambda c: c.execute("SELECT count(*) FROM idempotency_keys").fetchone()[0]) == 0
+
+
+async def test_a_key_on_an_unknown_route_costs_no_write(api, service):
+    """The route and the client are resolved before the key store is touched: a stranger's POST
+    with a key, to a route that does not exist, commits nothing (each commit is an fsync)."""
+    watcher = sqlite3.connect(service.data_dir / "lmsp.sqlite3")
+    try:
+        version = watcher.execute("PRAGMA data_version").fetchone()[0]
+        for path in ("/v1/nothing-here", "/v1/pairings/x/y/z", "/v1/tasks/task_x/cancel"):
+            resp, _ = await raw(api, "POST", path, headers=key("k-1"), json={})
+            assert resp.status in (401, 404, 405), (path, resp.status)
+        assert watcher.execute("PRAGMA data_version").fetchone()[0] == version  # no commit by anyone
+    finally:
+        watcher.close()
+
+
+async def test_after_deleting_a_response_its_key_no_longer_replays_it(api, service):
+    first = await (await api.post("/v1/responses", json=BACKGROUND, headers=key("del-1"))).json()
+    await wait_done(api, first["task"]["id"])
+    assert (await api.delete(f"/v1/responses/{first['id']}")).status == 200
+    again = await api.post("/v1/responses", json=BACKGROUND, headers=key("del-1"))
+    assert again.status == 202 and "Idempotent-Replayed" not in again.headers, await again.text()
+    created = await again.json()
+    assert created["id"] != first["id"]
+    assert (await api.get(f"/v1/tasks/{created['task']['id']}")).status == 200  # it points at a real task

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import urllib.request
 from pathlib import Path
 
@@ -32,6 +33,33 @@ def test_no_token_reaches_the_log(headless: Headless) -> None:
     assert owner not in text and client_token not in text
 
 
+def raw_request(url: str, head: bytes) -> bytes:
+    """Send `head` as is (no client library would send a malformed header) and read the answer."""
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        return answer
+
+
+def test_a_malformed_authorization_header_leaves_no_token_in_the_log(headless: Headless) -> None:
+    """aiohttp's parser puts the raw header line of a malformed request in its exception, and the
+    formatter appends that traceback after any filter ran: the token must not survive either."""
+    headless.start()
+    owner = headless.token
+    for header in (f"Bearer {owner}\x7f", f"Bearer {owner[:20]}\x00{owner[20:]}", f"Bearer {owner}{'A' * 9000}",
+                   f"Bearer {owner[:20]}\x7f{owner[20:]}"):
+        answer = raw_request(headless.url, b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+                             b"Authorization: " + header.encode("latin-1") + b"\r\n\r\n")
+        assert answer.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request"), answer[:200]
+    assert headless.terminate() == 0
+    text = "".join(p.read_text() for p in (headless.data_dir / "logs").glob("lmsp-tray.log*")) + headless.log.read_text()
+    assert "serving LMSP on" in text
+    assert owner[5:25] not in text and owner[25:] not in text, text[-3000:]
+
+
 def test_anything_shaped_like_a_token_is_redacted(tmp_path: Path) -> None:
     file = logs.setup(tmp_path / "logs")
     try:
@@ -40,5 +68,39 @@ def test_anything_shaped_like_a_token_is_redacted(tmp_path: Path) -> None:
             handler.flush()
         text = wait_until(lambda: file.read_text())
         assert "lmsp_[redacted]" in text and "abcdefghijklmnop" not in text
+    finally:
+        logging.basicConfig(force=True)
+
+
+def test_a_repeated_error_is_logged_a_few_times_not_ten_thousand(tmp_path: Path) -> None:
+    """asyncio logs every failed accept() when descriptors run out: such a flood must not rotate
+    the whole history away. Other messages still get through meanwhile."""
+    file = logs.setup(tmp_path / "logs")
+    try:
+        flood = logging.getLogger("asyncio")
+        for _ in range(10_000):
+            try:
+                raise OSError(24, "Too many open files")
+            except OSError:
+                flood.exception("socket.accept() out of system resource\nsocket: <socket fd=7>")
+        logging.getLogger("app").warning("something else happened")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        text = file.read_text()
+        assert text.count("socket.accept() out of system resource") == 20
+        assert "something else happened" in text
+        assert len(list((tmp_path / "logs").glob("lmsp-tray.log.*"))) == 0  # nothing rotated away
+    finally:
+        logging.basicConfig(force=True)
+
+
+def test_routine_lines_of_a_busy_service_are_never_dropped(tmp_path: Path) -> None:
+    file = logs.setup(tmp_path / "logs")
+    try:
+        for n in range(500):
+            logging.getLogger("app.tasks.runner").info("task %s: starting", f"task_{n}")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        assert file.read_text().count(": starting") == 500
     finally:
         logging.basicConfig(force=True)

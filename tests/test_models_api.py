@@ -9,13 +9,16 @@ import os
 import random
 import re
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from app import paths
-from app.engine.models import DEFAULT_MODEL_ID
+from app.engine.gguf import Cancelled
+from app.engine.models import DEFAULT_MODEL_ID, sha256_file
 from tests.helpers import SAY_HI, bearer, expect_error, pair, poll, raw
 from tests.test_gguf import T, make_gguf, valid_kvs
 
@@ -300,3 +303,16 @@ async def test_the_default_model_follows_the_app_when_it_moves(tmp_path: Path) -
         assert model["status"] == "available" and model["path"] == str(DEFAULT_FILE)
     finally:
         await again.stop()
+
+
+def test_hashing_a_huge_file_stops_soon_after_it_is_cancelled(tmp_path: Path) -> None:
+    """1 TiB (sparse) would take many minutes to hash: a cancel ends it at the next megabyte."""
+    big = tmp_path / "big.gguf"
+    big.write_bytes(b"")
+    os.truncate(big, 1 << 40)
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    started = time.monotonic()
+    with pytest.raises(Cancelled):
+        sha256_file(big, cancel=cancel)
+    assert time.monotonic() - started < 1.5

@@ -5,15 +5,22 @@ Also the CLI (`pairings`, `token`, `status`, `models`, `tasks`) against a real h
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
+import sqlite3
 import subprocess
 import sys
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from app.core import pairing
+from app.errors import LmspError
+from app.server import peer
 from tests.conftest import ROOT
 from tests.helpers import SAY_HI, bearer, check_error, expect_error, http, pair, raw
 
@@ -62,7 +69,7 @@ async def test_request_is_pending_with_unguessable_id_and_code(api):
     assert resp.status == 200
     assert created["id"] in [p["id"] for p in (await resp.json())["data"]]
     # Two requests never share an id.
-    other = await request_pairing(api)
+    other = await request_pairing(api, "Another editor")
     assert other["id"] != created["id"]
 
 
@@ -124,16 +131,31 @@ async def test_expired_request_cannot_be_approved(api, service):
     assert created["id"] not in [p["id"] for p in (await resp.json())["data"]]
 
 
-async def test_too_many_waiting_requests_are_refused(api, service):
-    for i in range(20):
-        await request_pairing(api, f"App {i}")
-    resp, text = await raw(api, "POST", "/v1/pairings", json={"client_name": "One too many", "scopes": WORKER})
-    check_error(resp.status, text, 429, "too_many_pairings")
+async def test_each_requester_has_its_own_share_of_waiting_requests(api, service):
+    """Another local user (told apart by the socket's owner, app/server/peer.py) fills its share
+    and asks again and again: the owner's apps can still pair. One waiting request per name."""
+    for i in range(pairing.MAX_PENDING_PER_REQUESTER):
+        await service.request_pairing({"client_name": f"Flood {i}", "scopes": WORKER}, requester="uid:4242")
+    with pytest.raises(LmspError) as refused:
+        await service.request_pairing({"client_name": "Flood more", "scopes": WORKER}, requester="uid:4242")
+    assert refused.value.status == 429 and refused.value.code == "too_many_pairings"
+    created = await request_pairing(api, "Real app")  # through the API, from this test's own user
+    resp, text = await raw(api, "POST", "/v1/pairings", json={"client_name": "Real app", "scopes": WORKER})
+    check_error(resp.status, text, 429, "too_many_pairings")  # its first request is still waiting
+    approved = await api.post(f"/v1/pairings/{created['id']}/approve")
+    assert approved.status == 200, await approved.text()
+    assert (await status_of(api, created["id"]))["token"].startswith("lmsp_")
     # Answered (or expired) requests no longer count.
-    waiting = (await (await api.get("/v1/pairings")).json())["data"]
-    assert len(waiting) == 20
-    await api.post(f"/v1/pairings/{waiting[0]['id']}/deny")
-    await request_pairing(api, "Now there is room")
+    await request_pairing(api, "Real app")
+
+
+def test_the_user_at_the_other_end_of_a_loopback_connection_is_known() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server, \
+            socket.create_connection(server.getsockname()) as client:
+        accepted, _ = server.accept()
+        with accepted:
+            uid = peer.loopback_uid(client.getsockname()[1], server.getsockname()[1])
+    assert uid == os.getuid()
 
 
 async def test_unknown_pairing_is_404(api):
@@ -160,6 +182,18 @@ async def test_invalid_pairing_bodies_are_400_naming_the_field(api, service, bod
     resp, text = await raw(api, "POST", "/v1/pairings", json=body)
     check_error(resp.status, text, 400, "invalid_request", param)
     assert await pairings_count(service) == before
+
+
+@pytest.mark.parametrize("name", ["Evil\x1b[2J\x1b[H", "Bell\x07", "Nul\x00", "Two\nlines", "Back\rspace",
+                                  "Line\u2028sep", "Para\u2029sep", "\u202eppA lanimreT", "Iso\u2066late",
+                                  "Zero\u200bwidth", "Del\x7f", "C1\x9b31m"])
+async def test_control_and_format_characters_in_a_name_are_400(api, service, name):
+    """A name is shown in a terminal, the tray and notifications: nothing in it may redraw or
+    reorder what the owner sees (a fake row, a hidden `admin`)."""
+    resp, text = await raw(api, "POST", "/v1/pairings", json={"client_name": name, "scopes": WORKER})
+    check_error(resp.status, text, 400, "invalid_request", "client_name")
+    assert await pairings_count(service) == 0
+    await request_pairing(api, "Éditeur 文字 ✓")  # ordinary letters and symbols of any script still pass
 
 
 async def test_pairing_body_must_be_a_json_object(api, service):
@@ -217,6 +251,12 @@ async def test_paired_clients_see_only_their_own_work(api, service):
     # The owner's work is just as invisible to a client.
     resp, text = await raw(api, "GET", f"/v1/responses/{owned['owner']['id']}", headers=bearer(bob))
     check_error(resp.status, text, 404, "not_found")
+    # Paging after another's task answers exactly as after one that does not exist (no oracle).
+    unknown, unknown_text = await raw(api, "GET", "/v1/tasks?after=task_doesnotexist", headers=bearer(bob))
+    theirs, theirs_text = await raw(api, "GET", f"/v1/tasks?after={a_task}", headers=bearer(bob))
+    assert theirs.status == unknown.status == 400, theirs_text
+    assert json.loads(theirs_text)["error"]["message"].replace(a_task, "X") == \
+        json.loads(unknown_text)["error"]["message"].replace("task_doesnotexist", "X")
 
     # Each client lists only its own tasks; the owner (admin) lists all.
     for who, token in (("alice", alice), ("bob", bob)):
@@ -345,3 +385,20 @@ def test_cli_pairings_token_status_models_tasks(headless):
     done = cli(data_dir, "status")
     assert done.returncode == 1 and "not running" in done.stderr, (done.stdout, done.stderr)
     assert cli(data_dir, "token").stdout.strip() == headless.token  # needs no running service
+
+
+def test_cli_shows_control_characters_escaped(headless):
+    """A pairing stored before names were checked (or written by anything else) still cannot
+    drive the owner's terminal: `lmsp-tray pairings` prints its control characters as escapes."""
+    headless.start()
+    evil = "Editor\x1b[1A\x1b[2K\rFake  123-456  models:read\u202e\x07"
+    with sqlite3.connect(headless.data_dir / "lmsp.sqlite3") as conn:
+        conn.execute("INSERT INTO pairings(id, client_name, scopes, code, status, created_at, expires_at) "
+                     "VALUES ('pair_old', ?, '[\"admin\"]', '111-222', 'pending', ?, ?)",
+                     (evil, time.time(), time.time() + 300))
+    done = cli(headless.data_dir, "pairings")
+    assert done.returncode == 0, done.stderr
+    assert not any(unicodedata.category(c) in ("Cc", "Cf") for c in done.stdout.replace("\n", "")), done.stdout
+    assert "Editor\\u001b[1A\\u001b[2K\\u000dFake" in done.stdout and "\\u202e\\u0007" in done.stdout
+    row = next(line for line in done.stdout.splitlines() if "pair_old" in line)
+    assert "111-222" in row and "admin" in row  # the real code and scope stay on the row, visible

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.store import db
-from app.tasks import machine, records, recovery
+from app.tasks import machine, output, records, recovery
 from app.tasks.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING
 
 from tests.conftest import Headless, wait_until
@@ -42,7 +42,8 @@ def _leftover(conn: sqlite3.Connection, state: str, policy: str) -> str:
     if state in (RUNNING, CANCELLING):
         machine.transition(conn, task_id, RUNNING, [("response.in_progress", {})], started_at=time.time())
         machine.record(conn, task_id, (RUNNING,), [("response.output_text.delta", {"delta": "Hello"})],
-                       output_ids="[1, 2]", output_text="Hello", output_tokens=2)
+                       output_tokens=2)
+        output.append(conn, task_id, [1, 2], "Hello")
     if state == CANCELLING:
         machine.transition(conn, task_id, CANCELLING, [("response.cancelling", {})])
     return task_id
@@ -78,7 +79,7 @@ def test_table_11_3(tmp_path: Path, found: str, policy: str) -> None:
     else:  # unchanged: queued stays queued, a resumed task keeps its snapshot
         assert new == []
         if found == RUNNING:
-            assert row["output_text"] == "Hello" and json.loads(row["output_ids"]) == [1, 2]
+            assert row["output_text"] == "Hello" and output.read(conn, task_id) == ([1, 2], "Hello")
 
 
 def test_recovery_is_idempotent(tmp_path: Path) -> None:
@@ -148,9 +149,9 @@ def test_sigterm_commits_a_snapshot_and_exits_zero(headless: Headless) -> None:
     assert headless.terminate() == 0
     assert not (headless.data_dir / "service.json").exists()
     conn = sqlite3.connect(headless.data_dir / "lmsp.sqlite3")
-    status, tokens, text = conn.execute("SELECT status, output_tokens, output_text FROM tasks WHERE id = ?",
-                                        (task_id,)).fetchone()
-    assert status == "running" and tokens >= 10 and text  # left for recovery to resume
+    status, tokens = conn.execute("SELECT status, output_tokens FROM tasks WHERE id = ?", (task_id,)).fetchone()
+    ids, text = output.read(conn, task_id)
+    assert status == "running" and tokens >= 10 and len(ids) == tokens and text  # left for recovery to resume
     last = conn.execute("SELECT max(sequence_number) FROM task_events WHERE task_id = ?", (task_id,)).fetchone()[0]
     deltas = "".join(json.loads(d)["delta"] for (d,) in conn.execute(
         "SELECT data FROM task_events WHERE task_id = ? AND type = 'response.output_text.delta'", (task_id,)))

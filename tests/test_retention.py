@@ -165,7 +165,7 @@ async def test_service_start_purges_expired_finished_work(tmp_path: Path) -> Non
                 add_task(conn, FAILED, finished_at=time.time() - DAY))
 
     old, recent = seed(data_dir, earlier_run)
-    svc = AppService(data_dir, flush_seconds=0.05)
+    svc = AppService(data_dir)
     await svc.start()
     try:
         assert await read(svc, lambda c: left(c, old)) == {"task": 0, "response": 0, "events": 0}
@@ -184,7 +184,7 @@ async def test_service_start_uses_the_configured_retention_period(tmp_path: Path
                 add_task(conn, CANCELLED, finished_at=time.time() - 600))
 
     old, recent = seed(data_dir, earlier_run)
-    svc = AppService(data_dir, flush_seconds=0.05)
+    svc = AppService(data_dir)
     await svc.start()
     try:
         assert (await read(svc, lambda c: left(c, old)))["task"] == 0
@@ -194,7 +194,7 @@ async def test_service_start_uses_the_configured_retention_period(tmp_path: Path
 
 
 async def test_service_purge_removes_work_that_expired_while_it_ran(tmp_path: Path) -> None:
-    svc = AppService(tmp_path / "data", flush_seconds=0.05)
+    svc = AppService(tmp_path / "data")
     await svc.start()
     try:
         old = await svc.store.write(lambda c: add_task(c, COMPLETED, finished_at=time.time() - 2 * WEEK))
@@ -208,3 +208,32 @@ async def test_service_purge_removes_work_that_expired_while_it_ran(tmp_path: Pa
         assert (await read(svc, lambda c: left(c, unfinished)))["task"] == 1
     finally:
         await svc.stop()
+
+
+async def test_old_pairings_revoked_clients_and_uncollected_tokens_do_not_stay_forever(api: Any,
+                                                                                      service: AppService) -> None:
+    """Pairing requests and revoked clients older than the retention period go; an approved token
+    its app never collected leaves memory once its pairing's lifetime is over. Live clients stay."""
+    body = {"client_name": "Kept", "scopes": ["models:read"]}
+    kept = (await (await api.post("/v1/pairings", json=body)).json())["id"]
+    await api.post(f"/v1/pairings/{kept}/approve")
+    kept_token = (await (await api.get(f"/v1/pairings/{kept}")).json())["token"]
+    revoked = (await (await api.post("/v1/pairings", json={**body, "client_name": "Revoked"})).json())["id"]
+    await api.post(f"/v1/pairings/{revoked}/approve")
+    revoked_client = (await (await api.get(f"/v1/pairings/{revoked}")).json())["client_id"]
+    assert (await api.delete(f"/v1/clients/{revoked_client}")).status == 200
+    uncollected = (await (await api.post("/v1/pairings", json={**body, "client_name": "Never came"})).json())["id"]
+    await api.post(f"/v1/pairings/{uncollected}/approve")
+    denied = (await (await api.post("/v1/pairings", json={**body, "client_name": "Denied"})).json())["id"]
+    await api.post(f"/v1/pairings/{denied}/deny")
+
+    soon = await service.purge(now=time.time() + 600)  # past the lifetime, well within the retention
+    assert soon["uncollected_tokens"] == 1 and soon["pairings"] == soon["clients"] == 0
+    late = (await (await api.get(f"/v1/pairings/{uncollected}")).json())
+    assert late["status"] == "approved" and "token" not in late
+
+    later = await service.purge(now=time.time() + service.settings["retention_seconds"] + 600)
+    assert later["pairings"] == 4 and later["clients"] == 1
+    names = await read(service, lambda c: [r[0] for r in c.execute("SELECT name FROM clients ORDER BY name")])
+    assert names == ["Kept", "Never came", "Owner"]  # the revoked one is gone, live clients stay
+    assert (await api.get("/v1/models", headers={"Authorization": f"Bearer {kept_token}"})).status == 200

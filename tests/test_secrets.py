@@ -59,7 +59,7 @@ def database_files(data_dir: Path) -> list[Path]:
 
 
 async def started(data_dir: Path) -> AppService:
-    svc = AppService(data_dir, flush_seconds=0.05)
+    svc = AppService(data_dir)
     await svc.start()
     return svc
 
@@ -204,3 +204,40 @@ async def test_owner_token_still_works_after_the_database_was_recovered_from_cor
         assert owner is not None and owner.is_admin
     finally:
         await second.stop()
+
+
+def _modes(folder: Path) -> dict[str, str]:
+    """Every folder and file under `folder` (itself included) with its permission bits."""
+    found = {".": oct(stat.S_IMODE(folder.stat().st_mode))}
+    for path in folder.rglob("*"):
+        found[str(path.relative_to(folder))] = oct(stat.S_IMODE(path.lstat().st_mode))
+    return found
+
+
+def test_everything_the_running_service_writes_is_private_to_its_user(headless: Any) -> None:
+    """Another local user must read nothing: not the WAL (pending pairing ids, prompts), not the
+    logs, not service.json. Also when the folder already existed, open to everyone, from before."""
+    data = headless.data_dir
+    (data / "logs").mkdir(parents=True)
+    os.chmod(data, 0o755)
+    os.chmod(data / "logs", 0o755)
+    for name in ("logs/lmsp-tray.log.1", "lmsp.sqlite3.corrupt-20260101T000000Z", "lmsp.sqlite3.backup-v1-old"):
+        (data / name).write_text("from an older version")
+        os.chmod(data / name, 0o644)
+    old_umask = os.umask(0o022)  # the service must not rely on the umask it was started with
+    try:
+        headless.start()
+    finally:
+        os.umask(old_umask)
+    status, pairing = headless.request("POST", "/v1/pairings", {"client_name": "Reader", "scopes": ["tasks:read"]},
+                                       headers={"Authorization": ""})
+    assert status == 202, pairing
+    running = _modes(data)
+    for part in ("lmsp.sqlite3", "lmsp.sqlite3-wal", "lmsp.sqlite3-shm", "service.json", "owner_token",
+                 "logs/lmsp-tray.log"):
+        assert part in running, sorted(running)
+    assert headless.terminate() == 0
+    for modes in (running, _modes(data)):
+        wrong = {path: mode for path, mode in modes.items()
+                 if mode != ("0o700" if (data / path).is_dir() or path == "." else "0o600")}
+        assert wrong == {}, wrong

@@ -301,7 +301,7 @@ async def test_service_on_a_corrupt_file_starts_fresh_and_says_so(tmp_path: Path
     garbage = os.urandom(32768)
     (data_dir / "lmsp.sqlite3").write_bytes(garbage)
 
-    svc = AppService(data_dir, flush_seconds=0.05)
+    svc = AppService(data_dir)
     await svc.start()
     try:
         aside = svc.describe()["recovered_from_corruption"]
@@ -320,7 +320,7 @@ async def test_service_on_a_corrupt_file_starts_fresh_and_says_so(tmp_path: Path
     finally:
         await svc.stop()
 
-    again = AppService(data_dir, flush_seconds=0.05)  # the next clean start no longer reports it
+    again = AppService(data_dir)  # the next clean start no longer reports it
     await again.start()
     try:
         assert again.describe()["recovered_from_corruption"] is None
@@ -360,15 +360,7 @@ async def test_full_disk_refuses_the_write_and_keeps_everything_before_it(tmp_pa
         assert len(settings_rows(other)) == len(earlier)
 
 
-# -- the writer ----------------------------------------------------------------------------
-
-@pytest.fixture
-async def store(tmp_path: Path) -> Any:
-    opened = Store(tmp_path / "lmsp.sqlite3")
-    await opened.open()
-    yield opened
-    await opened.close()
-
+# -- the writer (the `store` fixture is in conftest.py) ---------------------------------------
 
 async def test_writes_run_on_one_writer_thread_not_the_event_loop(store: Store) -> None:
     loop_thread = threading.get_ident()

@@ -18,13 +18,25 @@ class AccessFacade:
 
     store: Store
     bus: EventBus
-    _pairing_tokens: dict[str, str]
+    _pairing_tokens: dict[str, tuple[str, float]]  # pairing id -> (token, collect it before this time)
+    _requesters: dict[str, tuple[str, float]]  # pending pairing id -> (who asked, when it expires)
+    _announced: dict[str, float]  # requester -> when a notification last announced one of theirs
+    _verified: dict[str, tuple[float, auth.Client]]
+    _revocations: int
 
-    async def request_pairing(self, body: Any) -> dict[str, Any]:
+    async def request_pairing(self, body: Any, requester: str = "local") -> dict[str, Any]:
+        """`requester`: who asks, as far as the connection tells (app/server/peer.py)."""
         name, scopes = pairing.parse(body)
-        row = await self.store.write(pairing.create, name, scopes)
+        now = time.time()
+        self._requesters = {pid: (who, until) for pid, (who, until) in self._requesters.items() if until > now}
+        theirs = {pid for pid, (who, _) in self._requesters.items() if who == requester}
+        row = await self.store.write(pairing.create, name, scopes, theirs)
+        self._requesters[row["id"]] = (requester, row["expires_at"])
+        notify = now - self._announced.get(requester, 0.0) >= pairing.NOTIFY_EVERY_SECONDS
+        if notify:
+            self._announced[requester] = now
         shown = pairing.pairing_object(row)
-        self.bus.publish([{"type": "pairing.requested", "pairing": shown}])
+        self.bus.publish([{"type": "pairing.requested", "pairing": shown, "notify": notify}])
         return shown
 
     async def pairing_status(self, pairing_id: str) -> dict[str, Any]:
@@ -33,8 +45,15 @@ class AccessFacade:
         shown = pairing.pairing_object(row)
         if shown["status"] == "approved" and pairing_id in self._pairing_tokens:
             if await self.store.write(pairing.hand_over, pairing_id):
-                shown["token"] = self._pairing_tokens.pop(pairing_id)
+                shown["token"] = self._pairing_tokens.pop(pairing_id)[0]
         return shown
+
+    def forget_uncollected(self, now: float) -> int:
+        """Approved tokens their app never came for: a token must not wait in memory forever."""
+        late = [pid for pid, (_, until) in self._pairing_tokens.items() if until < now]
+        for pairing_id in late:
+            del self._pairing_tokens[pairing_id]
+        return len(late)
 
     async def pending_pairings(self) -> list[dict[str, Any]]:
         return [pairing.pairing_object(r) for r in await self.store.read(pairing.pending)]
@@ -48,7 +67,8 @@ class AccessFacade:
     async def _decide(self, pairing_id: str, approve: bool) -> dict[str, Any]:
         row, token = await self.store.write(pairing.decide, pairing_id, approve)
         if token is not None:
-            self._pairing_tokens[pairing_id] = token
+            # To be collected within a pairing's lifetime; `forget_uncollected` drops it after that.
+            self._pairing_tokens[pairing_id] = (token, time.time() + pairing.LIFETIME_SECONDS)
         self.bus.publish([{"type": "pairing.resolved", "id": pairing_id, "status": row["status"]}])
         return pairing.pairing_object(row)
 
@@ -66,4 +86,6 @@ class AccessFacade:
             "UPDATE clients SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), client_id)).rowcount)
         if not done:
             raise NotFound("client", client_id)
+        self._revocations += 1  # a lookup that read the row before this must not be remembered
+        self._verified = {k: v for k, v in self._verified.items() if v[1].id != client_id}  # refused from now on
         self.bus.publish([{"type": "clients.changed"}])

@@ -59,6 +59,11 @@ def release(conn: sqlite3.Connection, client_id: str, key: str) -> None:
                  (client_id, key))
 
 
+def forget_response(conn: sqlite3.Connection, response_id: str) -> None:
+    """A deleted response's keys go with it: a retry creates anew, never replays a dead task."""
+    conn.execute("DELETE FROM idempotency_keys WHERE response_id = ?", (response_id,))
+
+
 def forget_in_flight(conn: sqlite3.Connection) -> int:
     """At startup: keys whose request died with the previous process can be used again."""
     return conn.execute("DELETE FROM idempotency_keys WHERE status_code IS NULL").rowcount

@@ -35,7 +35,7 @@ def task_counts(conn: sqlite3.Connection) -> dict[str, int]:
 
 
 def render(counts: dict[str, int], *, tokens: int, tokens_per_second: float | None, load_seconds: float | None,
-           recovery: dict[str, int], latency: LatencyHistogram) -> str:
+           recovery: dict[str, int], latency: LatencyHistogram, commits: int, transactions: int) -> str:
     lines: list[Any] = ["# HELP lmsp_tasks Tasks in the database by state.", "# TYPE lmsp_tasks gauge"]
     lines += [f'lmsp_tasks{{state="{s}"}} {counts.get(s, 0)}' for s in (*UNFINISHED, *TERMINAL)]
     lines += ["# HELP lmsp_queue_depth Tasks waiting to run.", "# TYPE lmsp_queue_depth gauge",
@@ -50,6 +50,10 @@ def render(counts: dict[str, int], *, tokens: int, tokens_per_second: float | No
               "# HELP lmsp_recovered_tasks Tasks moved by recovery at the last start, by move.",
               "# TYPE lmsp_recovered_tasks gauge"]
     lines += [f'lmsp_recovered_tasks{{move="{move}"}} {n}' for move, n in sorted(recovery.items())]
+    lines += ["# HELP lmsp_store_commits_total Commits of write transactions to disk (one fsync each).",
+              "# TYPE lmsp_store_commits_total counter", f"lmsp_store_commits_total {commits}",
+              "# HELP lmsp_store_transactions_total Writes committed; writes that arrive together share a commit.",
+              "# TYPE lmsp_store_transactions_total counter", f"lmsp_store_transactions_total {transactions}"]
     lines += ["# HELP lmsp_request_seconds HTTP request latency (to the first byte of the answer).",
               "# TYPE lmsp_request_seconds histogram", *latency.lines("lmsp_request_seconds")]
     return "\n".join(lines) + "\n"

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from app.engine import discovery, models
+from app.engine import discovery, gguf, models
 from app.engine.engine import Engine, EngineError
 from app.engine.modes import EngineModes
 from app.errors import Conflict, InvalidRequest, LmspError
@@ -25,6 +26,7 @@ class ModelsFacade:
     runner: Runner
     modes: EngineModes
     model_load_seconds: float | None
+    _examining: set[threading.Event]  # one per file being validated and hashed; set to stop it
 
     def loaded_paths(self) -> set[str]:
         return {e.model_path for e in self.engines if e.model_path and e.alive}
@@ -58,11 +60,28 @@ class ModelsFacade:
             if progress:
                 loop.call_soon_threadsafe(progress, done, total)
 
-        found = await asyncio.to_thread(models.examine, body["path"], report)
+        found = await self.examine(body["path"], report)
         model_id = models.suggest_id(found.path) if model_id is None else model_id
         await self.store.write(models.insert, model_id, found)
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)
+
+    async def examine(self, path: str, progress: Any = None) -> models.ModelFile:
+        """models.examine on a thread that stops when the caller is cancelled (its client left)
+        or the service stops: a file made to look huge must cost neither hours nor a slow exit."""
+        cancel = threading.Event()
+        self._examining.add(cancel)
+        try:
+            return await asyncio.to_thread(models.examine, path, progress, cancel)
+        except gguf.Cancelled:
+            raise LmspError("service_stopping", "The service is stopping.", status=503) from None
+        finally:
+            cancel.set()  # cancelled while the thread runs: it stops at its next read
+            self._examining.discard(cancel)
+
+    def stop_examining(self) -> None:
+        for cancel in list(self._examining):
+            cancel.set()
 
     async def discover_models(self) -> list[dict[str, Any]]:
         """GGUF files that LM Studio, Ollama and the Hugging Face cache already have here."""

@@ -6,13 +6,29 @@ import json
 import secrets
 import sqlite3
 import time
+import unicodedata
 from typing import Any
 
 from app.core.auth import SCOPES, new_token, token_hash
 from app.errors import Conflict, InvalidRequest, LmspError, NotFound
 
 LIFETIME_SECONDS = 300
-MAX_PENDING = 20
+# Waiting requests: in all (the owner looks at each), and per requester (app/server/peer.py), so
+# one requester filling its share leaves room for everyone else; one per requester and name.
+MAX_PENDING, MAX_PENDING_PER_REQUESTER = 100, 5
+NOTIFY_EVERY_SECONDS = 60.0  # at most one desktop notification per requester in this time
+# Control and format characters (ESC, BEL, NUL, bidi overrides, zero-width marks) and line or
+# paragraph separators: in a terminal or a notification they redraw or reorder what is shown.
+UNSAFE = ("Cc", "Cf", "Cs", "Zl", "Zp")
+
+
+def unsafe(char: str) -> bool:
+    return unicodedata.category(char) in UNSAFE
+
+
+def shown(text: str) -> str:
+    """`text` with every unsafe character written as a visible escape (`\\u202e`)."""
+    return "".join(f"\\u{ord(c):04x}" if unsafe(c) else c for c in text)
 
 
 def parse(body: Any) -> tuple[str, list[str]]:
@@ -24,6 +40,9 @@ def parse(body: Any) -> tuple[str, list[str]]:
     name = body.get("client_name")
     if not isinstance(name, str) or not name.strip() or len(name) > 100:
         raise InvalidRequest("`client_name` must be a name of 1 to 100 characters.", param="client_name")
+    if any(unsafe(c) for c in name):
+        raise InvalidRequest("`client_name` must not contain control or formatting characters (newlines, "
+                             "escapes, direction overrides).", param="client_name")
     scopes = body.get("scopes")
     if not isinstance(scopes, list) or not scopes or not all(isinstance(s, str) and s in SCOPES for s in scopes):
         raise InvalidRequest(f"`scopes` must be a non-empty list drawn from {list(SCOPES)}.", param="scopes")
@@ -42,11 +61,16 @@ def pairing_object(row: sqlite3.Row) -> dict[str, Any]:
             "expires_at": row["expires_at"], "client_id": row["client_id"]}
 
 
-def create(conn: sqlite3.Connection, name: str, scopes: list[str]) -> sqlite3.Row:
+def create(conn: sqlite3.Connection, name: str, scopes: list[str], theirs: set[str]) -> sqlite3.Row:
+    """A new pending request; `theirs`: the ids of the requests this requester made before."""
     now = time.time()
-    waiting = conn.execute("SELECT count(*) FROM pairings WHERE status = 'pending' AND expires_at > ?",
-                           (now,)).fetchone()[0]
-    if waiting >= MAX_PENDING:
+    waiting = conn.execute("SELECT id, client_name FROM pairings WHERE status = 'pending' AND expires_at > ?",
+                           (now,)).fetchall()
+    own = [r for r in waiting if r["id"] in theirs]
+    if any(r["client_name"] == name for r in own):
+        raise LmspError("too_many_pairings", f"A pairing request from {name!r} is already waiting; poll it, "
+                        "or try again when it has expired.", status=429)
+    if len(own) >= MAX_PENDING_PER_REQUESTER or len(waiting) >= MAX_PENDING:
         raise LmspError("too_many_pairings", "Too many pairing requests are waiting; try again later.", status=429)
     pairing_id = "pair_" + secrets.token_urlsafe(24)
     code = f"{secrets.randbelow(1000):03d}-{secrets.randbelow(1000):03d}"

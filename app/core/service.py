@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from app.engine import models
 from app.engine.engine import Engine
 from app.engine.modes import EngineModes
 from app.errors import Conflict, InvalidRequest, LmspError, NotFound
-from app.secrets import TokenVault, hub_token
+from app.secrets import TokenVault, hub_token, make_private
 from app.store import config
 from app.store.store import Store
 from app.tasks import downloads, machine, records, recovery, retention
@@ -37,6 +38,7 @@ from app.tasks.states import TERMINAL
 
 log = logging.getLogger(__name__)
 RESTART_KEY, RESTART_REQUIRED = "restart_required_for", ["host", "port"]  # settings read at start only
+VERIFIED_SECONDS = 60.0  # a verified token is trusted from memory this long, unless revoked
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled",
                    *downloads.TERMINAL_EVENTS)
 
@@ -49,14 +51,14 @@ class Created:
 
 
 class AppService(AccessFacade, ModelsFacade, DownloadsFacade):
-    def __init__(self, data_dir: Path, *, flush_seconds: float = 0.2) -> None:
+    def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.store = Store(data_dir / paths.DB_NAME)
         self.bus = EventBus()
         self.vault = TokenVault(data_dir)
         self.engines: list[Engine] = []
         self.modes = EngineModes(self.store, self.bus, lambda: str(self.settings["engine_mode"]))
-        self.runner = Runner(self.store, self.bus, self.engines, self.modes, flush_seconds)
+        self.runner = Runner(self.store, self.bus, self.engines, self.modes)
         self.downloads = downloads.Downloads(self.store, self.bus, hub_token)
         self.settings: dict[str, Any] = dict(config.DEFAULTS)
         self.service_id = ""
@@ -64,12 +66,18 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade):
         self.recovery_counts: dict[str, int] = {}
         self.model_load_seconds: float | None = None
         self._janitor: asyncio.Task[None] | None = None
-        self._pairing_tokens: dict[str, str] = {}  # approved, not yet collected; memory only
+        self._pairing_tokens: dict[str, tuple[str, float]] = {}  # approved, not yet collected; memory only
+        self._requesters: dict[str, tuple[str, float]] = {}
+        self._announced: dict[str, float] = {}
         self._touched: dict[str, float] = {}
+        self._verified: dict[str, tuple[float, Client]] = {}  # token hash -> (when verified, its client)
+        self._revocations = 0
+        self._examining: set[threading.Event] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        await asyncio.to_thread(make_private, self.data_dir)
         await self.store.open()
         self.settings = await self.store.read(config.load)
         self.service_id = await self.store.write(_service_id)
@@ -88,6 +96,7 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade):
     async def stop(self) -> None:
         """Stop taking work, snapshot running work, close streams, close the store."""
         self.ready = False
+        self.stop_examining()  # asyncio.run() waits for every thread at exit: they must end now
         if self._janitor:
             self._janitor.cancel()
         await asyncio.gather(self.runner.stop(), self.downloads.stop())
@@ -119,13 +128,15 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade):
         if known and (known["path"] == str(path) or models.file_status(known) == "available"):
             return
         # First start, or the app (and the model inside it) moved since: register it where it is now.
-        found = await asyncio.to_thread(models.examine, str(path))
+        found = await self.examine(str(path))
         await self.store.write(models.insert, models.DEFAULT_MODEL_ID, found, True)
         log.info("registered the default model %s at %s (%s)", models.DEFAULT_MODEL_ID, path, found.digest)
 
-    async def purge(self) -> dict[str, int]:
-        return await self.store.write(retention.purge, self.settings["retention_seconds"],
-                                      self.settings["idempotency_ttl_seconds"])
+    async def purge(self, now: float | None = None) -> dict[str, int]:
+        now = time.time() if now is None else now
+        counts = await self.store.write(retention.purge, self.settings["retention_seconds"],
+                                        self.settings["idempotency_ttl_seconds"], now)
+        return {**counts, "uncollected_tokens": self.forget_uncollected(now)}
 
     async def _housekeeping(self, tick: float = 5.0) -> None:
         """Retention every ten minutes; idle models unloaded after `model_idle_ttl_seconds`."""
@@ -148,7 +159,20 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade):
     # -- auth ------------------------------------------------------------------------------
 
     async def authenticate(self, token: str) -> Client | None:
-        client = await self.store.read(auth.authenticate, token)
+        """The client of a bearer token. A token verified in the last minute is answered from memory,
+        so no client's heavy reads can hold up everyone's authentication; revoking drops it at once."""
+        digest = auth.token_hash(token)
+        known = self._verified.get(digest)
+        if known is not None and time.monotonic() - known[0] < VERIFIED_SECONDS:
+            client: Client | None = known[1]
+        else:
+            revocations = self._revocations
+            client = await self.store.read(auth.authenticate, token)
+            if client is not None and revocations == self._revocations:  # no revoke raced the read
+                if len(self._verified) > 10_000:  # only real tokens get here; forget the stale ones
+                    self._verified = {k: v for k, v in self._verified.items()
+                                      if time.monotonic() - v[0] < VERIFIED_SECONDS}
+                self._verified[digest] = (time.monotonic(), client)
         if client is not None and time.monotonic() - self._touched.get(client.id, -1e9) > 60:
             # "Last used" for the Clients tab, written at most once a minute per client and
             # off the request's path: a request never waits for this fsync.
@@ -197,7 +221,7 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade):
     async def task(self, client: Client, task_id: str) -> dict[str, Any]:
         return records.task_object(await self.owned(client, "task", task_id))
 
-    async def owned(self, client: Client, kind: str, ident: str) -> sqlite3.Row:
+    async def owned(self, client: Client, kind: str, ident: str) -> dict[str, Any]:
         """The task row (with its response) of a task or response `client` may see; else 404."""
         finder = records.one_task if kind == "task" else records.one_response
         row = await self.store.read(finder, ident)
@@ -226,7 +250,7 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade):
         (self.downloads if download else self.runner).cancel(row["id"])
         return records.task_object(await self.store.read(records.one_task, row["id"]))
 
-    async def wait(self, task_id: str) -> sqlite3.Row:
+    async def wait(self, task_id: str) -> dict[str, Any]:
         """Wait until the task is finished; returns its final row."""
         with self.feed(task_id) as feed:
             row = await self.store.read(records.one_task, task_id)
@@ -249,7 +273,7 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade):
         row = await self.owned(client, "response", response_id)
         if row["status"] not in TERMINAL:
             raise Conflict("response_not_finished", "The response is still being generated; cancel it first.")
-        await self.store.write(lambda c: c.execute("DELETE FROM responses WHERE id = ?", (response_id,)))
+        await self.store.write(_delete_response, response_id)
 
     def set_paused(self, paused: bool) -> None:
         self.runner.set_paused(paused)
@@ -293,17 +317,23 @@ def _list_tasks(conn: sqlite3.Connection, client_id: str | None, status: str | N
     if client_id is not None:
         where.append("r.client_id = ?")
         params.append(client_id)
-    if status is not None:
-        where.append("t.status = ?")
-        params.append(status)
     if after is not None:
-        anchor = conn.execute("SELECT created_at, id FROM tasks WHERE id = ?", (after,)).fetchone()
+        # Looked up among the tasks this client may see: another's looks exactly like an unknown id.
+        anchor = conn.execute(f"{records.LISTED} WHERE {' AND '.join(where)} AND t.id = ?", (*params, after)).fetchone()
         if anchor is None:
             raise InvalidRequest(f"No task {after!r} to page after.", param="after")
         where.append("(t.created_at, t.id) < (?, ?)")
         params.extend([anchor["created_at"], anchor["id"]])
-    return conn.execute(f"{records.JOINED} WHERE {' AND '.join(where)} ORDER BY t.created_at DESC, t.id DESC LIMIT ?",
+    if status is not None:
+        where.append("t.status = ?")
+        params.append(status)
+    return conn.execute(f"{records.LISTED} WHERE {' AND '.join(where)} ORDER BY t.created_at DESC, t.id DESC LIMIT ?",
                         (*params, limit)).fetchall()
+
+
+def _delete_response(conn: sqlite3.Connection, response_id: str) -> None:
+    conn.execute("DELETE FROM responses WHERE id = ?", (response_id,))  # its task and events cascade
+    idempotency.forget_response(conn, response_id)
 
 
 def _service_id(conn: sqlite3.Connection) -> str:
@@ -316,7 +346,7 @@ def _service_id(conn: sqlite3.Connection) -> str:
 
 def _insert_response(conn: sqlite3.Connection, client_id: str, model_id: str, req: requests.ResponseRequest,
                      on_restart: str, key: tuple[str, str, int] | None
-                     ) -> tuple[idempotency.Stored | None, sqlite3.Row | None, list[machine.Event]]:
+                     ) -> tuple[idempotency.Stored | None, dict[str, Any] | None, list[machine.Event]]:
     if key is not None:
         stored = idempotency.claim(conn, client_id, key[0], key[1], key[2])
         if stored is not None:

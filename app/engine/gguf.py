@@ -11,11 +11,19 @@ import math
 import os
 import stat
 import struct
+import threading
 from dataclasses import dataclass
 from typing import BinaryIO
 
 MAX_KV, MAX_TENSORS, MAX_KEY_LEN, MAX_DEPTH, MAX_GGML_TYPE = 1_000_000, 1_000_000, 65535, 3, 64
 MAX_ELEMENTS = 1 << 62
+# llama.cpp's own limits (ggml/src/gguf.cpp: GGUF_MAX_STRING_LENGTH, GGUF_MAX_ARRAY_ELEMENTS):
+# a file past them is refused by its loader anyway, so we refuse it before looping over it.
+MAX_STRING_BYTES, MAX_ARRAY_COUNT = 1 << 30, 1 << 30
+# Strings are read one by one, a few microseconds each: the largest real tokenizer arrays hold a
+# few hundred thousand. 2^22 costs seconds (and can be cancelled); llama.cpp's 2^30 would cost
+# hours of our CPU for a file made to look valid.
+MAX_STRING_COUNT = 1 << 22
 # The smallest a KV or tensor info can be on disk (1-byte key/name, 1-byte value or 1 dim):
 # a count that would need more bytes than the file has left is rejected without looping.
 MIN_KV, MIN_TENSOR = 8 + 1 + 4 + 1, 8 + 1 + 4 + 8 + 4 + 8
@@ -36,6 +44,10 @@ _CHUNK = 1 << 20
 
 class GgufError(Exception):
     """The file is not a GGUF model we are willing to hand to llama.cpp; str() says why."""
+
+
+class Cancelled(Exception):
+    """Whoever asked stopped waiting (the client left, the service is stopping)."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +71,8 @@ def _num(n: int) -> str:
 class _Reader:
     """Forward-only reader over a window of the file; never reads or skips past `size`."""
 
-    def __init__(self, f: BinaryIO, size: int) -> None:
-        self._f, self.size = f, size
+    def __init__(self, f: BinaryIO, size: int, cancel: threading.Event | None = None) -> None:
+        self._f, self.size, self._cancel = f, size, cancel
         self._buf, self._off, self._base = b"", 0, 0
 
     @property
@@ -76,6 +88,9 @@ class _Reader:
             raise GgufError(f"truncated: {what} at offset {self.pos} ends past the end of the file")
 
     def take(self, n: int, what: str) -> bytes:
+        """Every loop over the header reads through here: so it is where a cancel is noticed."""
+        if self._cancel is not None and self._cancel.is_set():
+            raise Cancelled()
         self._need(n, what)
         if self._off + n > len(self._buf):
             rest = self._buf[self._off:]
@@ -102,10 +117,12 @@ class _Reader:
 
     def str_len(self, what: str) -> int:
         n = self.u64(f"length of {what}")
+        at = f"string length {_num(n)} at offset {self.pos - 8} ({what})"
         if n > self.remaining:
-            at = f"string length {_num(n)} at offset {self.pos - 8} ({what})"
             raise GgufError(f"{at} is larger than the file" if n > self.size
                             else f"truncated: {at} runs past the end of the file")
+        if n > MAX_STRING_BYTES:
+            raise GgufError(f"{at} is over llama.cpp's limit of 2^30 bytes")
         return n
 
     def name(self, what: str) -> str:
@@ -136,6 +153,9 @@ def _value(r: _Reader, vtype: int, what: str, depth: int = 0) -> str | int | flo
     count = r.u64(what)
     if etype not in _MIN_SIZE:
         raise GgufError(f"{what} is an array of unknown value type {etype}")
+    limit = MAX_ARRAY_COUNT if etype in _SCALARS else MAX_STRING_COUNT
+    if count > limit:
+        raise GgufError(f"array count {_num(count)} at offset {start} is over the limit of {_num(limit)} ({what})")
     if count * _MIN_SIZE[etype] > r.remaining:
         raise GgufError(f"array count {_num(count)} at offset {start} cannot fit in the file ({what})")
     if etype in _SCALARS:
@@ -226,12 +246,13 @@ def _parse(r: _Reader) -> GgufInfo:
     return GgufInfo(version, tensor_count, kv_count, arch, model_name, ctx, has_template, r.size, metadata)
 
 
-def inspect(path: str | os.PathLike[str]) -> GgufInfo:
-    """Validates the GGUF header of `path` and returns what it says; raises GgufError if unsafe."""
+def inspect(path: str | os.PathLike[str], cancel: threading.Event | None = None) -> GgufInfo:
+    """Validates the GGUF header of `path` and returns what it says; raises GgufError if unsafe,
+    Cancelled soon after `cancel` is set."""
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or device would block or never end
             raise GgufError("not a regular file")
         with open(path, "rb") as f:
-            return _parse(_Reader(f, os.fstat(f.fileno()).st_size))
+            return _parse(_Reader(f, os.fstat(f.fileno()).st_size, cancel))
     except OSError as e:
         raise GgufError(f"cannot read the file: {e.strerror or e}") from e

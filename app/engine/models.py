@@ -6,6 +6,7 @@ import hashlib
 import json
 import re
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +29,15 @@ class ModelFile:
     info: gguf.GgufInfo
 
 
-def sha256_file(path: Path, progress: Callable[[int, int], None] | None = None) -> str:
+def sha256_file(path: Path, progress: Callable[[int, int], None] | None = None,
+                cancel: threading.Event | None = None) -> str:
     h = hashlib.sha256()
     total = path.stat().st_size
     done = 0
     with path.open("rb") as fh:
         while chunk := fh.read(1 << 20):
+            if cancel is not None and cancel.is_set():  # 40 GiB take minutes: nobody may be waiting
+                raise gguf.Cancelled()
             h.update(chunk)
             done += len(chunk)
             if progress:
@@ -42,21 +46,22 @@ def sha256_file(path: Path, progress: Callable[[int, int], None] | None = None) 
 
 
 def examine(path_text: str, progress: Callable[[int, int], None] | None = None,
-            digest: str | None = None) -> ModelFile:
+            cancel: threading.Event | None = None, digest: str | None = None) -> ModelFile:
     """Validate and hash a model file (unless its `digest` is already known, as a verified
-    download's is). Blocking: run it off the event loop."""
+    download's is). Blocking: run it off the event loop. Raises gguf.Cancelled soon after
+    `cancel` is set."""
     path = Path(path_text)
     if not path.is_absolute():
         raise InvalidRequest("The model path must be absolute.", param="path")
     if not path.is_file():
         raise InvalidRequest(f"No file at {path}.", param="path", code="model_file_not_found")
     try:
-        info = gguf.inspect(path)
+        info = gguf.inspect(path, cancel)
     except gguf.GgufError as exc:
         raise InvalidRequest(f"{path.name} is not a usable GGUF model: {exc}", param="path",
                              code="invalid_model_file") from exc
     stat = path.stat()
-    return ModelFile(str(path), stat.st_size, stat.st_mtime_ns, digest or sha256_file(path, progress), info)
+    return ModelFile(str(path), stat.st_size, stat.st_mtime_ns, digest or sha256_file(path, progress, cancel), info)
 
 
 def suggest_id(path: str) -> str:

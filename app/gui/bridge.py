@@ -16,7 +16,7 @@ from app.tasks.bus import EventBus
 
 class Bridge(QObject):
     task_event = Signal(object)          # any event with a task_id (dict)
-    pairing_requested = Signal(object)   # the pairing object (dict)
+    pairing_requested = Signal(object)   # the pairing object (dict), and "notify": False when throttled
     pairing_resolved = Signal(str, str)  # pairing id, new status
     models_changed = Signal()
     safe_mode = Signal(object)           # {"models": [ids], "reason"}: the engine fell back (§11)
@@ -41,7 +41,7 @@ class Bridge(QObject):
         if "task_id" in event:
             self.task_event.emit(event)
         elif kind == "pairing.requested":
-            self.pairing_requested.emit(event["pairing"])
+            self.pairing_requested.emit({**event["pairing"], "notify": event.get("notify", True)})
         elif kind == "pairing.resolved":
             self.pairing_resolved.emit(event["id"], event.get("status", ""))
         elif kind == "models.changed":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import html
 import logging
 import signal
 import sys
@@ -54,6 +55,7 @@ class Desktop(QObject):
         self.tray = Tray(self.session, life.data_dir, self, log_dir=Path(log_file).parent if log_file else None)
         self.dashboard: Dashboard | None = None
         self.pairing_dialogs: dict[str, PairingDialog] = {}
+        self.announced: list[str] = []  # pairing ids a notification announced, oldest first
         self.offer_welcome = welcome
         self.welcome: WelcomeWindow | None = None
         self._saving: set[asyncio.Task[Any]] = set()  # preferences being written
@@ -209,12 +211,24 @@ class Desktop(QObject):
         dialog.activateWindow()
 
     def _pairing_requested(self, pairing: dict[str, Any]) -> None:
+        if not pairing["notify"]:
+            return  # the same requester was announced a moment ago; the tray menu lists this one too
+        self.announced.append(pairing["id"])
         if self.has_tray and QSystemTrayIcon.supportsMessages():
-            self.tray.notify("An app asks to use your models",
-                             f"{pairing['client_name']} (code {pairing['code']}). Click to review.",
-                             lambda: self.open_pairing(pairing["id"]))
+            # Escaped: notification servers read markup (<b>, <a href>, <img>) in the body.
+            name = html.escape(pairing["client_name"], quote=False)
+            self.tray.notify("An app asks to use your models", f"{name} (code {pairing['code']}). Click to review.",
+                             self.open_announced_pairings)
         else:
             self.open_pairing(pairing["id"])
+
+    def open_announced_pairings(self) -> None:
+        """A click on a notification does not say which one it was (Qt's messageClicked carries
+        nothing, and older notifications stay on screen): every announced request still waiting
+        is opened, so the one that was clicked is always among them."""
+        self.announced = [pid for pid in self.announced if pid in self.session.pairings]
+        for pairing_id in self.announced:
+            self.open_pairing(pairing_id)
 
     def _task_event(self, event: dict[str, Any]) -> None:
         task_id = event["task_id"]

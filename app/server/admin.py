@@ -6,12 +6,14 @@ from aiohttp import web
 
 from app.core import metrics
 from app.errors import InvalidRequest
+from app.server.handlers import unless_client_leaves
 from app.server.keys import CLIENT, LATENCY, SERVICE
 from app.server.middleware import read_json
+from app.server.peer import requester
 
 
 async def request_pairing(request: web.Request) -> web.Response:
-    created = await request.app[SERVICE].request_pairing(await read_json(request))
+    created = await request.app[SERVICE].request_pairing(await read_json(request), await requester(request))
     return web.json_response(created, status=202)
 
 
@@ -53,7 +55,9 @@ async def get_model(request: web.Request) -> web.Response:
 async def register_model(request: web.Request) -> web.Response:
     body = await read_json(request)
     try:
-        return web.json_response(await request.app[SERVICE].register_model(body), status=201)
+        # Validating and hashing can take minutes: if the client leaves, the work stops too.
+        registered = await unless_client_leaves(request, request.app[SERVICE].register_model(body))
+        return web.json_response(registered, status=201)
     except OSError as exc:  # the path itself is unusable: name too long, a directory we may not read...
         raise InvalidRequest(f"The model path cannot be used: {exc.strerror or exc}.", param="path") from None
 
@@ -96,6 +100,7 @@ async def get_metrics(request: web.Request) -> web.Response:
     text = metrics.render(counts, tokens=service.runner.tokens_generated,
                           tokens_per_second=service.runner.last_tokens_per_second,
                           load_seconds=service.model_load_seconds, recovery=service.recovery_counts,
-                          latency=request.app[LATENCY])
+                          latency=request.app[LATENCY], commits=service.store.commits,
+                          transactions=service.store.transactions)
     return web.Response(text=text, content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})

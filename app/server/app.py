@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Awaitable, Callable
 
 from aiohttp import web
@@ -11,8 +12,9 @@ from app.core.service import AppService
 from app.server import admin as a
 from app.server import handlers as h
 from app.server.chat import chat_completions
-from app.server.keys import LATENCY, SCOPES, SERVICE
-from app.server.middleware import authorize, boundary, cors_headers, errors, idempotent, timing
+from app.server.gate import Gate
+from app.server.keys import BUSY, LATENCY, SCOPES, SERVICE
+from app.server.middleware import authorize, boundary, cors_headers, errors, idempotent, timing, working
 
 MAX_BODY = 8 * 1024 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -53,10 +55,12 @@ ROUTES: list[tuple[str, str, Handler, str | None]] = [
 
 
 def make_app(service: AppService) -> web.Application:
-    app = web.Application(middlewares=[timing, errors, boundary, authorize, idempotent], client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[working, timing, errors, boundary, authorize, idempotent],
+                          client_max_size=MAX_BODY)
     app[SERVICE] = service
     app[LATENCY] = LatencyHistogram()
     app[SCOPES] = {}
+    app[BUSY] = set()
     app.on_response_prepare.append(cors_headers)
     for method, path, handler, scope in ROUTES:
         app.router.add_route(method, path, handler)
@@ -64,26 +68,43 @@ def make_app(service: AppService) -> web.Application:
     return app
 
 
+def _descriptors() -> int:
+    try:
+        import resource
+    except ImportError:  # Windows: sockets are not counted against a descriptor limit
+        return 1 << 30
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 30 if soft == resource.RLIM_INFINITY else soft
+
+
 class Server:
     """The app on a TCP port, embedded in whatever loop runs (asyncio or Qt's via qasync)."""
 
     def __init__(self, service: AppService) -> None:
         self.service = service
-        self.runner = web.AppRunner(make_app(service), access_log=None, shutdown_timeout=2.0)
+        self.app = make_app(service)
+        self.runner = web.AppRunner(self.app, shutdown_timeout=2.0)
+        self.listener: asyncio.AbstractServer | None = None
         self.url = ""
+
+    def max_connections(self) -> int:
+        """The setting, but never more than a quarter of the file descriptors this process may
+        open: the rest are for the engine's pipes, the database and the logs."""
+        return min(self.service.settings["max_connections"], _descriptors() // 4)
 
     async def start(self, host: str, port: int) -> str:
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
-        await site.start()
-        bound = self.runner.addresses[-1][1]  # the real port when port=0
+        assert self.runner.server is not None
+        gate = Gate(self.runner.server, self.max_connections, self.app[BUSY])
+        self.listener = await asyncio.get_running_loop().create_server(gate, host, port, backlog=128)
+        bound = self.listener.sockets[0].getsockname()[1]  # the real port when port=0
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{bound}"
         return self.url
 
     async def stop_accepting(self) -> None:
-        for site in list(self.runner.sites):
-            await site.stop()
+        if self.listener is not None:
+            self.listener.close()
 
     async def stop(self) -> None:
         await self.runner.cleanup()

@@ -12,5 +12,7 @@ SERVICE = web.AppKey("service", AppService)
 # (method, route pattern) -> the scope it needs, or None for the open routes
 SCOPES = web.AppKey("scopes", dict)
 LATENCY = web.AppKey("latency", LatencyHistogram)
+# The connections whose request is inside a handler: the gate never closes those to make room.
+BUSY = web.AppKey("busy", set)
 # What the request carries once `authorize` has let it through.
 CLIENT = web.RequestKey("client", Client)

@@ -5,17 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
 from app.errors import Forbidden, LmspError, Unauthorized
-from app.server.keys import CLIENT, LATENCY, SCOPES, SERVICE
+from app.server.keys import BUSY, CLIENT, LATENCY, SCOPES, SERVICE
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-LOCAL_HOSTS = {"localhost", "127.0.0.1", "[::1]", "::1"}
+LOCAL_HOSTS = {"localhost", "127.0.0.1", "[::1]"}
+BODY_SECONDS = 10.0  # to send a whole body once its headers are in (loopback sends 8 MiB in milliseconds)
 CORS_ORIGIN = web.RequestKey("cors_origin", str)  # set once the Origin passed the check
 
 
@@ -26,6 +28,18 @@ def error_response(status: int, code: str, message: str, *, param: str | None = 
 
 
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 400: "invalid_request"}
+
+
+@web.middleware
+async def working(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Marks the connection busy while its request is handled: the gate (app/server/gate.py) makes
+    room by closing idle connections only, never one being answered or streamed to."""
+    busy = request.app[BUSY]
+    busy.add(request.protocol)
+    try:
+        return await handler(request)
+    finally:
+        busy.discard(request.protocol)
 
 
 @web.middleware
@@ -63,10 +77,14 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                               etype="server_error")
 
 
+# RFC 9110 `Host`: a name, an IPv4 address or a bracketed IPv6 one, then at most ":port".
+HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+)(?::[0-9]{1,5})?")
+
+
 def _host_name(host: str) -> str:
-    if host.startswith("["):
-        return host[: host.index("]") + 1] if "]" in host else host
-    return host.rsplit(":", 1)[0] if ":" in host else host
+    """The name part of a well-formed Host value; "" for anything else (`[::1]evil`, `localhost:x`)."""
+    match = HOST.fullmatch(host)
+    return match.group(1) if match else ""
 
 
 @web.middleware
@@ -125,10 +143,19 @@ async def authorize(request: web.Request, handler: Handler) -> web.StreamRespons
 
 async def read_json(request: web.Request) -> Any:
     """The body as JSON, or a 400 `invalid_json` / 413 `payload_too_large`."""
+    busy = request.app[BUSY]
+    busy.discard(request.protocol)  # while its body is still coming, the gate may close it to make room
     try:
-        raw = await request.read()
+        async with asyncio.timeout(BODY_SECONDS):  # a body that never completes would hold its connection
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise LmspError("payload_too_large", "The request body is larger than the limit.", status=413) from None
+    except TimeoutError:
+        request.protocol.close()  # its unread rest must not be taken for the next request
+        raise LmspError("request_timeout", f"The request body did not arrive within {BODY_SECONDS:.0f} s.",
+                        status=408) from None
+    finally:
+        busy.add(request.protocol)
     try:
         value = json.loads(raw or b"null")
         # `"\ud800"` parses into a str that is not text: it cannot be stored or hashed (I-JSON forbids it).
@@ -143,25 +170,26 @@ async def read_json(request: web.Request) -> Any:
 
 @web.middleware
 async def idempotent(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """`Idempotency-Key` on every POST (LMSP §7). `POST /v1/responses` handles its own key, in the
-    transaction that creates its task; here the key is claimed before and the answer stored after."""
+    """`Idempotency-Key` on every POST by a client (LMSP §7). `POST /v1/responses` handles its own
+    key, in the transaction that creates its task; here the key is claimed before and the answer
+    stored after. Without a client (pairing requests, unknown routes) a key is ignored: it would be
+    shared by every local program, and a replay would hand one app's pairing to another."""
     key = request.headers.get("Idempotency-Key")
-    if key is None or request.method != "POST" or request.path == "/v1/responses":
+    client = request.get(CLIENT)  # set by `authorize` only on a known route with a valid token
+    if key is None or client is None or request.method != "POST" or request.path == "/v1/responses":
         return await handler(request)
     service = request.app[SERVICE]
-    client = request.get(CLIENT)
-    owner = client.id if client is not None else "anonymous"  # pairing requests come before any token
     body = await read_json(request)  # aiohttp keeps the body: the handler reads it again for free
-    stored = await service.claim_key(owner, key, request.method, request.path, body)
+    stored = await service.claim_key(client.id, key, request.method, request.path, body)
     if stored is not None:
         return web.json_response(stored.body, status=stored.status, headers={"Idempotent-Replayed": "true"})
     try:
         response = await handler(request)
     except BaseException:
-        await asyncio.shield(service.forget(owner, key))  # nothing done: a retry may run it
+        await asyncio.shield(service.forget(client.id, key))  # nothing done: a retry may run it
         raise
     if isinstance(response, web.Response) and response.content_type == "application/json" and response.body:
-        await service.remember(owner, key, response.status, json.loads(bytes(response.body)))  # type: ignore[arg-type]
+        await service.remember(client.id, key, response.status, json.loads(bytes(response.body)))  # type: ignore[arg-type]
     else:
-        await service.forget(owner, key)  # a stream is not stored; a retry runs again
+        await service.forget(client.id, key)  # a stream is not stored; a retry runs again
     return response

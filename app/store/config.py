@@ -22,6 +22,7 @@ DEFAULTS: dict[str, Any] = {
     "model_idle_ttl_seconds": 0,  # 0: never unload for idleness
     "allowed_hosts": [],
     "engine_mode": "auto",  # §11: auto falls back to safe per model when fast mode crashes
+    "max_connections": 256,  # open HTTP connections at once; capped at a quarter of the fd limit
 }
 
 
@@ -55,6 +56,7 @@ VALIDATORS: dict[str, Any] = {
     "model_idle_ttl_seconds": _int_in(0, 365 * 86400),
     "allowed_hosts": _str_list,
     "engine_mode": lambda v: v in ("auto", "fast", "safe"),
+    "max_connections": _int_in(8, 65536),
 }
 
 

@@ -3,7 +3,8 @@
 `synchronous=FULL` in WAL mode: every commit is fsynced before it returns, so a task
 acknowledged with 202 survives a power cut, not only a crash of the process. NORMAL would
 lose the last commits on power loss, which would break LMSP rule 11.2 in the one case that
-matters most. The cost is one fsync per transaction; deltas are coalesced to keep that low.
+matters most. The cost is one fsync per commit; the writer (store.py) commits the writes that
+arrive together as one, so they share it.
 """
 
 from __future__ import annotations

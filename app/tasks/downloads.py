@@ -172,7 +172,7 @@ class Downloads:
         if digest != "sha256:" + remote.sha256:
             return LmspError("digest_mismatch", f"{remote.file} arrived with {digest}, not the sha256:{remote.sha256} "
                              "the hub announced: it was deleted and not registered.")
-        found = await asyncio.to_thread(models.examine, str(partial), None, digest)
+        found = await asyncio.to_thread(models.examine, str(partial), None, None, digest)
         if partial != blob:
             await asyncio.to_thread(hub.place, remote, partial)
         found = dataclasses.replace(found, path=str(blob))

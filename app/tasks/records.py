@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from typing import Any
+from typing import Any, Mapping
 
+from app.tasks import output
 from app.tasks.states import CANCELLED, COMPLETED, FAILED, QUEUED
 
 # A task with the response it belongs to: the unit every reader works with.
@@ -16,18 +17,29 @@ JOINED = ("SELECT t.*, r.model_id, r.client_id, r.request, r.background, r.metad
           "FROM tasks t JOIN responses r ON r.id = t.response_id LEFT JOIN downloads d ON d.task_id = t.id")
 
 
+# The same, with only what a task object shows: a listing never loads the request or the output
+# text of each task (megabytes each, and never shown in a list).
+LISTED = ("SELECT t.id, t.status, t.on_restart, t.attempt, t.response_id, t.created_at, t.started_at, "
+          "t.finished_at, t.output_tokens, t.max_output_tokens, t.tokens_per_second, t.error_code, "
+          "t.error_message, t.last_sequence_number, r.model_id, r.client_id "
+          "FROM tasks t JOIN responses r ON r.id = t.response_id")
+
+
 def joined(conn: sqlite3.Connection, where: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
     return conn.execute(f"{JOINED} WHERE {where}", params).fetchall()
 
 
-def one_task(conn: sqlite3.Connection, task_id: str) -> sqlite3.Row | None:
-    rows = joined(conn, "t.id = ?", (task_id,))
-    return rows[0] if rows else None
+def _with_output(conn: sqlite3.Connection, rows: list[sqlite3.Row]) -> dict[str, Any] | None:
+    """The one joined row, with the output text its chunks add up to (`response_object` needs it)."""
+    return {**dict(rows[0]), "output_text": output.text(conn, rows[0]["id"])} if rows else None
 
 
-def one_response(conn: sqlite3.Connection, response_id: str) -> sqlite3.Row | None:
-    rows = joined(conn, "t.response_id = ?", (response_id,))
-    return rows[0] if rows else None
+def one_task(conn: sqlite3.Connection, task_id: str) -> dict[str, Any] | None:
+    return _with_output(conn, joined(conn, "t.id = ?", (task_id,)))
+
+
+def one_response(conn: sqlite3.Connection, response_id: str) -> dict[str, Any] | None:
+    return _with_output(conn, joined(conn, "t.response_id = ?", (response_id,)))
 
 
 def message_id(response_id: str) -> str:
@@ -35,7 +47,7 @@ def message_id(response_id: str) -> str:
     return "msg_" + response_id[5:]
 
 
-def response_status(row: sqlite3.Row) -> str:
+def response_status(row: Mapping[str, Any]) -> str:
     status = row["status"]
     if status == COMPLETED:
         return "incomplete" if row["finish_reason"] == "length" else "completed"
@@ -44,13 +56,13 @@ def response_status(row: sqlite3.Row) -> str:
     return "in_progress"
 
 
-def _error(row: sqlite3.Row) -> dict[str, Any] | None:
+def _error(row: Mapping[str, Any]) -> dict[str, Any] | None:
     if row["error_code"] is None:
         return None
     return {"code": row["error_code"], "message": row["error_message"] or ""}
 
 
-def task_object(row: sqlite3.Row) -> dict[str, Any]:
+def task_object(row: Mapping[str, Any]) -> dict[str, Any]:
     download = row["kind"] == "download"
     task = {
         "id": row["id"], "object": "task", "kind": row["kind"], "status": row["status"],
@@ -70,7 +82,7 @@ def task_object(row: sqlite3.Row) -> dict[str, Any]:
     return task
 
 
-def response_object(row: sqlite3.Row) -> dict[str, Any]:
+def response_object(row: Mapping[str, Any]) -> dict[str, Any]:
     request = json.loads(row["request"])
     status = response_status(row)
     text = row["output_text"]

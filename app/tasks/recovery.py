@@ -17,7 +17,7 @@ import sqlite3
 import time
 from collections import Counter
 
-from app.tasks import machine
+from app.tasks import machine, output
 from app.tasks.machine import RESPONSE
 from app.tasks.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING, UNFINISHED
 
@@ -50,10 +50,11 @@ def _move(conn: sqlite3.Connection, task: sqlite3.Row) -> str:
     elif to == QUEUED and status in (LOADING, RUNNING):
         # `retry` starts again from nothing: a new attempt, whose opening event says so.
         attempt = task["attempt"] + 1 if task["on_restart"] == "retry" else task["attempt"]
+        output.clear(conn, task["id"])
         machine.transition(conn, task["id"], QUEUED,
                            [("response.queued", {"response": RESPONSE, "output_reset": True})],
-                           only_from=(status,), attempt=attempt, output_ids="[]", output_text="",
-                           output_tokens=0, tokens_per_second=None, started_at=None)
+                           only_from=(status,), attempt=attempt, output_tokens=0, tokens_per_second=None,
+                           started_at=None)
     # queued stays queued and a resumed running task stays running: no transition to write.
     return f"{status}->{to}"
 

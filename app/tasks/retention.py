@@ -17,4 +17,9 @@ def purge(conn: sqlite3.Connection, retention_seconds: int, idempotency_ttl_seco
         f"DELETE FROM responses WHERE id IN (SELECT response_id FROM tasks WHERE status IN ({marks}) "
         "AND finished_at IS NOT NULL AND finished_at < ?)", (*TERMINAL, now - retention_seconds)).rowcount
     keys = conn.execute("DELETE FROM idempotency_keys WHERE created_at < ?", (now - idempotency_ttl_seconds,)).rowcount
-    return {"responses": gone, "idempotency_keys": keys}
+    # Pairing requests long over, and clients revoked long ago (the requests that created them first).
+    old = now - retention_seconds
+    pairings = conn.execute("DELETE FROM pairings WHERE expires_at < ? OR client_id IN "
+                            "(SELECT id FROM clients WHERE revoked_at < ?)", (old, old)).rowcount
+    clients = conn.execute("DELETE FROM clients WHERE revoked_at < ?", (old,)).rowcount
+    return {"responses": gone, "idempotency_keys": keys, "pairings": pairings, "clients": clients}

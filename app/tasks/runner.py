@@ -1,8 +1,11 @@
 """The runner: takes queued (and resumed) tasks to the engines and writes what they produce.
 
-Output is coalesced: tokens are buffered and written as one delta event plus the snapshot
-(all tokens so far, their text) every `flush_seconds`, which bounds the write rate whatever
-the decode speed. Whatever a crash loses after the last flush, `resume` regenerates.
+Output is written as it comes: each token's text is committed as a delta event (with the
+token ids, appended to the task's output) as soon as the previous write of the task has
+committed, then published. A reader sees each token within milliseconds of its decoding;
+when commits are slower than decoding, the tokens that came during one commit share the next
+delta, so the write rate is bounded by the commit pipeline itself. Whatever a crash loses
+after the last commit, `resume` regenerates.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from app.engine.engine import Engine, EngineError, Generation
 from app.engine.modes import EngineModes
 from app.errors import LmspError
 from app.store.store import Store
-from app.tasks import machine, records
+from app.tasks import machine, output, records
 from app.tasks.bus import EventBus
 from app.tasks.machine import RESPONSE
 from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING
@@ -29,35 +32,51 @@ from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """Output produced since the last write, with the progress it brings the task to."""
+    ids: list[int]
+    text: str
+    output_tokens: int
+    tokens_per_second: float | None
+
+
 @dataclass
 class Job:
-    """A task on an engine, with its output so far (the snapshot, in memory)."""
+    """A task on an engine, with its output so far."""
     task_id: str
     engine: Engine
-    ids: list[int] = field(default_factory=list)
-    text: str = ""
-    pending: str = ""       # text not yet written as a delta
-    unsaved: int = 0        # tokens not yet in the snapshot
+    text: str = ""          # all the output text, for the final `output_text.done`
+    tokens: int = 0         # output tokens produced, a resumed snapshot's included
+    ids: list[int] = field(default_factory=list)  # produced, not yet written
+    pending: str = ""       # text produced, not yet written
     started: float = field(default_factory=time.monotonic)
     new_tokens: int = 0
     item_id: str = ""       # the id of the response's one output message
+    saving: asyncio.Task[bool] | None = None  # the write in flight, if any
 
+    def add(self, ids: list[int], text: str) -> None:
+        self.ids += ids
+        self.tokens += len(ids)
+        self.new_tokens += len(ids)
+        self.text += text
+        self.pending += text
 
-def _delta(job: Job) -> list[tuple[str, dict[str, Any]]]:
-    if not job.pending:
-        return []
-    return [("response.output_text.delta", {"delta": job.pending, "output_index": 0, "content_index": 0,
-                                            "item_id": job.item_id})]
+    def unwritten(self) -> bool:
+        return bool(self.ids or self.pending)
+
+    def take(self) -> Chunk:
+        chunk = Chunk(self.ids, self.pending, self.tokens, _tokens_per_second(self))
+        self.ids, self.pending = [], ""
+        return chunk
 
 
 class Runner:
-    def __init__(self, store: Store, bus: EventBus, engines: list[Engine], modes: EngineModes,
-                 flush_seconds: float = 0.2) -> None:
+    def __init__(self, store: Store, bus: EventBus, engines: list[Engine], modes: EngineModes) -> None:
         self.store = store
         self.bus = bus
         self.engines = engines
         self.modes = modes
-        self.flush_seconds = flush_seconds
         self.jobs: dict[str, Job] = {}
         self.capacity = len(engines)  # how many tasks may run at once (max_concurrent_tasks)
         self.tokens_generated = 0     # since start, for /metrics
@@ -152,51 +171,55 @@ class Runner:
             if started is None:  # cancelled while the model loaded
                 await self.write(_cancelled, job.task_id)
                 return
-        job.ids = json.loads(row["output_ids"])
-        job.text = row["output_text"]
+        ids, job.text = await self.store.read(output.read, job.task_id)
+        job.tokens = len(ids)
         request = json.loads(row["request"])
         gen = Generation(messages=request["messages"], max_tokens=row["max_output_tokens"],
                          temperature=request.get("temperature", 1.0), top_p=request.get("top_p", 1.0),
                          seed=request.get("seed"), stop=request.get("stop"),
-                         prefix_ids=job.ids[:], emitted_chars=len(job.text))
+                         prefix_ids=ids, emitted_chars=len(job.text))
         reason, usage = "cancelled", {}
         job.started = time.monotonic()  # tokens/s counts generation, not the model load
         try:
-            last_flush = time.monotonic()
             async for msg in job.engine.generate(gen):
                 if msg["ev"] == "done":
                     reason, usage = msg["reason"], msg
                     break
-                job.ids.extend(msg["ids"])
-                job.new_tokens += len(msg["ids"])
+                job.add(msg["ids"], msg["text"])
                 self.tokens_generated += len(msg["ids"])
-                job.unsaved += len(msg["ids"])
-                job.text += msg["text"]
-                job.pending += msg["text"]
-                if time.monotonic() - last_flush >= self.flush_seconds:
-                    last_flush = time.monotonic()
-                    if not await self._flush(job):
+                if job.saving is None or job.saving.done():
+                    if job.saving is not None and not job.saving.result():
                         job.engine.cancel()  # the task left `running`: a cancel was accepted
+                    job.saving = asyncio.create_task(self._save(job))
         except EngineError as exc:
             await self._flush(job)
             if await self.write(_fail, job.task_id, exc.code, exc.message) is None:
                 await self.write(_cancelled, job.task_id)
             return
         self.last_tokens_per_second = _tokens_per_second(job) or self.last_tokens_per_second
+        if job.saving is not None:
+            await job.saving
         if reason == "cancelled":
             if await self.write(_cancelled, job.task_id) is None:
                 await self._flush(job)  # shutting down: keep the snapshot, recovery decides
             return
-        if await self.write(_complete, job, reason, usage) is None:
+        if await self.write(_complete, job.task_id, job.item_id, job.take(), job.text, reason, usage) is None:
             await self.write(_cancelled, job.task_id)
 
-    async def _flush(self, job: Job) -> bool:
-        """Write pending output as one delta + the snapshot. False if the task is no longer running."""
-        if not job.pending and not job.unsaved:
-            return True
-        events = await self.write(_save_output, job)
-        job.pending, job.unsaved = "", 0
-        return events is not None
+    async def _save(self, job: Job) -> bool:
+        """Write the output produced so far, again and again while more comes during a commit.
+        False once the task is no longer running (a cancel was accepted)."""
+        while job.unwritten():
+            if await self.write(_save_output, job.task_id, job.item_id, job.take()) is None:
+                return False
+        return True
+
+    async def _flush(self, job: Job) -> None:
+        """Wait for the write in flight, then write what is left."""
+        if job.saving is not None:
+            await job.saving
+        if job.unwritten():
+            await self.write(_save_output, job.task_id, job.item_id, job.take())
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop taking tasks; running work stops at a token and its snapshot is committed."""
@@ -213,11 +236,6 @@ class Runner:
 def _tokens_per_second(job: Job) -> float | None:
     elapsed = time.monotonic() - job.started
     return round(job.new_tokens / elapsed, 2) if job.new_tokens and elapsed > 0 else None
-
-
-def _snapshot(job: Job) -> dict[str, Any]:
-    return {"output_ids": json.dumps(job.ids), "output_text": job.text, "output_tokens": len(job.ids),
-            "tokens_per_second": _tokens_per_second(job)}
 
 
 # Transactions: each runs on the writer thread and returns the events it wrote.
@@ -253,18 +271,24 @@ def _start_running(conn: sqlite3.Connection, task_id: str, item_id: str) -> list
     ], only_from=(LOADING,), started_at=time.time())
 
 
-def _save_output(conn: sqlite3.Connection, job: Job) -> list[machine.Event] | None:
-    return machine.record(conn, job.task_id, (RUNNING,), _delta(job), **_snapshot(job))
+def _save_output(conn: sqlite3.Connection, task_id: str, item_id: str, chunk: Chunk) -> list[machine.Event] | None:
+    delta = [("response.output_text.delta", {"delta": chunk.text, "output_index": 0, "content_index": 0,
+                                             "item_id": item_id})] if chunk.text else []
+    events = machine.record(conn, task_id, (RUNNING,), delta, output_tokens=chunk.output_tokens,
+                            tokens_per_second=chunk.tokens_per_second)
+    if events is not None and (chunk.ids or chunk.text):
+        output.append(conn, task_id, chunk.ids, chunk.text)
+    return events
 
 
-def _complete(conn: sqlite3.Connection, job: Job, reason: str, usage: dict[str, Any]) -> list[machine.Event] | None:
-    saved = _save_output(conn, job)
+def _complete(conn: sqlite3.Connection, task_id: str, item_id: str, last: Chunk, text: str, reason: str,
+              usage: dict[str, Any]) -> list[machine.Event] | None:
+    saved = _save_output(conn, task_id, item_id, last)
     if saved is None:
         return None
     done = machine.transition(
-        conn, job.task_id, COMPLETED,
-        [("response.output_text.done", {"text": job.text, "output_index": 0, "content_index": 0,
-                                        "item_id": job.item_id}),
+        conn, task_id, COMPLETED,
+        [("response.output_text.done", {"text": text, "output_index": 0, "content_index": 0, "item_id": item_id}),
          ("response.incomplete" if reason == "length" else "response.completed", {"response": RESPONSE})],
         finish_reason=reason, input_tokens=usage.get("input_tokens", 0), cached_tokens=usage.get("cached_tokens", 0),
         finished_at=time.time())

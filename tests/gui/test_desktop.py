@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from PySide6.QtWidgets import QMessageBox
+from PySide6.QtWidgets import QMessageBox, QSystemTrayIcon
 
 from app import paths
 from app.core.auth import Client
@@ -152,3 +152,27 @@ async def test_safe_mode_is_said_once_and_shown_in_the_models_tab(desktop: Deskt
     table = dashboard.models.table
     await until(lambda: table.rowCount() and table.item(0, 4).text() == "Safe mode", 10, "engine column")
     assert "SIGSEGV" in table.item(0, 4).toolTip()
+
+
+async def test_pairing_notifications_are_plain_text_throttled_and_a_click_opens_what_was_announced(
+        desktop: Desktop, until: Until, monkeypatch: pytest.MonkeyPatch) -> None:
+    shown: list[tuple[str, str]] = []
+    real_notify = desktop.tray.notify
+    monkeypatch.setattr(desktop.tray, "notify", lambda title, text, *rest: (shown.append((title, text)),
+                                                                            real_notify(title, text, *rest)))
+    monkeypatch.setattr(Desktop, "has_tray", property(lambda self: True))
+    monkeypatch.setattr(QSystemTrayIcon, "supportsMessages", staticmethod(lambda: True))
+    service = desktop.session.service
+    first = await service.request_pairing({"client_name": "<b>Editor</b> & <a href='x'>", "scopes": ["models:read"]},
+                                          requester="uid:1000")
+    flood = [await service.request_pairing({"client_name": f"Flood {i}", "scopes": ["admin"]}, requester="uid:2000")
+             for i in range(4)]
+    await until(lambda: len(desktop.session.pairings) == 5, 10, "the session knows all five requests")
+    assert len(shown) == 2  # one per requester: the other three of the flood were not announced
+    assert shown[0][1].startswith("&lt;b&gt;Editor&lt;/b&gt; &amp; &lt;a href='x'&gt; (code ")
+    desktop.tray.icon.messageClicked.emit()  # the person clicks the first notification, after the second came
+    dialogs = await until(lambda: visible(PairingDialog), 10, "pairing dialogs")
+    assert first["id"] in {d.pairing_id for d in dialogs}
+    assert {d.pairing_id for d in dialogs} <= {first["id"], flood[0]["id"]}  # only what was announced
+    for dialog in dialogs:
+        dialog.close()

@@ -1,0 +1,72 @@
+"""The door every connection comes through, in front of aiohttp's own: a cap on open connections,
+and aiohttp's refusals of malformed requests answered in the LMSP error shape.
+
+aiohttp accepts every connection and keeps it as long as its keep-alive timeout allows; it leaves
+limits to the application (aio-libs/aiohttp#675). Without one, idle or half-sent connections use up
+the process's file descriptors, and then the engine's pipes and the database cannot be opened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from app.server.middleware import error_response
+
+log = logging.getLogger(__name__)
+HEADER_SECONDS = 10.0  # to send a whole request line and headers, or between two requests
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over the cap with nothing idle to make room: closed as soon as it opens."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.abort()
+
+
+class _Handler(RequestHandler):
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """aiohttp's answer to a request its parser refused (a bad byte in a header, a line too
+        long...): the LMSP error body and one log line. aiohttp's own logs a traceback at ERROR and
+        answers plain text that echoes the raw header line back."""
+        if isinstance(exc, ConnectionError):  # the client left (or the gate closed it): nobody to answer
+            return web.Response(status=status)
+        if status >= 500:
+            return super().handle_error(request, status, exc, message)
+        first = (getattr(exc, "message", None) or message or "malformed request").splitlines()[0]
+        reason = first.split(":")[0][:80]
+        log.warning("refused a malformed request from %s: %s", request.remote, reason)  # throttled (app.logs)
+        response = error_response(status, "invalid_request", f"The request is not valid HTTP ({reason}).")
+        response.force_close()
+        return response
+
+
+class Gate:
+    """A protocol factory for `loop.create_server`: at most `limit()` open connections. A new one
+    past the cap first closes the oldest idle connection (between requests, or still sending its
+    request line and headers), as nginx does with keep-alive connections; if every one is inside a
+    handler, the newcomer is closed at once. So no client can hold more sockets than the cap, and
+    a request that arrives whole is served while idle connections are being piled up."""
+
+    def __init__(self, server: web.Server, limit: Callable[[], int], busy: set[RequestHandler]) -> None:
+        self.server = server
+        self.limit = limit
+        self.busy = busy  # connections inside a handler: the `working` middleware keeps it
+        self.loop = asyncio.get_running_loop()
+
+    def __call__(self) -> asyncio.Protocol:
+        live = [h for h in self.server.connections if h.transport is not None]  # oldest first
+        if len(live) >= self.limit():
+            idle = next((h for h in live if h not in self.busy), None)
+            if idle is None:
+                return _Refused()
+            idle.force_close()
+        # The keep-alive timeout also runs from the moment a connection opens: it closes one that
+        # has not sent a whole request line and headers within HEADER_SECONDS (slowloris).
+        return _Handler(self.server, loop=self.loop, keepalive_timeout=HEADER_SECONDS, access_log=None)
+

@@ -1,0 +1,198 @@
+"""Benchmarks of issue 10 (not in the default run): streaming latency and decode speed against
+bare llama-cpp-python, short requests, request -> 202 alone and under 20 concurrent clients,
+and WAL bytes per generated token. Every ratio is against a baseline from the same run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from app.core.service import AppService
+from tests.bench.test_throughput import PROMPT, bare_llama
+from tests.conftest import Headless, wait_until
+from tests.helpers import COUNT
+
+TOKENS = 200
+ROUNDS = 3
+SHORT = 40
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+class Stream:
+    """When text arrived, measured from the request: first text, gaps, decode tokens/s."""
+
+    def __init__(self, start: float, arrivals: list[float], tokens: int) -> None:
+        self.first = arrivals[0] - start
+        self.gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+        self.tokens = tokens
+        self.decode = (tokens - 1) / (arrivals[-1] - arrivals[0])
+
+
+def bare_stream(llm: Any) -> Stream:
+    start = time.perf_counter()
+    arrivals = []
+    for chunk in llm.create_chat_completion([{"role": "user", "content": PROMPT}], max_tokens=TOKENS,
+                                            temperature=0, stream=True):
+        if chunk["choices"][0]["delta"].get("content"):
+            arrivals.append(time.perf_counter())
+    return Stream(start, arrivals, len(arrivals))
+
+
+def service_stream(svc: Headless) -> Stream:
+    body = json.dumps({"input": PROMPT, "max_output_tokens": TOKENS, "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(svc.url + "/v1/responses", data=body, method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {svc.token}"})
+    start = time.perf_counter()
+    arrivals, tokens = [], 0
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for line in resp:
+            if not line.startswith(b"data: "):
+                continue
+            event = json.loads(line[6:])
+            if event["type"] == "response.output_text.delta":
+                arrivals.append(time.perf_counter())
+            elif "response" in event and event["type"] in ("response.completed", "response.incomplete"):
+                tokens = event["response"]["usage"]["output_tokens"]
+    return Stream(start, arrivals, tokens)
+
+
+def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless) -> None:
+    llm = bare_llama()
+    headless.start()
+    headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 4})  # the model loaded
+    bare, served = [], []
+    for _ in range(ROUNDS):  # interleaved, so that both see the same machine
+        bare.append(bare_stream(llm))
+        served.append(service_stream(headless))
+
+    def summary(runs: list[Stream]) -> tuple[float, float, float, float, int]:
+        gaps = [g for r in runs for g in r.gaps]
+        return (statistics.median(r.first for r in runs), statistics.median(gaps), pct(gaps, 0.99),
+                statistics.median(r.decode for r in runs), runs[0].tokens)
+
+    b, s = summary(bare), summary(served)
+    deltas = statistics.median(len(r.gaps) + 1 for r in served)
+    print(f"\n[bench] {TOKENS}-token stream, median of {ROUNDS} (bare llama-cpp-python | through the service, SSE):"
+          f"\n  first text    {ms(b[0])} | {ms(s[0])}  (service - bare {ms(s[0] - b[0])})"
+          f"\n  gap median    {ms(b[1])} | {ms(s[1])}"
+          f"\n  gap p99       {ms(b[2])} | {ms(s[2])}  (p99 / bare median {s[2] / b[1]:.2f})"
+          f"\n  decode        {b[3]:.1f} | {s[3]:.1f} tokens/s  (ratio {s[3] / b[3]:.3f}); "
+          f"{b[4]} | {s[4]} tokens, {deltas:.0f} deltas")
+
+    def bare_short() -> None:
+        llm.create_chat_completion([{"role": "user", "content": "Say hi"}], max_tokens=2, temperature=0)
+
+    def served_short() -> None:
+        status, _ = headless.post("/v1/responses", {"input": "Say hi", "max_output_tokens": 2, "temperature": 0})
+        assert status == 200
+
+    per_request = {}
+    for name, call in (("bare", bare_short), ("service", served_short)):
+        start = time.perf_counter()
+        for _ in range(SHORT):
+            call()
+        per_request[name] = (time.perf_counter() - start) / SHORT
+    print(f"[bench] {SHORT} sequential 2-token foreground requests: bare {ms(per_request['bare'])} | service "
+          f"{ms(per_request['service'])} per request (+{ms(per_request['service'] - per_request['bare'])})")
+
+
+def metric(svc: Headless, name: str) -> float | None:
+    req = urllib.request.Request(svc.url + "/metrics", headers={"Authorization": f"Bearer {svc.token}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return None  # a version without it
+
+
+def accept(svc: Headless) -> float:
+    start = time.perf_counter()
+    status, _ = svc.post("/v1/responses", {"input": "hi", "background": True, "max_output_tokens": 1})
+    assert status == 202
+    return time.perf_counter() - start
+
+
+def burst(svc: Headless, label: str) -> None:
+    """20 clients x 10 requests at once: accepted/s, latency percentiles, commits per request."""
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        for _ in range(10):
+            took = accept(svc)
+            with lock:
+                latencies.append(took)
+
+    commits = metric(svc, "lmsp_store_commits_total")
+    threads = [threading.Thread(target=client) for _ in range(20)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    after = metric(svc, "lmsp_store_commits_total")
+    fsyncs = f"{(after - commits) / len(latencies):.2f}" if after is not None and commits is not None else "n/a"
+    print(f"[bench] request -> 202, 20 concurrent clients x 10, {label}: {len(latencies) / wall:.0f} accepted/s, "
+          f"p50 {ms(pct(latencies, 0.5))}, p99 {ms(pct(latencies, 0.99))}, commits (fsyncs) per accepted "
+          f"request {fsyncs}")
+
+
+def drained(svc: Headless) -> bool:
+    return not svc.get("/v1/tasks?status=queued&limit=1")[1]["data"]
+
+
+def test_time_to_202_alone_and_under_20_concurrent_clients(headless: Headless) -> None:
+    headless.start()
+    headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 4})  # the model loaded
+    alone = [accept(headless) for _ in range(200)]
+    print(f"\n[bench] request -> 202, one client alone (200 requests): p50 {ms(pct(alone, 0.5))}, "
+          f"p99 {ms(pct(alone, 0.99))}")
+    wait_until(lambda: drained(headless), timeout=300, interval=0.5)
+    burst(headless, "idle")
+    wait_until(lambda: drained(headless), timeout=300, interval=0.5)
+    status, long = headless.post("/v1/responses", {"input": COUNT, "background": True, "temperature": 0,
+                                                   "max_output_tokens": 2000})
+    task_id = long["task"]["id"]
+    wait_until(lambda: headless.get(f"/v1/tasks/{task_id}")[1]["progress"]["output_tokens"] > 20, interval=0.05)
+    burst(headless, "while a task decodes")
+    assert headless.get(f"/v1/tasks/{task_id}")[1]["status"] == "running", "the burst must overlap decoding"
+
+
+async def test_wal_bytes_per_generated_token(tmp_path: Path) -> None:
+    service = AppService(tmp_path / "data")
+    await service.start()
+    try:
+        owner = await service.authenticate(await service.owner_token())
+        assert owner is not None
+        await service.create_response(owner, {"input": "hi", "max_output_tokens": 4})  # the model loaded
+        wal = Path(str(service.store.path) + "-wal")
+        # No checkpoint while the task runs: the -wal file only grows, by what every commit wrote.
+        await service.store.write(lambda conn: conn.execute("PRAGMA wal_autocheckpoint = 0"))
+        before = os.path.getsize(wal)
+        created = await service.create_response(owner, {"input": COUNT, "background": True, "temperature": 0,
+                                                        "max_output_tokens": 2000})
+        task_id = created.body["task"]["id"]
+        while (task := await service.task(owner, task_id))["status"] not in ("completed", "failed", "cancelled"):
+            await asyncio.sleep(0.2)
+        tokens = task["progress"]["output_tokens"]
+        grown = os.path.getsize(wal) - before
+        print(f"\n[bench] WAL written by a {tokens}-token task: {grown / 1e6:.2f} MB, "
+              f"{grown / tokens:.0f} bytes per token ({task['last_sequence_number'] + 1} events)")
+    finally:
+        await service.stop()

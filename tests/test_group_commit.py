@@ -1,0 +1,70 @@
+"""Group commit: writes that arrive together share one commit (one fsync), each keeps its own
+result or exception, and a 202 is answered only once its task is committed."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from typing import Any
+
+from app.store import config
+from app.store.store import Store
+
+from tests.test_metrics import metrics, value
+
+
+def _put(conn: sqlite3.Connection, key: str) -> str:
+    config.save(conn, {key: 1})
+    return key
+
+
+async def _keys(store: Store) -> set[str]:
+    return await store.read(lambda c: {r["key"] for r in c.execute("SELECT key FROM service_config")})
+
+
+async def test_writes_arriving_together_share_commits_and_a_failing_one_fails_alone(store: Store) -> None:
+    def half_then_fail(conn: sqlite3.Connection) -> None:
+        config.save(conn, {"failed": 1})
+        raise ValueError("this one only")
+
+    commits = store.commits
+    results = await asyncio.gather(*(store.write(_put, f"a{i}") for i in range(10)), store.write(half_then_fail),
+                                   *(store.write(_put, f"b{i}") for i in range(10)), return_exceptions=True)
+
+    assert results[:10] == [f"a{i}" for i in range(10)] and results[11:] == [f"b{i}" for i in range(10)]
+    assert isinstance(results[10], ValueError) and str(results[10]) == "this one only"
+    assert await _keys(store) == {f"a{i}" for i in range(10)} | {f"b{i}" for i in range(10)}
+    assert store.commits - commits <= 3, "21 writes queued together must not cost 21 fsyncs"
+    assert store.transactions >= 20
+
+
+async def test_an_error_that_undoes_the_whole_transaction_takes_no_other_write_with_it(store: Store) -> None:
+    def undone(conn: sqlite3.Connection) -> None:
+        config.save(conn, {"undone": 1})
+        conn.execute("ROLLBACK")  # what SQLite itself does on some I/O and disk-full errors
+        raise OSError("the transaction is gone")
+
+    results = await asyncio.gather(*(store.write(_put, f"k{i}") for i in range(5)), store.write(undone),
+                                   *(store.write(_put, f"m{i}") for i in range(5)), return_exceptions=True)
+
+    assert isinstance(results[5], OSError)
+    assert await _keys(store) == {f"k{i}" for i in range(5)} | {f"m{i}" for i in range(5)}
+    assert await store.write(_put, "after") == "after"  # the writer carries on
+
+
+async def test_twenty_clients_at_once_cost_few_fsyncs(api: Any, service: Any) -> None:
+    service.set_paused(True)  # only the 202s write: nothing runs
+    before = await metrics(api)
+
+    async def accept() -> int:
+        resp = await api.post("/v1/responses", json={"input": "hi", "background": True, "max_output_tokens": 1})
+        return resp.status
+
+    statuses = await asyncio.gather(*(accept() for _ in range(20)))
+    after = await metrics(api)
+
+    assert statuses == [202] * 20
+    assert value(after, "lmsp_tasks", state="queued") == 20  # every acknowledged task is committed
+    commits = value(after, "lmsp_store_commits_total") - value(before, "lmsp_store_commits_total")
+    writes = value(after, "lmsp_store_transactions_total") - value(before, "lmsp_store_transactions_total")
+    assert writes >= 20 and commits < 20 * 0.5, (commits, writes)

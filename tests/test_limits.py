@@ -1,0 +1,224 @@
+"""What one misbehaving local program can no longer do to everyone else: hold every socket the
+service may open, or keep a connection forever with a request that never completes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import Headless, wait_until
+from tests.helpers import bearer, http, pair
+
+FD_LIMIT = 1024  # the usual soft limit of a desktop session
+HOSTILE = 1100   # more than the service could ever hold at that limit
+
+
+def _address(url: str) -> tuple[str, int]:
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    return host, int(port)
+
+
+def _open(url: str, first_bytes: bytes) -> socket.socket | None:
+    try:
+        sock = socket.create_connection(_address(url), timeout=2)
+    except OSError:  # the listen backlog is full: refused before it cost the service anything
+        return None
+    if first_bytes:
+        sock.sendall(first_bytes)
+    return sock
+
+
+def _held_by_server(sock: socket.socket) -> bool:
+    """True while the server keeps the connection open and has not answered on it."""
+    sock.setblocking(False)
+    try:
+        sock.recv(65536)  # an answer (408, 400) or EOF: the server let go of it
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def _lower_fd_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
+def test_idle_and_half_sent_connections_cannot_starve_the_service(headless: Headless) -> None:
+    """Idle connections, request lines cut short and bodies that never complete, more of them than
+    the service has file descriptors: a real task still completes, and new requests are answered."""
+    headless.start(preexec=_lower_fd_limit)
+    kinds = [b"",                                                         # says nothing at all
+             b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: aaaa",  # headers never finish
+             b"POST /v1/pairings HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+             b"Content-Length: 100000\r\n\r\n{\"client_name\": "]           # the body never completes
+    hostile = [_open(headless.url, kinds[i % 3]) for i in range(HOSTILE)]
+    opened = [s for s in hostile if s is not None]
+    try:
+        time.sleep(1)
+        held = sum(_held_by_server(s) for s in opened)  # by the service, or still in the kernel's backlog
+        assert headless.proc is not None
+        descriptors = len(os.listdir(f"/proc/{headless.proc.pid}/fd"))
+        started = time.monotonic()
+        status, created = http(f"{headless.url}/v1/responses", "POST",
+                               {"input": "Say hi", "max_output_tokens": 8, "temperature": 0, "background": True},
+                               token=headless.token, timeout=30)
+        first_answer = time.monotonic() - started
+        assert status == 202, created
+        for _ in range(20):  # new legitimate requests, each on a new connection, while the flood holds
+            asked = time.monotonic()
+            assert http(f"{headless.url}/health", timeout=10)[0] == 200
+            assert time.monotonic() - asked < 2.0
+        task_id = created["task"]["id"]
+        done = wait_until(lambda: (t := http(f"{headless.url}/v1/tasks/{task_id}", token=headless.token)[1])
+                          ["status"] in ("completed", "failed") and t, timeout=120)
+        assert done["status"] == "completed", done
+        print(f"\nfd limit {FD_LIMIT}: {len(opened)} of {HOSTILE} hostile connections opened, {held} not let go "
+              f"a second later, the service using {descriptors} descriptors; a new request answered in "
+              f"{first_answer:.2f} s; the task {done['status']}")
+        assert descriptors < FD_LIMIT // 2
+    finally:
+        for sock in opened:
+            sock.close()
+    assert headless.terminate() == 0
+    text = "".join(p.read_text() for p in (headless.data_dir / "logs").glob("lmsp-tray.log*"))
+    assert len(text.splitlines()) < 200, text[-3000:]  # no error flood rotated the history away
+
+
+def test_requests_that_never_complete_are_cut_off(headless: Headless) -> None:
+    """Headers that never end are dropped after 10 s; a body that never completes gets 408."""
+    headless.start()
+    slow_headers = _open(headless.url, b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: a")
+    slow_body = _open(headless.url, b"POST /v1/pairings HTTP/1.1\r\nHost: localhost\r\n"
+                                    b"Content-Type: application/json\r\nContent-Length: 50\r\n\r\n{")
+    assert slow_headers is not None and slow_body is not None
+    started = time.monotonic()
+    for sock in (slow_headers, slow_body):
+        sock.settimeout(30)
+    answer = slow_body.recv(65536)
+    body_seconds = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    assert slow_headers.recv(65536) == b""  # closed without an answer: nothing was asked
+    header_seconds = time.monotonic() - started
+    print(f"\nunfinished headers dropped after {header_seconds:.1f} s, unfinished body answered 408 after "
+          f"{body_seconds:.1f} s")
+    assert 9 < body_seconds < 15 and 9 < header_seconds < 15
+    for sock in (slow_headers, slow_body):
+        sock.close()
+
+
+def test_malformed_requests_get_the_lmsp_error_and_no_traceback(headless: Headless) -> None:
+    headless.start()
+    sock = _open(headless.url, b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Bad: a\x7fb\r\n\r\n")
+    assert sock is not None
+    sock.settimeout(10)
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    sock.close()
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert b" 400 " in head.split(b"\r\n")[0] and b"application/json" in head, answer
+    error: dict[str, Any] = json.loads(body)["error"]
+    assert error["code"] == "invalid_request" and error["type"] == "invalid_request_error", error
+    assert headless.terminate() == 0
+    text = "".join(p.read_text() for p in (headless.data_dir / "logs").glob("lmsp-tray.log*"))
+    assert "refused a malformed request" in text and "Traceback" not in text and " ERROR " not in text, text
+
+
+def _rss_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(field)
+
+
+async def test_listing_large_tasks_costs_little_and_starves_no_one(service: Any, api: Any) -> None:
+    """100 queued tasks with 2 MiB prompts: two listings of them at once neither load the prompts
+    (memory) nor hold up another client's requests."""
+    service.set_paused(True)  # they stay queued, as behind a long task
+    _, other = await pair(api, ["models:read"], name="Other app")
+    prompt = "word " * (2 * 1024 * 1024 // 5)
+    for _ in range(100):
+        resp = await api.post("/v1/responses", json={"input": prompt, "background": True, "max_output_tokens": 4})
+        assert resp.status == 202, await resp.text()
+    assert (await api.get("/v1/models", headers=bearer(other))).status == 200  # the other app, seen before
+    Path("/proc/self/clear_refs").write_text("5")  # restart the peak-RSS count from here
+    before = _rss_mib("VmRSS")
+
+    async def listing() -> float:
+        started = time.monotonic()
+        resp = await api.get("/v1/tasks?limit=100")
+        assert resp.status == 200 and len((await resp.json())["data"]) == 100
+        return time.monotonic() - started
+
+    async def other_app() -> list[float]:
+        waits = []
+        for _ in range(10):
+            started = time.monotonic()
+            resp = await api.get("/v1/models", headers=bearer(other))
+            assert resp.status == 200, await resp.text()
+            waits.append(time.monotonic() - started)
+            await asyncio.sleep(0.02)
+        return waits
+
+    lists = asyncio.gather(listing(), listing())
+    waits = await other_app()
+    took = await lists
+    grew = _rss_mib("VmHWM") - before
+    print(f"\ntwo listings of 100 tasks with 2 MiB prompts: {max(took):.2f} s, peak RSS +{grew:.0f} MiB; "
+          f"the other app's slowest request meanwhile {max(waits) * 1000:.0f} ms")
+    assert grew < 50 and max(waits) < 0.5
+
+
+async def test_a_revoked_token_is_refused_at_once_though_it_was_just_verified(api: Any) -> None:
+    client_id, token = await pair(api, ["models:read"], name="Soon revoked")
+    assert (await api.get("/v1/models", headers=bearer(token))).status == 200
+    assert (await api.delete(f"/v1/clients/{client_id}")).status == 200
+    resp = await api.get("/v1/models", headers=bearer(token))
+    assert resp.status == 401, await resp.text()
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_registering_a_slow_file_stops_when_the_client_leaves_and_never_delays_exit(headless: Headless,
+                                                                                   tmp_path: Path) -> None:
+    """A 1 TiB sparse file with 2^22 strings: valid enough to walk (a minute of CPU here) and then
+    to hash (1 TiB). The work stops when its client leaves, and a SIGTERM exits at once."""
+    bomb = tmp_path / "bomb.gguf"
+    key = b"tokenizer.ggml.tokens"
+    bomb.write_bytes(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, len(key)) + key + struct.pack("<IIQ", 9, 8, 2**22))
+    os.truncate(bomb, 1 << 40)
+    headless.start()
+    assert headless.proc is not None
+    pid = headless.proc.pid
+    try:
+        http(f"{headless.url}/v1/models", "POST", {"path": str(bomb)}, token=headless.token, timeout=1)
+        raise AssertionError("a 1 TiB file cannot be registered within a second")
+    except TimeoutError:
+        pass  # the client gives up and leaves
+    time.sleep(1.5)  # the connection is watched every 0.25 s
+    burnt = _cpu_seconds(pid)
+    time.sleep(3)
+    after_leaving = _cpu_seconds(pid) - burnt
+    waiting = threading.Thread(target=http, args=(f"{headless.url}/v1/models", "POST", {"path": str(bomb)}),
+                               kwargs={"token": headless.token, "timeout": 60}, daemon=True)
+    waiting.start()  # this one is still waited for when the service is told to stop
+    time.sleep(1)
+    started = time.monotonic()
+    assert headless.terminate() == 0
+    exit_seconds = time.monotonic() - started
+    print(f"\nafter the client left: {after_leaving:.2f} s of CPU in 3 s; SIGTERM during a registration: "
+          f"exited in {exit_seconds:.2f} s")
+    assert after_leaving < 0.5 and exit_seconds < 5

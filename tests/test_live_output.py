@@ -1,0 +1,107 @@
+"""Output as it is decoded: a live reader gets each token within milliseconds (LMSP §6,
+"coalescing must not be felt"), writing a token costs the same at the end of a long answer as
+at its start, and output written by an older version survives the migration."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from app.engine.engine import Engine, Generation
+from app.store import db
+from app.tasks import output
+
+from tests.helpers import COUNT, poll
+
+SSE = {"Accept": "text/event-stream"}
+
+
+async def test_a_live_reader_gets_each_token_within_milliseconds(api: Any, monkeypatch: Any) -> None:
+    produced: list[tuple[float, int]] = []  # (when the runner got a token's text, length of all text so far)
+    real = Engine.generate
+
+    async def timed(self: Engine, gen: Generation) -> AsyncIterator[dict[str, Any]]:
+        total = 0
+        async for msg in real(self, gen):
+            if msg["ev"] == "chunk" and msg["text"]:
+                total += len(msg["text"])
+                produced.append((time.monotonic(), total))
+            yield msg
+
+    monkeypatch.setattr(Engine, "generate", timed)
+    resp = await api.post("/v1/responses", json={"input": COUNT, "temperature": 0, "max_output_tokens": 120,
+                                                 "stream": True})
+    assert resp.status == 200
+    received: list[tuple[float, int]] = []  # (when the reader got a delta, length of all text so far)
+    total = 0
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            event = json.loads(line[6:])
+            if event["type"] == "response.output_text.delta":
+                total += len(event["delta"])
+                received.append((time.monotonic(), total))
+
+    assert produced and received[-1][1] == produced[-1][1], (produced[-3:], received[-3:])
+    lags = [next(at for at, length in received if length >= upto) - made for made, upto in produced]
+    median = statistics.median(lags)
+    # Idle, both are a few ms (one fsync). The bounds leave room for a busy machine; output
+    # buffered for 0.2 s, as it used to be, waits 100 ms on median and most of 0.2 s at first.
+    assert lags[0] < 0.1, f"the first token reached the reader {lags[0] * 1000:.0f} ms after it was decoded"
+    assert median < 0.05, f"tokens reached the reader {median * 1000:.0f} ms after decoding (median)"
+    assert len(received) > len(produced) / 3, "tokens are coalesced only while a commit is on its way"
+
+
+async def test_writing_a_token_costs_the_same_late_in_a_long_answer_as_early(api: Any, service: Any) -> None:
+    wal = Path(str(service.store.path) + "-wal")
+    # No checkpoints during the task: the -wal file then only grows, by what each commit wrote.
+    await service.store.write(lambda conn: conn.execute("PRAGMA wal_autocheckpoint = 0"))
+    resp = await api.post("/v1/responses", json={"input": COUNT, "temperature": 0, "max_output_tokens": 2000,
+                                                 "background": True})
+    task_id = (await resp.json())["task"]["id"]
+    samples: list[tuple[int, int, int]] = []  # (output tokens committed, commits so far, -wal bytes)
+
+    async def finished() -> bool:
+        task = await (await api.get(f"/v1/tasks/{task_id}")).json()
+        samples.append((task["progress"]["output_tokens"], service.store.commits, os.path.getsize(wal)))
+        return task["status"] == "completed"
+
+    await poll(finished, timeout=300, interval=0.2, what="the 2000-token task")
+
+    def cost(lo: int, hi: int) -> tuple[float, float]:
+        """-wal bytes per token and per commit between the samples nearest `lo` and `hi` tokens."""
+        a = min(samples, key=lambda s: abs(s[0] - lo))
+        b = min(samples, key=lambda s: abs(s[0] - hi))
+        return (b[2] - a[2]) / (b[0] - a[0]), (b[2] - a[2]) / (b[1] - a[1])
+
+    assert samples[-1][0] == 2000
+    early, late = cost(100, 500), cost(1500, 1900)
+    # Rewriting all the output on each write made a late write cost twice an early one and more.
+    assert late[1] < 1.3 * early[1], f"a commit late in the task wrote {late[1]:.0f} bytes, early {early[1]:.0f}"
+    assert late[0] < 32_000, f"{late[0]:.0f} bytes of WAL per token"
+
+
+def test_output_written_before_the_migration_is_kept(tmp_path: Path, monkeypatch: Any) -> None:
+    path = tmp_path / "lmsp.sqlite3"
+    real = db.migrations()
+    monkeypatch.setattr(db, "migrations", lambda: real[:3])  # the schema before output had its own table
+    conn = db.open_database(path).conn
+    conn.execute("INSERT INTO responses(id, client_id, model_id, request, background, created_at) "
+                 "VALUES ('resp_1', 'c', 'm', '{}', 1, 0), ('resp_2', 'c', 'm', '{}', 1, 0)")
+    conn.execute("INSERT INTO tasks(id, response_id, status, on_restart, created_at, output_ids, output_text, "
+                 "output_tokens) VALUES ('task_1', 'resp_1', 'running', 'resume', 0, '[5, 6, 7]', 'Hi there', 3), "
+                 "('task_2', 'resp_2', 'queued', 'resume', 0, '[]', '', 0)")
+    conn.close()
+    monkeypatch.undo()
+
+    migrated = db.open_database(path).conn
+    try:
+        assert output.read(migrated, "task_1") == ([5, 6, 7], "Hi there")  # `resume` continues from here
+        assert output.read(migrated, "task_2") == ([], "")
+        columns = {r[1] for r in migrated.execute("PRAGMA table_info(tasks)")}
+        assert "output_ids" not in columns and "output_text" not in columns
+    finally:
+        migrated.close()
