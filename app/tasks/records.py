@@ -9,20 +9,21 @@ from typing import Any, Mapping
 from app.tasks import output
 from app.tasks.states import CANCELLED, COMPLETED, FAILED, QUEUED
 
+# A download's own columns (NULL for a generation), and where every task's columns come from.
+_DOWNLOAD = ("d.repo, d.file, d.revision, d.sha256, d.total_bytes, d.bytes, d.bytes_per_second, d.partial_path, "
+             "d.model_id AS download_model_id")
+_FROM = "FROM tasks t JOIN responses r ON r.id = t.response_id LEFT JOIN downloads d ON d.task_id = t.id"
+
 # A task with the response it belongs to: the unit every reader works with.
-# A download's own columns come along (NULL for a generation).
 JOINED = ("SELECT t.*, r.model_id, r.client_id, r.request, r.background, r.metadata, "
-          "r.created_at AS response_created_at, d.repo, d.file, d.revision, d.sha256, d.total_bytes, d.bytes, "
-          "d.bytes_per_second, d.partial_path, d.model_id AS download_model_id "
-          "FROM tasks t JOIN responses r ON r.id = t.response_id LEFT JOIN downloads d ON d.task_id = t.id")
+          f"r.created_at AS response_created_at, {_DOWNLOAD} {_FROM}")
 
 
 # The same, with only what a task object shows: a listing never loads the request or the output
 # text of each task (megabytes each, and never shown in a list).
-LISTED = ("SELECT t.id, t.status, t.on_restart, t.attempt, t.response_id, t.created_at, t.started_at, "
+LISTED = ("SELECT t.id, t.kind, t.status, t.on_restart, t.attempt, t.response_id, t.created_at, t.started_at, "
           "t.finished_at, t.output_tokens, t.max_output_tokens, t.tokens_per_second, t.error_code, "
-          "t.error_message, t.last_sequence_number, r.model_id, r.client_id "
-          "FROM tasks t JOIN responses r ON r.id = t.response_id")
+          f"t.error_message, t.last_sequence_number, r.model_id, r.client_id, {_DOWNLOAD} {_FROM}")
 
 
 def joined(conn: sqlite3.Connection, where: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
