@@ -1,4 +1,4 @@
-"""`lmsp-tray status|models|tasks|pairings|token`: scripting the running service.
+"""`lmsp-tray status|models|tasks|pairings|token|pull|hub-token`: scripting the running service.
 
 Each command finds the service through `service.json` in the data folder and speaks to it
 over HTTP with the owner token, exactly as any other local app would.
@@ -6,6 +6,7 @@ over HTTP with the owner token, exactly as any other local app would.
 
 from __future__ import annotations
 
+import getpass
 import json
 import sys
 import urllib.error
@@ -13,11 +14,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from keyring.errors import KeyringError
+
 from app import paths
 from app.core.pairing import shown
-from app.secrets import TokenVault
+from app.pull import pull
+from app.secrets import TokenVault, set_hub_token
 
-COMMANDS = ("status", "models", "tasks", "pairings", "token")
+COMMANDS = ("status", "models", "tasks", "pairings", "token", "pull", "hub-token")
 
 
 class CliError(Exception):
@@ -32,8 +36,9 @@ class Client:
             raise CliError(f"LMSP Tray is not running (no {paths.SERVICE_FILE} in {data_dir}).") from None
         self.token = TokenVault(data_dir).get()
 
-    def call(self, method: str, path: str) -> Any:
-        req = urllib.request.Request(self.url + path, method=method, data=b"{}" if method == "POST" else None,
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        data = json.dumps(body if body is not None else {}).encode() if method == "POST" else None
+        req = urllib.request.Request(self.url + path, method=method, data=data,
                                      headers={"Authorization": f"Bearer {self.token}",
                                               "Content-Type": "application/json"})
         try:
@@ -63,7 +68,11 @@ def run(command: str, args: list[str], data_dir: Path) -> int:
                 raise CliError("No owner token yet: start LMSP Tray once to create it.")
             print(token)
             return 0
+        if command == "hub-token":
+            return _hub_token()
         client = Client(data_dir)
+        if command == "pull":
+            return pull(client.call, args)
         if command == "status":
             info = client.call("GET", "/lmsp")
             tasks = client.call("GET", "/v1/tasks?limit=100")["data"]
@@ -79,15 +88,32 @@ def run(command: str, args: list[str], data_dir: Path) -> int:
                 [m["id"], m["status"], f"{m['size_bytes'] / 1e6:.0f} MB", m["digest"][:19]] for m in models]))
         elif command == "tasks":
             tasks = client.call("GET", "/v1/tasks?limit=50")["data"]
-            print(_table([["ID", "STATUS", "MODEL", "TOKENS", "POLICY"]] + [
-                [t["id"], t["status"], t["model"], str(t["progress"]["output_tokens"]), t["on_restart"]]
-                for t in tasks]))
+            print(_table([["ID", "STATUS", "MODEL", "PROGRESS", "POLICY"]] + [
+                [t["id"], t["status"], t["model"], _progress(t["progress"]), t["on_restart"]] for t in tasks]))
         elif command == "pairings":
             return _pairings(client, args)
         return 0
     except CliError as exc:
         print(f"lmsp-tray: {exc}", file=sys.stderr)
         return 1
+
+
+def _progress(progress: dict[str, Any]) -> str:
+    if "bytes" in progress:  # a download
+        return f"{progress['bytes'] / 1e6:,.0f}/{progress['total_bytes'] / 1e6:,.0f} MB"
+    return f"{progress['output_tokens']} tokens"
+
+
+def _hub_token() -> int:
+    """Save the Hugging Face token (read from the terminal, never an argument: shells keep
+    history) in the OS keyring, for gated and private repositories; empty forgets it."""
+    token = getpass.getpass("Hugging Face token (empty to forget it): ") if sys.stdin.isatty() else sys.stdin.read()
+    try:
+        set_hub_token(token.strip() or None)
+    except (KeyringError, RuntimeError) as exc:
+        raise CliError(f"No keyring to keep it in ({type(exc).__name__}); set HF_TOKEN instead.") from None
+    print("Saved in the keyring." if token.strip() else "Forgotten.")
+    return 0
 
 
 def _pairings(client: Client, args: list[str]) -> int:

@@ -2,7 +2,7 @@
 
     lmsp-tray                      the desktop app (tray, dashboard, service)
     lmsp-tray --headless           the service alone
-    lmsp-tray token|status|models|tasks|pairings   scripting the running service (app/cli.py)
+    lmsp-tray token|status|models|tasks|pairings|pull|hub-token   scripting the running service (app/cli.py)
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--version", action="version", version=f"lmsp-tray {__version__}")
     parser.add_argument("command", nargs="?", choices=cli.COMMANDS,
                         help="token: print the owner token; status, models, tasks: what the service is doing; "
-                             "pairings [approve|deny ID]: pairing requests")
+                             "pairings [approve|deny ID]: pairing requests; pull owner/name file.gguf: download a "
+                             "model from the Hugging Face hub; hub-token: keep a hub token in the keyring")
     parser.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 

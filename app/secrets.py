@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import keyring
-from keyring.errors import KeyringError
+from keyring.errors import KeyringError, PasswordDeleteError
 
 log = logging.getLogger(__name__)
 SERVICE = "lmsp-tray"
@@ -74,3 +74,26 @@ class TokenVault:
         os.chmod(self.file, 0o600)
         self.where = "file"
         return self.where
+
+
+HUB_TOKEN_ACCOUNT = "huggingface-token"
+
+
+def hub_token() -> str | None:
+    """The Hugging Face token saved in the keyring (`lmsp-tray hub-token`), if any. None lets
+    huggingface_hub use its own: HF_TOKEN, or the login `hf auth login` saved."""
+    try:
+        return keyring.get_password(SERVICE, HUB_TOKEN_ACCOUNT) or None
+    except (KeyringError, RuntimeError):
+        return None
+
+
+def set_hub_token(token: str | None) -> None:
+    """Save (or, with None, forget) the Hugging Face token in the keyring; never in a file of ours."""
+    if token:
+        keyring.set_password(SERVICE, HUB_TOKEN_ACCOUNT, token)
+    else:
+        try:
+            keyring.delete_password(SERVICE, HUB_TOKEN_ACCOUNT)
+        except PasswordDeleteError:
+            pass

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import sqlite3
 import threading
 import time
@@ -21,16 +20,18 @@ from typing import Any
 from app import paths
 from app.core import auth, idempotency, requests
 from app.core.access import AccessFacade
+from app.core.downloads_facade import DownloadsFacade
+from app.core.ids import new_id
 from app.core.auth import Client
 from app.core.models_facade import ModelsFacade
 from app.engine import models
 from app.engine.engine import Engine
 from app.engine.modes import EngineModes
 from app.errors import Conflict, InvalidRequest, LmspError, NotFound
-from app.secrets import TokenVault, make_private
+from app.secrets import TokenVault, hub_token, make_private
 from app.store import config
 from app.store.store import Store
-from app.tasks import machine, records, recovery, retention
+from app.tasks import downloads, machine, records, recovery, retention
 from app.tasks.bus import EventBus, Feed
 from app.tasks.runner import Runner, request_cancel
 from app.tasks.states import TERMINAL
@@ -38,7 +39,8 @@ from app.tasks.states import TERMINAL
 log = logging.getLogger(__name__)
 RESTART_KEY, RESTART_REQUIRED = "restart_required_for", ["host", "port"]  # settings read at start only
 VERIFIED_SECONDS = 60.0  # a verified token is trusted from memory this long, unless revoked
-TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled",
+                   *downloads.TERMINAL_EVENTS)
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,7 @@ class Created:
     replayed: bool             # answered from an idempotency key
 
 
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
-
-
-class AppService(AccessFacade, ModelsFacade):
+class AppService(AccessFacade, ModelsFacade, DownloadsFacade):
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.store = Store(data_dir / paths.DB_NAME)
@@ -61,6 +59,7 @@ class AppService(AccessFacade, ModelsFacade):
         self.engines: list[Engine] = []
         self.modes = EngineModes(self.store, self.bus, lambda: str(self.settings["engine_mode"]))
         self.runner = Runner(self.store, self.bus, self.engines, self.modes)
+        self.downloads = downloads.Downloads(self.store, self.bus, hub_token)
         self.settings: dict[str, Any] = dict(config.DEFAULTS)
         self.service_id = ""
         self.ready = False
@@ -90,6 +89,7 @@ class AppService(AccessFacade, ModelsFacade):
         await self.purge()
         self.runner.resize(self.settings["max_concurrent_tasks"])
         self.runner.start()
+        await self.downloads.start()
         self._janitor = asyncio.create_task(self._housekeeping(), name="lmsp-housekeeping")
         self.ready = True
 
@@ -99,7 +99,7 @@ class AppService(AccessFacade, ModelsFacade):
         self.stop_examining()  # asyncio.run() waits for every thread at exit: they must end now
         if self._janitor:
             self._janitor.cancel()
-        await self.runner.stop()
+        await asyncio.gather(self.runner.stop(), self.downloads.stop())
         self.bus.publish([{"type": "service.stopping"}])
         await asyncio.gather(*(engine.stop() for engine in self.engines))
         await self.store.close()
@@ -225,7 +225,8 @@ class AppService(AccessFacade, ModelsFacade):
         """The task row (with its response) of a task or response `client` may see; else 404."""
         finder = records.one_task if kind == "task" else records.one_response
         row = await self.store.read(finder, ident)
-        if row is None or not (client.is_admin or row["client_id"] == client.id):
+        if row is None or (kind == "response" and row["kind"] != "response") or not (
+                client.is_admin or row["client_id"] == client.id):
             raise NotFound(kind, ident)  # another client's id looks exactly like a missing one
         return row
 
@@ -241,11 +242,12 @@ class AppService(AccessFacade, ModelsFacade):
 
     async def cancel(self, client: Client, kind: str, ident: str) -> dict[str, Any]:
         row = await self.owned(client, kind, ident)
-        events = await self.store.write(request_cancel, row["id"])
+        download = row["kind"] == "download"
+        events = await self.store.write(downloads.request_cancel if download else request_cancel, row["id"])
         if events is None:
             raise Conflict("task_not_cancellable", f"Task {row['id']} has already ended.")
         self.bus.publish(events)
-        self.runner.cancel(row["id"])
+        (self.downloads if download else self.runner).cancel(row["id"])
         return records.task_object(await self.store.read(records.one_task, row["id"]))
 
     async def wait(self, task_id: str) -> dict[str, Any]:
@@ -337,7 +339,7 @@ def _delete_response(conn: sqlite3.Connection, response_id: str) -> None:
 def _service_id(conn: sqlite3.Connection) -> str:
     ident = config.get_value(conn, "service_id")
     if ident is None:
-        ident = _new_id("svc")
+        ident = new_id("svc")
         config.save(conn, {"service_id": ident})
     return str(ident)
 
@@ -354,7 +356,7 @@ def _insert_response(conn: sqlite3.Connection, client_id: str, model_id: str, re
     except NotFound as exc:
         raise LmspError("model_not_found", f"The model {model_id!r} does not exist.", param="model",
                         status=404) from exc
-    response_id, task_id = _new_id("resp"), _new_id("task")
+    response_id, task_id = new_id("resp"), new_id("task")
     conn.execute("INSERT INTO responses(id, client_id, model_id, request, background, metadata, created_at) "
                  "VALUES (?, ?, ?, ?, ?, ?, ?)",
                  (response_id, client_id, model_id, json.dumps(req.generation()), int(req.background),

@@ -85,14 +85,21 @@ def huggingface(hub: Path) -> list[Found]:
     return out
 
 
+def hub_cache(home: Path | None = None, env: dict[str, str] | None = None) -> Path:
+    """The Hugging Face hub cache, where huggingface_hub reads and writes models."""
+    home = home or Path.home()
+    env = dict(os.environ) if env is None else env
+    hf_home = Path(env.get("HF_HOME") or home / ".cache" / "huggingface")
+    return Path(env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or hf_home / "hub")
+
+
 def discover(home: Path | None = None, env: dict[str, str] | None = None) -> list[Found]:
     """Everything found in the usual places, each file once."""
     home = home or Path.home()
     env = dict(os.environ) if env is None else env
     ollama_roots = [Path(env["OLLAMA_MODELS"])] if env.get("OLLAMA_MODELS") else []
     ollama_roots += [home / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models")]
-    hf_home = Path(env.get("HF_HOME") or home / ".cache" / "huggingface")
-    hub = Path(env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or hf_home / "hub")
+    hub = hub_cache(home, env)
     seen: set[str] = set()
     result = []
     for item in lmstudio(home) + ollama(ollama_roots) + huggingface(hub):

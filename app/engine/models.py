@@ -46,9 +46,10 @@ def sha256_file(path: Path, progress: Callable[[int, int], None] | None = None,
 
 
 def examine(path_text: str, progress: Callable[[int, int], None] | None = None,
-            cancel: threading.Event | None = None) -> ModelFile:
-    """Validate and hash a model file. Blocking: run it off the event loop. Raises gguf.Cancelled
-    soon after `cancel` is set."""
+            cancel: threading.Event | None = None, digest: str | None = None) -> ModelFile:
+    """Validate and hash a model file (unless its `digest` is already known, as a verified
+    download's is). Blocking: run it off the event loop. Raises gguf.Cancelled soon after
+    `cancel` is set."""
     path = Path(path_text)
     if not path.is_absolute():
         raise InvalidRequest("The model path must be absolute.", param="path")
@@ -60,7 +61,7 @@ def examine(path_text: str, progress: Callable[[int, int], None] | None = None,
         raise InvalidRequest(f"{path.name} is not a usable GGUF model: {exc}", param="path",
                              code="invalid_model_file") from exc
     stat = path.stat()
-    return ModelFile(str(path), stat.st_size, stat.st_mtime_ns, sha256_file(path, progress, cancel), info)
+    return ModelFile(str(path), stat.st_size, stat.st_mtime_ns, digest or sha256_file(path, progress, cancel), info)
 
 
 def suggest_id(path: str) -> str:

@@ -30,6 +30,7 @@ from app.gui import excepthook
 from app.gui.async_ui import show_error, spawn
 from app.gui.bridge import Bridge
 from app.gui.dashboard import Dashboard
+from app.gui.download_dialog import show_download_dialog
 from app.gui.found_models import close_found_models, show_found_models
 from app.gui.icons import app_icon
 from app.gui.pairing_dialog import PairingDialog
@@ -64,6 +65,7 @@ class Desktop(QObject):
         self.tray.open_settings.connect(lambda: self.show_dashboard("Settings"))
         self.tray.add_model.connect(self.add_model)
         self.tray.find_models.connect(self.find_models)
+        self.tray.download_model.connect(lambda: self.session.phase == "ready" and show_download_dialog(self.session))
         self.tray.review_pairing.connect(self.open_pairing)
         self.tray.quit_requested.connect(self.request_quit)
         if instance is not None:
@@ -229,11 +231,15 @@ class Desktop(QObject):
             self.open_pairing(pairing_id)
 
     def _task_event(self, event: dict[str, Any]) -> None:
-        if event["type"] != "response.failed":
+        task_id = event["task_id"]
+        if event["type"] == "download.completed":
+            self.tray.notify("A model is ready", f"{event['model_id']} was downloaded and checked. Click to see it.",
+                             lambda: self.show_dashboard("Models"))
+        if event["type"] not in ("response.failed", "download.failed"):
             return
         error = event.get("error") or {}
-        task_id = event["task_id"]
-        self.tray.notify("A task failed", error.get("message") or "The task failed.",
+        title = "A download failed" if event["type"] == "download.failed" else "A task failed"
+        self.tray.notify(title, error.get("message") or "The task failed.",
                          lambda: self.show_task(task_id), QSystemTrayIcon.MessageIcon.Warning)
 
 

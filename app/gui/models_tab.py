@@ -55,6 +55,10 @@ class ModelsTab(QWidget):
         find.setToolTip("Models that LM Studio, Ollama or Hugging Face already downloaded (nothing is copied)")
         find.clicked.connect(self.find_models)
         row.addWidget(find)
+        download = self.buttons["download"] = QPushButton("Download a model…")
+        download.setToolTip("A GGUF file from Hugging Face, checked against its sha256 before it is added")
+        download.clicked.connect(self.download_model)
+        row.addWidget(download)
         list_page(self, row, self.table, "Removing a model only forgets it here: the file itself is never deleted. "
                   "A loaded model stays in memory until it is unloaded or idle too long.")
         session.models_updated.connect(self.show_models)
@@ -102,6 +106,10 @@ class ModelsTab(QWidget):
     def find_models(self) -> None:
         from app.gui.found_models import show_found_models  # here: that module uses human_size from this one
         show_found_models(self.session)
+
+    def download_model(self) -> None:
+        from app.gui.download_dialog import show_download_dialog  # that module uses human_size from this one
+        show_download_dialog(self.session)
 
     def register(self, path: str) -> None:
         """Validate and hash the file (long for big models), showing progress meanwhile."""

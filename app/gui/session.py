@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 from PySide6.QtCore import QObject, Signal
 
 from app.core.auth import Client
-from app.core.service import AppService
+from app.core.service import TERMINAL_EVENTS, AppService
 from app.gui.async_ui import spawn
 from app.gui.bridge import Bridge
 from app.tasks.states import UNFINISHED
@@ -22,8 +22,8 @@ ACTIVE = UNFINISHED  # the task statuses that are not final
 # The task status each event moves to; terminal events drop the task from `active`.
 EVENT_STATUS = {"response.created": "queued", "response.queued": "queued", "response.loading": "loading",
                 "response.in_progress": "running", "response.output_text.delta": "running",
-                "response.cancelling": "cancelling"}
-TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+                "response.cancelling": "cancelling", "download.started": "running",
+                "download.cancelling": "cancelling"}
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
@@ -41,6 +41,7 @@ class Session(QObject):
         self.problem = ""                # why phase is "error"
         self.active: dict[str, str] = {}  # unfinished task id -> status
         self.models: list[dict[str, Any]] = []
+        self.downloads: dict[str, dict[str, Any]] = {}  # unfinished download id -> {"file", "progress"}
         self.pairings: dict[str, dict[str, Any]] = {}
         self._touched: set[str] | None = None  # task ids seen in events while seeding
         self._models_task: asyncio.Task[Any] | None = None
@@ -64,6 +65,8 @@ class Session(QObject):
         for status in ACTIVE:
             tasks, _more = await self.service.list_tasks(self.owner, status=status, limit=1000)
             seeded.update({t["id"]: t["status"] for t in tasks})
+            self.downloads.update({t["id"]: {"file": t["download"]["file"], "progress": t["progress"]}
+                                   for t in tasks if t["kind"] == "download"})
         for task_id, status in seeded.items():
             if task_id not in self._touched:  # an event since then knows better
                 self.active.setdefault(task_id, status)
@@ -123,6 +126,16 @@ class Session(QObject):
             work = "new tasks paused" + (f", {work}" if running or queued else "")
         return f"Serving on {self.address} — {work}"
 
+    def download_lines(self) -> list[str]:
+        """One line per download under way, for the tray's tooltip."""
+        lines = []
+        for shown in self.downloads.values():
+            done, total = shown["progress"].get("bytes") or 0, shown["progress"].get("total_bytes") or 0
+            rate = shown["progress"].get("bytes_per_second")
+            lines.append(f"Downloading {shown['file']}: {done / total if total else 0:.0%}"
+                         + (f" ({rate / 1e6:.1f} MB/s)" if rate else ""))
+        return lines
+
     # -- updates ----------------------------------------------------------------------------
 
     def _on_task_event(self, event: dict[str, Any]) -> None:
@@ -130,7 +143,13 @@ class Session(QObject):
         if self._touched is not None:
             self._touched.add(task_id)
         before = self.active.get(task_id)
+        if kind == "download.started":
+            self.downloads[task_id] = {"file": event["file"], "progress": event}
+        elif kind == "download.progress" and task_id in self.downloads:
+            self.downloads[task_id]["progress"] = event
+            self.changed.emit()  # the tooltip shows how far it is
         if kind in TERMINAL_EVENTS:
+            self.downloads.pop(task_id, None)
             self.active.pop(task_id, None)
         elif kind in EVENT_STATUS:
             self.active[task_id] = EVENT_STATUS[kind]

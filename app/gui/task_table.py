@@ -13,7 +13,7 @@ from PySide6.QtWidgets import QApplication, QStyle, QStyledItemDelegate, QStyleO
 from app.gui.session import ACTIVE
 
 Index = QModelIndex | QPersistentModelIndex
-COLUMNS = ("Status", "Model", "Client", "Progress", "Tokens/s", "Elapsed")
+COLUMNS = ("Status", "Model", "Client", "Progress", "Speed", "Elapsed")  # speed: tokens/s, or MB/s
 STATUS, MODEL, CLIENT, PROGRESS, SPEED, ELAPSED = range(len(COLUMNS))
 # "Finished" means ended without failing; failures have their own filter.
 FILTERS = {"All": None, "Active": ACTIVE, "Finished": ("completed", "cancelled"), "Failed": ("failed",)}
@@ -21,6 +21,14 @@ COLORS = {"queued": "#6b7280", "loading": "#b45309", "running": "#1d4ed8", "canc
           "completed": "#15803d", "cancelled": "#6b7280", "failed": "#b91c1c"}
 ID_ROLE = Qt.ItemDataRole.UserRole
 PROGRESS_ROLE = Qt.ItemDataRole.UserRole + 1
+
+
+def done_and_limit(task: dict[str, Any]) -> tuple[int, int | None]:
+    """How far a task is: tokens against the limit, or a download's bytes against the file size."""
+    progress = task["progress"]
+    if task["kind"] == "download":
+        return progress["bytes"], progress["total_bytes"]
+    return progress["output_tokens"], progress["max_output_tokens"]
 
 
 def elapsed(task: dict[str, Any], now: float) -> float | None:
@@ -64,8 +72,7 @@ class TaskTableModel(QAbstractTableModel):
         if role == ID_ROLE:
             return task["id"]
         if role == PROGRESS_ROLE:
-            progress = task["progress"]
-            return progress["output_tokens"], progress["max_output_tokens"]
+            return done_and_limit(task)
         if role == Qt.ItemDataRole.ToolTipRole:
             error = task.get("error")
             return f"{task['id']}\n{error['code']}: {error['message']}" if error else task["id"]
@@ -83,11 +90,16 @@ class TaskTableModel(QAbstractTableModel):
             client = task.get("client_id")
             return self.client_names.get(client, client) if client else "—"
         if col == PROGRESS:
-            done, limit = task["progress"]["output_tokens"], task["progress"]["max_output_tokens"]
+            done, limit = done_and_limit(task)
+            if task["kind"] == "download":
+                return f"{done / 1e6:,.1f} / {limit / 1e6:,.1f} MB"
             return f"{done} / {limit}" if limit else f"{done}"
         if col == SPEED:
+            if task["kind"] == "download":
+                rate = task["progress"].get("bytes_per_second") if task["status"] in ACTIVE else None
+                return f"{rate / 1e6:.1f} MB/s" if rate else "—"
             speed = task["progress"].get("tokens_per_second")
-            return f"{speed:.1f}" if speed else "—"
+            return f"{speed:.1f} tok/s" if speed else "—"
         return format_seconds(elapsed(task, time.time()))
 
     def row_of(self, task_id: str) -> int:

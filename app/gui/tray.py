@@ -21,6 +21,7 @@ class Tray(QObject):
     open_settings = Signal()
     add_model = Signal()
     find_models = Signal()
+    download_model = Signal()
     review_pairing = Signal(str)   # pairing id
     quit_requested = Signal()
 
@@ -53,7 +54,7 @@ class Tray(QObject):
         if state != self.state:
             self.state = state
             self.icon.setIcon(tray_icon(state))
-        tip = self.session.status_line()
+        tip = "\n".join([self.session.status_line(), *self.session.download_lines()])
         if self.session.exposed:
             tip += "\nWarning: reachable from other computers"
         self.icon.setToolTip(tip)
@@ -140,6 +141,7 @@ class Tray(QObject):
         menu.addSeparator()
         self._action(menu, "add-model", "Add model file…", self.add_model.emit)
         self._action(menu, "find-models", "Find models on this computer…", self.find_models.emit)
+        self._action(menu, "download-model", "Download a model…", self.download_model.emit)
 
     def _build_pairings(self, menu: QMenu) -> None:
         service = self.session.service

@@ -7,7 +7,7 @@ from aiohttp import web
 from app.core import metrics
 from app.errors import InvalidRequest
 from app.server.handlers import unless_client_leaves
-from app.server.keys import LATENCY, SERVICE
+from app.server.keys import CLIENT, LATENCY, SERVICE
 from app.server.middleware import read_json
 from app.server.peer import requester
 
@@ -60,6 +60,16 @@ async def register_model(request: web.Request) -> web.Response:
         return web.json_response(registered, status=201)
     except OSError as exc:  # the path itself is unusable: name too long, a directory we may not read...
         raise InvalidRequest(f"The model path cannot be used: {exc.strerror or exc}.", param="path") from None
+
+
+async def create_download(request: web.Request) -> web.Response:
+    task = await request.app[SERVICE].create_download(request[CLIENT], await read_json(request))
+    return web.json_response(task, status=202, headers={"Location": f"/v1/tasks/{task['id']}"})
+
+
+async def hub_files(request: web.Request) -> web.Response:
+    files = await request.app[SERVICE].hub_files(request.query.get("repo"), request.query.get("revision", "main"))
+    return web.json_response({"object": "list", "data": files, "has_more": False})
 
 
 async def delete_model(request: web.Request) -> web.Response:

@@ -41,6 +41,8 @@ ROUTES: list[tuple[str, str, Handler, str | None]] = [
     ("DELETE", "/v1/clients/{client_id}", a.revoke_client, "admin"),
     ("GET", "/v1/models", a.list_models, "models:read"),
     ("POST", "/v1/models", a.register_model, "models:write"),
+    ("POST", "/v1/models/downloads", a.create_download, "models:write"),
+    ("GET", "/v1/models/downloads/files", a.hub_files, "models:read"),
     ("GET", "/v1/models/{model_id}", a.get_model, "models:read"),
     ("DELETE", "/v1/models/{model_id}", a.delete_model, "models:write"),
     ("POST", "/v1/models/{model_id}/load", a.load_model, "models:write"),

@@ -32,6 +32,14 @@ class EventBus:
                 except Exception:  # a broken listener must not break a task
                     log.exception("event listener failed")
 
+    async def commit(self, store: Any, fn: Any, *args: Any) -> Any:
+        """Run the transaction fn(conn, *args) on `store` and publish the events it returns once
+        it has committed."""
+        result = await store.write(fn, *args)
+        if result:
+            self.publish(result)
+        return result
+
     def feed(self, task_id: str) -> "Feed":
         return Feed(self, task_id)
 

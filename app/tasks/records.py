@@ -9,17 +9,21 @@ from typing import Any, Mapping
 from app.tasks import output
 from app.tasks.states import CANCELLED, COMPLETED, FAILED, QUEUED
 
+# A download's own columns (NULL for a generation), and where every task's columns come from.
+_DOWNLOAD = ("d.repo, d.file, d.revision, d.sha256, d.total_bytes, d.bytes, d.bytes_per_second, d.partial_path, "
+             "d.model_id AS download_model_id")
+_FROM = "FROM tasks t JOIN responses r ON r.id = t.response_id LEFT JOIN downloads d ON d.task_id = t.id"
+
 # A task with the response it belongs to: the unit every reader works with.
 JOINED = ("SELECT t.*, r.model_id, r.client_id, r.request, r.background, r.metadata, "
-          "r.created_at AS response_created_at FROM tasks t JOIN responses r ON r.id = t.response_id")
+          f"r.created_at AS response_created_at, {_DOWNLOAD} {_FROM}")
 
 
 # The same, with only what a task object shows: a listing never loads the request or the output
 # text of each task (megabytes each, and never shown in a list).
-LISTED = ("SELECT t.id, t.status, t.on_restart, t.attempt, t.response_id, t.created_at, t.started_at, "
+LISTED = ("SELECT t.id, t.kind, t.status, t.on_restart, t.attempt, t.response_id, t.created_at, t.started_at, "
           "t.finished_at, t.output_tokens, t.max_output_tokens, t.tokens_per_second, t.error_code, "
-          "t.error_message, t.last_sequence_number, r.model_id, r.client_id "
-          "FROM tasks t JOIN responses r ON r.id = t.response_id")
+          f"t.error_message, t.last_sequence_number, r.model_id, r.client_id, {_DOWNLOAD} {_FROM}")
 
 
 def joined(conn: sqlite3.Connection, where: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
@@ -60,15 +64,23 @@ def _error(row: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def task_object(row: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "id": row["id"], "object": "task", "status": row["status"], "on_restart": row["on_restart"],
-        "attempt": row["attempt"], "response_id": row["response_id"], "model": row["model_id"],
+    download = row["kind"] == "download"
+    task = {
+        "id": row["id"], "object": "task", "kind": row["kind"], "status": row["status"],
+        "on_restart": row["on_restart"], "attempt": row["attempt"],
+        "response_id": None if download else row["response_id"], "model": row["model_id"],
         "client_id": row["client_id"],
         "created_at": row["created_at"], "started_at": row["started_at"], "finished_at": row["finished_at"],
         "progress": {"output_tokens": row["output_tokens"], "max_output_tokens": row["max_output_tokens"],
                      "tokens_per_second": row["tokens_per_second"]},
         "error": _error(row), "last_sequence_number": row["last_sequence_number"],
     }
+    if download:
+        task["progress"] = {"bytes": row["bytes"], "total_bytes": row["total_bytes"],
+                            "bytes_per_second": row["bytes_per_second"]}
+        task["download"] = {"repo": row["repo"], "file": row["file"], "revision": row["revision"],
+                            "sha256": row["sha256"], "model_id": row["download_model_id"]}
+    return task
 
 
 def response_object(row: Mapping[str, Any]) -> dict[str, Any]:

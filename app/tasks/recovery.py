@@ -65,8 +65,9 @@ def recover(conn: sqlite3.Connection) -> dict[str, int]:
     Each task's move is its own savepoint-free statement group inside the caller's
     transaction; the caller runs this on the writer, so all moves commit together."""
     marks = ",".join("?" * len(UNFINISHED))
-    leftovers = conn.execute(f"SELECT id, status, on_restart, attempt FROM tasks WHERE status IN ({marks})",
-                             UNFINISHED).fetchall()
+    # Downloads continue from their bytes on disk whatever happened: app/tasks/downloads.py.
+    leftovers = conn.execute(f"SELECT id, status, on_restart, attempt FROM tasks WHERE status IN ({marks}) "
+                             "AND kind = 'response'", UNFINISHED).fetchall()
     counts = Counter(_move(conn, task) for task in leftovers)
     if leftovers:
         log.info("recovered %d unfinished tasks: %s", len(leftovers), dict(counts))

@@ -89,10 +89,7 @@ class Runner:
 
     async def write(self, fn: Any, *args: Any) -> Any:
         """A transaction whose returned events are published once it has committed."""
-        result = await self.store.write(fn, *args)
-        if result:
-            self.bus.publish(result)
-        return result
+        return await self.bus.commit(self.store, fn, *args)
 
     def start(self) -> None:
         self._main = asyncio.create_task(self._schedule(), name="lmsp-runner")
@@ -247,11 +244,13 @@ def _claim(conn: sqlite3.Connection, busy: list[str]) -> tuple[str, list[machine
     """The next task to run: a resumed `running` task first, else the oldest queued one."""
     marks = ",".join("?" * len(busy))
     exclude = f" AND id NOT IN ({marks})" if busy else ""
-    row = conn.execute(f"SELECT id FROM tasks WHERE status = 'running'{exclude} ORDER BY created_at LIMIT 1",
-                       busy).fetchone()
+    # Downloads are tasks too, but no engine work: app/tasks/downloads.py runs them.
+    row = conn.execute(f"SELECT id FROM tasks WHERE status = 'running' AND kind = 'response'{exclude} "
+                       "ORDER BY created_at LIMIT 1", busy).fetchone()
     if row is not None:
         return row["id"], []
-    row = conn.execute("SELECT id FROM tasks WHERE status = 'queued' ORDER BY created_at LIMIT 1").fetchone()
+    row = conn.execute("SELECT id FROM tasks WHERE status = 'queued' AND kind = 'response' "
+                       "ORDER BY created_at LIMIT 1").fetchone()
     if row is None:
         return None
     events = machine.transition(conn, row["id"], LOADING, [("response.loading", {"progress": 0.0})])

@@ -1,0 +1,278 @@
+"""The Hugging Face hub, through `huggingface_hub`: a file's metadata, a repository's GGUF files,
+and a transfer into the hub's own cache (`HF_HOME`/hub) that survives a kill and is verified.
+
+The library does the HTTP (its URL and metadata helpers, its `http_get` with Range resume and
+retries, its list API, its token handling: `HF_TOKEN` and the saved login). Three parts are ours,
+each because `hf_hub_download` (2.4) cannot serve a durable task:
+
+- Resume across processes: it downloads to `<blob>.<uuid>.incomplete` and deletes that file on
+  failure; a killed process leaves it under a name no later call reuses. We keep the partial file
+  at a path of our own, remembered in the task, and hand `http_get` the bytes already there
+  (`resume_size`: an HTTP Range request).
+- The digest: it checks a plain HTTP download by size only. We hash while writing and compare
+  with the LFS sha256 the hub announces (`X-Linked-Etag`) before the blob enters the cache.
+- Progress and stopping: it reports through tqdm and cannot be stopped; `Transfer.bar` is a
+  tqdm stand-in that counts bytes for the task and raises to stop (cancel, shutdown).
+
+The finished file is placed exactly where the library puts it (blobs/<sha256>, the snapshot
+symlink, refs/<revision>) with the library's own cache writers, so `hf_hub_download(...,
+local_files_only=True)`, other tools, and our own discovery find it.
+
+Blocking: run everything here off the event loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+from urllib.parse import urlparse
+
+import httpx2
+from huggingface_hub import HfApi, RepoFile, constants, get_hf_file_metadata, hf_hub_url
+from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, RemoteEntryNotFoundError,
+                                    RepositoryNotFoundError, RevisionNotFoundError)
+from huggingface_hub.file_download import (_cache_commit_hash_for_specific_revision, _create_symlink, http_get,
+                                           repo_folder_name)
+from huggingface_hub.utils import build_hf_headers
+
+from app.engine import discovery
+from app.errors import LmspError
+
+# `http_get` reads the response in chunks of this size (10 MiB by default): the unit in which a
+# transfer reaches the disk, reports progress and sees a stop. 10 MiB would be what a kill loses
+# and how long a cancel can wait on a slow line; 256 KiB costs no measurable speed.
+constants.DOWNLOAD_CHUNK_SIZE = 256 * 1024
+
+SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+REVISION = re.compile(r"[^\x00-\x20\x7f]{1,255}\Z")  # git refs hold no spaces or control characters
+
+
+@dataclass(frozen=True)
+class Remote:
+    """One file of one revision, as the hub describes it."""
+    repo: str
+    file: str
+    revision: str
+    commit: str       # the commit `revision` pointed at
+    sha256: str       # the LFS digest: the blob's name in the cache, and what the bytes must hash to
+    size: int
+    url: str          # where the bytes are (the hub, or the CDN it redirects to)
+
+
+class Stopped(Exception):
+    """Raised inside a transfer to stop it: `reason` is "cancel" or "shutdown"."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def endpoint() -> str | None:
+    # Read per call: the library reads HF_ENDPOINT once, when it is first imported.
+    return os.environ.get("HF_ENDPOINT") or None
+
+
+def storage(repo: str) -> Path:
+    return discovery.hub_cache() / repo_folder_name(repo_id=repo, repo_type="model")
+
+
+def blob_path(remote: Remote) -> Path:
+    return storage(remote.repo) / "blobs" / remote.sha256
+
+
+def pointer_path(remote: Remote) -> Path:
+    return storage(remote.repo) / "snapshots" / remote.commit / remote.file
+
+
+def partial_path(remote: Remote, task_id: str) -> Path:
+    """Beside the blob (same filesystem: the final move is a rename), named for the task."""
+    return storage(remote.repo) / "blobs" / f"{remote.sha256}.{task_id}.incomplete"
+
+
+def check_repo(repo: Any) -> str:
+    if not isinstance(repo, str) or not REPO.match(repo):
+        raise LmspError("invalid_request", "`repo` must be a hub repository id like owner/name.", param="repo")
+    return repo
+
+
+def check_revision(revision: Any) -> str:
+    if not isinstance(revision, str) or not REVISION.match(revision):
+        raise LmspError("invalid_request", "`revision` must be a branch, tag or commit.", param="revision")
+    return revision
+
+
+def _hub_error(exc: Exception, what: str) -> LmspError:
+    """The library's errors, as our clear ones."""
+    if isinstance(exc, GatedRepoError):
+        return LmspError("hub_access_denied", f"{what} is gated: accept its terms on the hub and set a hub token.",
+                         status=403)
+    if isinstance(exc, (RepositoryNotFoundError, RevisionNotFoundError, RemoteEntryNotFoundError)):
+        return LmspError("not_found", f"The hub has no {what} (or it is private and needs a hub token).",
+                         status=404)
+    if isinstance(exc, HfHubHTTPError):
+        status = exc.response.status_code if exc.response is not None else 502
+        if status == 404:
+            return LmspError("not_found", f"The hub has no {what}.", status=404)
+        if status in (401, 403):
+            return LmspError("hub_access_denied", f"The hub refused {what}: a hub token with access to it is "
+                             "needed.", status=403)
+        return LmspError("hub_unavailable", f"The hub answered {status} for {what}.", status=502)
+    return LmspError("hub_unreachable", f"The hub could not be reached for {what}: {exc}", status=502)
+
+
+def describe(repo: str, file: str, revision: str, token: str | None) -> Remote:
+    """The file's commit, LFS sha256, size and download location (one HEAD request)."""
+    url = hf_hub_url(repo, file, revision=revision, endpoint=endpoint())
+    try:
+        meta = get_hf_file_metadata(url, token=token, endpoint=endpoint())
+    except httpx2.HTTPError as exc:
+        raise _hub_error(exc, f"{repo}/{file} at {revision}") from exc
+    if not meta.commit_hash or not meta.location:
+        raise LmspError("hub_unavailable", f"{endpoint() or 'The hub'} did not answer like a Hugging Face hub.",
+                        status=502)
+    if not meta.etag or not SHA256.match(meta.etag) or not meta.size:
+        raise LmspError("digest_unavailable", f"{file} is not stored with Git LFS: the hub gives no sha256 to "
+                        "verify it against, so it is not downloaded.", param="file")
+    return Remote(repo, file, revision, meta.commit_hash, meta.etag, meta.size, meta.location)
+
+
+def gguf_files(repo: str, revision: str, token: str | None) -> list[dict[str, Any]]:
+    """The repository's GGUF files with their sizes, in path order."""
+    try:
+        tree = list(HfApi(endpoint=endpoint()).list_repo_tree(repo, recursive=True, revision=revision, token=token))
+    except httpx2.HTTPError as exc:
+        raise _hub_error(exc, f"repository {repo}") from exc
+    return [{"file": f.path, "size_bytes": f.size, "sha256": f.lfs.sha256 if f.lfs else None}
+            for f in sorted(tree, key=lambda f: f.path)
+            if isinstance(f, RepoFile) and f.path.lower().endswith(".gguf")]
+
+
+class Transfer:
+    """One transfer's state, written by the download thread and read by the event loop."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.stop: str | None = None     # set from the loop: "cancel" or "shutdown"
+        self.receiving: tuple[int, float] | None = None  # (bytes, monotonic time) when bytes began to arrive
+
+    def check(self) -> None:
+        if self.stop:
+            raise Stopped(self.stop)
+
+    def bar(self, **_: Any) -> "_Bar":
+        """The `tqdm_class` given to `http_get`: it only counts and checks for a stop."""
+        return _Bar(self)
+
+
+class _Bar:
+    def __init__(self, transfer: Transfer) -> None:
+        self.transfer = transfer
+
+    def update(self, n: float | None = 1) -> None:
+        self.transfer.check()
+
+    def __enter__(self) -> "_Bar":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class _HashingWriter:
+    """The file `http_get` writes to: every byte also goes to the sha256 and the byte count.
+
+    The digest of one chunk is computed on a thread of its own while the next one arrives
+    (hashlib releases the GIL): verifying costs no second pass and little transfer speed."""
+
+    def __init__(self, fh: BinaryIO, hasher: Any, transfer: Transfer) -> None:
+        self.fh, self.hasher, self.transfer = fh, hasher, transfer
+        self._hashing = ThreadPoolExecutor(1, thread_name_prefix="lmsp-sha256")
+        self._last: Future[None] | None = None
+
+    def write(self, data: bytes) -> int:
+        self.fh.write(data)
+        self.digest_so_far()
+        self._last = self._hashing.submit(self.hasher.update, data)
+        self.transfer.bytes += len(data)
+        return len(data)
+
+    def digest_so_far(self) -> Any:
+        """The hasher, once every byte written so far is in it."""
+        if self._last is not None:
+            self._last.result()
+            self._last = None
+        return self.hasher
+
+    def close(self) -> None:
+        self._hashing.shutdown(wait=True)
+
+    def tell(self) -> int:
+        return self.fh.tell()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.fh.seek(offset, whence)
+
+    def truncate(self, size: int | None = None) -> int:
+        # `http_get` rewinds to 0 and truncates when a server ignores the Range and resends all.
+        self.digest_so_far()
+        done = self.fh.truncate(size)
+        if done == 0:
+            self.hasher = hashlib.sha256()
+            self.transfer.bytes = 0
+        return done
+
+
+def fetch(remote: Remote, partial: Path, token: str | None, transfer: Transfer) -> str:
+    """Continue the download into `partial` from the bytes already there (none: from the start).
+    Returns the sha256 (hex) of the whole file, for the caller to compare with the hub's."""
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    hasher = hashlib.sha256()
+    with partial.open("a+b") as fh:
+        have = fh.seek(0, os.SEEK_END)
+        if have > remote.size:  # not this file's bytes: start again
+            fh.truncate(0)
+            have = 0
+        fh.seek(0)
+        while chunk := fh.read(1 << 20):  # the bytes from before, into the digest
+            hasher.update(chunk)
+            transfer.check()
+        transfer.bytes = fh.tell()
+        transfer.receiving = (transfer.bytes, time.monotonic())
+        writer = _HashingWriter(fh, hasher, transfer)
+        headers = build_hf_headers(token=token)
+        if urlparse(remote.url).netloc != urlparse(hf_hub_url(remote.repo, remote.file, endpoint=endpoint())).netloc:
+            headers.pop("authorization", None)  # a signed CDN address: the hub token is not for it
+        try:
+            # `http_get` itself retries a dropped connection from where it stopped (Range), 5 times.
+            http_get(remote.url, writer, resume_size=have, headers=headers, expected_size=remote.size,
+                     displayed_filename=remote.file, tqdm_class=transfer.bar)  # type: ignore[arg-type]
+        except HfHubHTTPError as exc:
+            raise _hub_error(exc, f"{remote.repo}/{remote.file}") from exc
+        except httpx2.HTTPError as exc:
+            raise LmspError("download_interrupted", f"The transfer broke off: {exc}", status=502) from exc
+        finally:
+            hasher = writer.digest_so_far()
+            writer.close()
+        fh.flush()
+        os.fsync(fh.fileno())
+    return str(hasher.hexdigest())
+
+
+def place(remote: Remote, partial: Path) -> Path:
+    """Move a verified file into the cache as the library would; returns the blob's path."""
+    blob = blob_path(remote)
+    os.replace(partial, blob)
+    pointer = pointer_path(remote)
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    # The library's own cache writers (private names, pinned by our <3 requirement): the
+    # relative snapshot symlink (a copy where symlinks are not allowed) and the ref file.
+    _create_symlink(str(blob), str(pointer), new_blob=True)
+    _cache_commit_hash_for_specific_revision(str(storage(remote.repo)), remote.revision, remote.commit)
+    return blob

@@ -1,0 +1,337 @@
+"""Downloads from the Hugging Face hub as durable tasks (LMSP §13).
+
+A download is a task of kind "download": the same table, states, sequence rules, cancel and
+retention as a generation, but run here rather than by the runner: it is I/O, not engine work,
+so it never waits for an engine and runs beside generation (a few at once).
+
+    queued -> loading (asking the hub where the bytes are) -> running (receiving, verifying)
+    -> completed | failed;  queued -> cancelled;  loading|running -> cancelling -> cancelled
+
+Events: `download.started` (each time the transfer (re)starts, with the bytes already on disk),
+`download.progress`, `download.verifying`, `download.completed` (`model_id`), `download.failed`
+(`error`), `download.cancelling`, `download.cancelled`.
+
+Recovery: a download never starts over and never fails because the service stopped, whatever
+happened (its `on_restart` is always "resume"): left queued, loading or running, it continues
+at the next start from the bytes on disk; left cancelling, it ends cancelled. A failed or
+cancelled download leaves no partial file (removed when it ends, and again at start).
+
+"Pause new tasks" holds generations only: it is about the engines, and a download uses none.
+
+The hub side (metadata, the transfer, the cache layout) is app/engine/hub.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import json
+import logging
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from app.engine import hub, models
+from app.errors import LmspError
+from app.store.store import Store
+from app.tasks import machine
+from app.tasks.bus import EventBus
+from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING, TERMINAL
+
+log = logging.getLogger(__name__)
+PROGRESS_SECONDS = 1.0   # one progress event (and fsynced commit) a second per download
+SLOTS = 3                # downloads at once: more only share the same line
+TERMINAL_EVENTS = ("download.completed", "download.failed", "download.cancelled")
+TRANSIENT = ("hub_unreachable", "hub_unavailable", "download_interrupted")
+RETRY_SECONDS = (2, 10, 30, 60, 120)  # about four minutes of a lost line before giving up
+
+
+class Downloads:
+    def __init__(self, store: Store, bus: EventBus, token: Callable[[], str | None]) -> None:
+        self.store = store
+        self.bus = bus
+        self.token = token          # the hub token (blocking: a keyring read)
+        self.active: dict[str, hub.Transfer] = {}
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._main: asyncio.Task[None] | None = None
+        self._workers: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Recovery for downloads, then the scheduler. Call after the store is open."""
+        events, leftovers = await self.store.write(_recover)
+        self.bus.publish(events)
+        await asyncio.to_thread(_remove, leftovers)
+        self._main = asyncio.create_task(self._schedule(), name="lmsp-downloads")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def cancel(self, task_id: str) -> None:
+        """The database already says `cancelling` (or `cancelled`): stop the transfer."""
+        transfer = self.active.get(task_id)
+        if transfer is not None:
+            transfer.stop = "cancel"
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop the transfers where they are: their bytes stay on disk for the next start."""
+        self._stopping = True
+        self.wake()
+        for transfer in self.active.values():
+            transfer.stop = "shutdown"
+        if self._workers:
+            await asyncio.wait(list(self._workers), timeout=grace)
+        for worker in list(self._workers) + ([self._main] if self._main else []):
+            worker.cancel()
+
+    async def _schedule(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            claimed = await self.store.write(_claim, list(self.active)) if len(self.active) < SLOTS else None
+            if claimed is None:
+                await self._wake.wait()
+                continue
+            task_id, events = claimed
+            self.bus.publish(events)
+            transfer = self.active[task_id] = hub.Transfer()
+            worker = asyncio.create_task(self._run(task_id, transfer), name=f"lmsp-download-{task_id}")
+            self._workers.add(worker)
+            worker.add_done_callback(self._workers.discard)
+
+    async def _run(self, task_id: str, transfer: hub.Transfer) -> None:
+        try:
+            await self._attempts(task_id, transfer)
+        finally:  # only once the task has left `running`: else the scheduler would take it again
+            self.active.pop(task_id, None)
+            self.wake()
+
+    async def _attempts(self, task_id: str, transfer: hub.Transfer) -> None:
+        row = await self.store.read(_download, task_id)
+        partial = Path(row["partial_path"])
+        for delay in (*RETRY_SECONDS, None):
+            try:
+                outcome = await self._execute(row, partial, transfer)
+            except Exception as exc:  # noqa: BLE001 - every failure ends the task with a clear error
+                outcome = _failure(exc)
+            if not isinstance(outcome, LmspError) or outcome.code not in TRANSIENT or delay is None:
+                break
+            # The hub or the line failed after the library's own retries: the bytes so far stay,
+            # and the download tries again a little later, unless stopped meanwhile.
+            log.warning("download %s: %s; trying again in %d s", task_id, outcome.message, delay)
+            await asyncio.sleep(delay)
+            if transfer.stop:
+                outcome = "cancel" if transfer.stop == "cancel" else None
+                break
+        if outcome is None:  # completed, or stopped by a shutdown: the bytes stay for the next start
+            return
+        await asyncio.to_thread(_remove, [str(partial)])
+        if outcome == "cancel":
+            await self.bus.commit(self.store, _cancelled, task_id)
+        elif await self.bus.commit(self.store, _fail, task_id, outcome.code, outcome.message) is None:
+            await self.bus.commit(self.store, _cancelled, task_id)  # a cancel was accepted first
+
+    async def _execute(self, row: sqlite3.Row, partial: Path, transfer: hub.Transfer) -> str | LmspError | None:
+        """The download, from wherever it stands. Returns None when done or set aside by a
+        shutdown, "cancel" when cancelled, or the error that failed it."""
+        task_id = row["task_id"]
+        token = await asyncio.to_thread(self.token)
+        # Pinned to the commit seen when the download was asked for: a moved branch cannot swap
+        # the file under a half-finished download. The URL is asked anew: signed CDN links expire.
+        remote = await asyncio.to_thread(hub.describe, row["repo"], row["file"], row["commit_hash"], token)
+        remote = dataclasses.replace(remote, revision=row["revision"])
+        if remote.sha256 != row["sha256"]:
+            return LmspError("digest_mismatch", f"The hub now gives {row['file']} another sha256 than when the "
+                             "download was asked for; ask for it again.")
+        have = partial.stat().st_size if partial.exists() else 0
+        if await self.bus.commit(self.store, _begin, task_id, have, remote.size) is None:
+            return "cancel"
+        blob = hub.blob_path(remote)
+        # Already in the cache (another tool, or an earlier download): verified, not fetched. A bad
+        # one fails the task but stays: the cache is shared, and that file is not ours to delete.
+        if blob.exists():
+            digest = await asyncio.to_thread(models.sha256_file, blob)
+            partial = blob
+        else:
+            fetching = asyncio.ensure_future(asyncio.to_thread(hub.fetch, remote, partial, token, transfer))
+            try:
+                await self._report(task_id, fetching, transfer, remote.size)
+            finally:
+                if not fetching.done():  # this task itself was cancelled (service stopping hard)
+                    transfer.stop = "shutdown"
+            try:
+                digest = "sha256:" + fetching.result()
+            except hub.Stopped as exc:
+                if exc.reason == "shutdown":
+                    await self.bus.commit(self.store, _progress, task_id, transfer.bytes, None)
+                    return None
+                return "cancel"
+        if await self.bus.commit(self.store, _verifying, task_id, remote.size) is None:
+            return "cancel"
+        if digest != "sha256:" + remote.sha256:
+            return LmspError("digest_mismatch", f"{remote.file} arrived with {digest}, not the sha256:{remote.sha256} "
+                             "the hub announced: it was deleted and not registered.")
+        found = await asyncio.to_thread(models.examine, str(partial), None, None, digest)
+        if partial != blob:
+            await asyncio.to_thread(hub.place, remote, partial)
+        found = dataclasses.replace(found, path=str(blob))
+        if await self.bus.commit(self.store, _complete, task_id, found, models.suggest_id(remote.file)) is None:
+            return "cancel"
+        self.bus.publish([{"type": "models.changed"}])
+        return None
+
+    async def _report(self, task_id: str, fetching: asyncio.Future[Any], transfer: hub.Transfer, total: int) -> None:
+        """While the transfer runs: a progress event a second; a cancel seen in the database stops it."""
+        last: tuple[int, float] | None = None
+        while not fetching.done():
+            await asyncio.wait([fetching], timeout=PROGRESS_SECONDS)
+            last = last or transfer.receiving  # the speed counts from the first byte received, not read
+            if fetching.done() or last is None or transfer.bytes == last[0]:
+                continue
+            last_bytes, last_time = last
+            now = time.monotonic()
+            rate = round(max(0, transfer.bytes - last_bytes) / (now - last_time), 1)
+            last = (transfer.bytes, now)
+            written = await self.bus.commit(self.store, _progress, task_id, min(transfer.bytes, total), rate)
+            if written is None and not transfer.stop:
+                transfer.stop = "cancel"  # the task left `running`: a cancel was accepted
+
+
+def _failure(exc: Exception) -> LmspError:
+    if isinstance(exc, LmspError):
+        return exc
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return LmspError("insufficient_storage", "The disk filled up during the download: the partial file was "
+                         "deleted. Free some space and ask again.")
+    if isinstance(exc, OSError):
+        return LmspError("download_failed", f"The file could not be written: {exc}")
+    log.exception("download failed unexpectedly", exc_info=exc)
+    return LmspError("internal_error", "An unexpected error stopped this download.")
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        Path(path).unlink(missing_ok=True)
+
+
+# Transactions: each runs on the writer thread and returns the events it wrote.
+
+def _download(conn: sqlite3.Connection, task_id: str) -> sqlite3.Row:
+    row = conn.execute("SELECT * FROM downloads WHERE task_id = ?", (task_id,)).fetchone()
+    assert row is not None
+    return row
+
+
+def create(conn: sqlite3.Connection, client_id: str, remote: hub.Remote, task_id: str, request_id: str
+           ) -> list[machine.Event]:
+    """A new queued download. Its request row in `responses` carries who asked and when."""
+    now = time.time()
+    conn.execute("INSERT INTO responses(id, client_id, model_id, request, background, metadata, created_at) "
+                 "VALUES (?, ?, ?, ?, 1, '{}', ?)",
+                 (request_id, client_id, f"{remote.repo}/{remote.file}",
+                  json.dumps({"repo": remote.repo, "file": remote.file, "revision": remote.revision}), now))
+    conn.execute("INSERT INTO tasks(id, response_id, status, on_restart, created_at, kind) "
+                 "VALUES (?, ?, 'queued', 'resume', ?, 'download')", (task_id, request_id, now))
+    conn.execute("INSERT INTO downloads(task_id, repo, file, revision, commit_hash, sha256, total_bytes, partial_path) "
+                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                 (task_id, remote.repo, remote.file, remote.revision, remote.commit, remote.sha256, remote.size,
+                  str(hub.partial_path(remote, task_id))))
+    return []
+
+
+def unfinished(conn: sqlite3.Connection, client_id: str, repo: str, file: str, revision: str) -> str | None:
+    """The id of this client's download of the same file that has not ended, if any."""
+    marks = ",".join("?" * len(TERMINAL))
+    row = conn.execute(f"SELECT t.id FROM downloads d JOIN tasks t ON t.id = d.task_id JOIN responses r "
+                       f"ON r.id = t.response_id WHERE d.repo = ? AND d.file = ? AND d.revision = ? "
+                       f"AND r.client_id = ? AND t.status NOT IN ({marks})",
+                       (repo, file, revision, client_id, *TERMINAL)).fetchone()
+    return row["id"] if row else None
+
+
+def _claim(conn: sqlite3.Connection, busy: list[str]) -> tuple[str, list[machine.Event]] | None:
+    """The oldest download that should be moving and is not: queued, or left mid-way by a stop."""
+    marks = ",".join("?" * len(busy))
+    exclude = f" AND id NOT IN ({marks})" if busy else ""
+    row = conn.execute(f"SELECT id, status FROM tasks WHERE kind = 'download' AND status IN ('queued', 'loading', "
+                       f"'running'){exclude} ORDER BY created_at LIMIT 1", busy).fetchone()
+    if row is None:
+        return None
+    if row["status"] == QUEUED:
+        machine.transition(conn, row["id"], LOADING, only_from=(QUEUED,))
+    return row["id"], []
+
+
+def _begin(conn: sqlite3.Connection, task_id: str, have: int, total: int) -> list[machine.Event] | None:
+    conn.execute("UPDATE downloads SET bytes = ? WHERE task_id = ?", (have, task_id))
+    row = _download(conn, task_id)
+    started = {"repo": row["repo"], "file": row["file"], "bytes": have, "total_bytes": total}
+    return machine.transition(conn, task_id, RUNNING, [("download.started", started)], started_at=time.time())
+
+
+def _progress(conn: sqlite3.Connection, task_id: str, done: int, rate: float | None) -> list[machine.Event] | None:
+    events = machine.record(conn, task_id, (RUNNING,), [] if rate is None else [
+        ("download.progress", {"bytes": done, "total_bytes": _total(conn, task_id), "bytes_per_second": rate})])
+    if events is not None:
+        conn.execute("UPDATE downloads SET bytes = ?, bytes_per_second = ? WHERE task_id = ?", (done, rate, task_id))
+    return events
+
+
+def _total(conn: sqlite3.Connection, task_id: str) -> int:
+    return int(conn.execute("SELECT total_bytes FROM downloads WHERE task_id = ?", (task_id,)).fetchone()[0])
+
+
+def _verifying(conn: sqlite3.Connection, task_id: str, total: int) -> list[machine.Event] | None:
+    events = machine.record(conn, task_id, (RUNNING,), [("download.verifying", {"bytes": total})])
+    if events is not None:
+        conn.execute("UPDATE downloads SET bytes = ? WHERE task_id = ?", (total, task_id))
+    return events
+
+
+def _complete(conn: sqlite3.Connection, task_id: str, found: models.ModelFile, suggested: str
+              ) -> list[machine.Event] | None:
+    """Register the model and end the task, together: a completed download always is a model."""
+    same_file = conn.execute("SELECT id FROM models WHERE path = ?", (found.path,)).fetchone()
+    taken = conn.execute("SELECT 1 FROM models WHERE id = ?", (suggested,)).fetchone()
+    model_id = same_file["id"] if same_file else (f"{suggested}-{found.digest[7:15]}" if taken else suggested)
+    events = machine.transition(conn, task_id, COMPLETED, [("download.completed", {"model_id": model_id})],
+                                finished_at=time.time())
+    if events is None:
+        return None
+    models.insert(conn, model_id, found, replace=True)
+    conn.execute("UPDATE downloads SET model_id = ?, bytes_per_second = NULL WHERE task_id = ?", (model_id, task_id))
+    return events
+
+
+def _fail(conn: sqlite3.Connection, task_id: str, code: str, message: str) -> list[machine.Event] | None:
+    error = {"code": code, "message": message}
+    return machine.transition(conn, task_id, FAILED, [("download.failed", {"error": error})],
+                              error_code=code, error_message=message, finished_at=time.time())
+
+
+def _cancelled(conn: sqlite3.Connection, task_id: str) -> list[machine.Event] | None:
+    return machine.transition(conn, task_id, CANCELLED, [("download.cancelled", {})],
+                              only_from=(CANCELLING,), finished_at=time.time())
+
+
+def request_cancel(conn: sqlite3.Connection, task_id: str) -> list[machine.Event] | None:
+    """Accept a cancel atomically: queued ends at once, loading/running go to `cancelling`.
+    None when the download has already ended."""
+    events = machine.transition(conn, task_id, CANCELLED, [("download.cancelled", {})],
+                                only_from=(QUEUED,), finished_at=time.time())
+    if events is None:
+        events = machine.transition(conn, task_id, CANCELLING, [("download.cancelling", {})])
+    return events
+
+
+def _recover(conn: sqlite3.Connection) -> tuple[list[machine.Event], list[str]]:
+    """At start: a download left cancelling ends cancelled. Returns its events and the partial
+    files of every ended download (removed off the writer thread)."""
+    events: list[machine.Event] = []
+    for row in conn.execute("SELECT id FROM tasks WHERE kind = 'download' AND status = 'cancelling'").fetchall():
+        events += _cancelled(conn, row["id"]) or []
+    marks = ",".join("?" * len(TERMINAL))
+    ended = conn.execute(f"SELECT d.partial_path FROM downloads d JOIN tasks t ON t.id = d.task_id "
+                         f"WHERE t.status IN ({marks})", TERMINAL).fetchall()
+    return events, [r["partial_path"] for r in ended]
