@@ -30,21 +30,27 @@ def pull(call: Callable[..., Any], args: list[str], out: TextIO = sys.stdout) ->
     print(f"{args[0]}/{args[1]}: task {task['id']}", file=out)
     live = out.isatty()
     shown = ""
+
+    def show(end: str = "") -> None:
+        """A terminal redraws one line; a pipe or a log gets one line per percent step."""
+        nonlocal shown
+        line = bar(task["progress"])
+        step = line.split("]")[1][:5]
+        if live:
+            print(f"\r{line}", end=end, file=out, flush=True)
+        elif step != shown:
+            shown = step
+            print(line, file=out, flush=True)
+
     try:
         while task["status"] not in ("completed", "failed", "cancelled"):
-            line = bar(task["progress"])
-            if live:
-                print(f"\r{line}", end="", file=out, flush=True)
-            elif line.split("]")[1][:5] != shown:  # a pipe or a log: one line per percent step
-                shown = line.split("]")[1][:5]
-                print(line, file=out, flush=True)
+            show()
             time.sleep(POLL_SECONDS)
             task = call("GET", f"/v1/tasks/{task['id']}")
     except KeyboardInterrupt:
         print("\nThe download goes on in LMSP Tray; run the same command to follow it again.", file=out)
         return 130
-    if live:
-        print(f"\r{bar(task['progress'])}", file=out)
+    show(end="\n")  # where it ended: 100% once complete
     if task["status"] == "completed":
         print(f"Ready: model {task['download']['model_id']}", file=out)
         return 0

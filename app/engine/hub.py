@@ -35,11 +35,11 @@ from urllib.parse import urlparse
 
 import httpx2
 from huggingface_hub import HfApi, RepoFile, constants, get_hf_file_metadata, hf_hub_url
-from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, RemoteEntryNotFoundError,
+from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, RemoteEntryNotFoundError,
                                     RepositoryNotFoundError, RevisionNotFoundError)
 from huggingface_hub.file_download import (_cache_commit_hash_for_specific_revision, _create_symlink, http_get,
                                            repo_folder_name)
-from huggingface_hub.utils import build_hf_headers
+from huggingface_hub.utils import build_hf_headers, validate_repo_id
 
 from app.engine import discovery
 from app.errors import LmspError
@@ -97,8 +97,14 @@ def partial_path(remote: Remote, task_id: str) -> Path:
 
 
 def check_repo(repo: Any) -> str:
-    if not isinstance(repo, str) or not REPO.match(repo):
-        raise LmspError("invalid_request", "`repo` must be a hub repository id like owner/name.", param="repo")
+    """Our shape (owner/name), then the library's own rules for a repo id (length, no '.' at an end...)."""
+    try:
+        if not isinstance(repo, str) or not REPO.match(repo):
+            raise HFValidationError("not owner/name")
+        validate_repo_id(repo)
+    except HFValidationError as exc:
+        raise LmspError("invalid_request", "`repo` must be a hub repository id like owner/name.",
+                        param="repo") from exc
     return repo
 
 
