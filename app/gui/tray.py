@@ -148,8 +148,10 @@ class Tray(QObject):
         for pairing in self.session.pairings.values():
             pid, name = pairing["id"], pairing["client_name"]
             menu.addSection(f"{name} — code {pairing['code']}")
-            self._action(menu, f"review:{pid}", "Review…", lambda _=False, p=pid: self.review_pairing.emit(p))
-            self._action(menu, f"allow:{pid}", f"Allow {name}", lambda _=False, p=pid: spawn(service.approve_pairing(p)))
+            # Allowing happens only in the review window, where the code to compare and the
+            # scopes asked for are in front of the person: never one click from a menu.
+            self._action(menu, f"review:{pid}", f"Review and allow {name}…",
+                         lambda _=False, p=pid: self.review_pairing.emit(p))
             self._action(menu, f"deny:{pid}", f"Deny {name}", lambda _=False, p=pid: spawn(service.deny_pairing(p)))
 
     # -- actions ----------------------------------------------------------------------------

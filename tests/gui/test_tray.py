@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -63,16 +64,25 @@ async def test_models_submenu_shows_the_models(session: Session) -> None:
     assert entry.isCheckable() and not entry.isChecked()
 
 
-async def test_pairing_submenu_only_while_requests_wait(session: Session, until: Until) -> None:
+async def test_pairing_submenu_reviews_and_denies_but_never_allows_in_one_click(session: Session,
+                                                                               until: Until) -> None:
     tray = Tray(session)
     tray.menu.aboutToShow.emit()
     assert tray.menu.findChild(QMenu, "pairings") is None
     pairing = await session.service.request_pairing({"client_name": "Notes", "scopes": ["responses:write"]})
     await until(lambda: pairing["id"] in session.pairings, 10, "pairing seen")
-    action(tray, f"allow:{pairing['id']}").trigger()
+    tray.menu.aboutToShow.emit()
+    entries = [a.objectName() for a in tray.menu.findChild(QMenu, "pairings").actions() if a.objectName()]
+    assert entries == [f"review:{pairing['id']}", f"deny:{pairing['id']}"]
+    reviewed: list[str] = []
+    tray.review_pairing.connect(reviewed.append)
+    action(tray, f"review:{pairing['id']}").trigger()
+    assert reviewed == [pairing["id"]]
+    await asyncio.sleep(0.2)
+    assert pairing["id"] in session.pairings  # reviewing opens the window; it approves nothing
+    action(tray, f"deny:{pairing['id']}").trigger()
     await until(lambda: not session.pairings, 10, "pairing resolved")
-    clients = await session.service.list_clients()
-    assert any(c["name"] == "Notes" for c in clients)
+    assert not any(c["name"] == "Notes" for c in await session.service.list_clients())
     tray.menu.aboutToShow.emit()
     assert tray.menu.findChild(QMenu, "pairings") is None
 
