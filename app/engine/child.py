@@ -106,7 +106,9 @@ class Child:
         self.inbox: deque[Message] = deque()
         self.fast = True  # extra buffer types on (fault injection needs to know)
         self.piece_bytes = 1
-        self.exact: list[int] = []  # prompt tokens whose cache entries came from whole grid slices
+        # What the cache holds from prompt slices: their tokens and the slices that computed them.
+        self.body: list[int] = []
+        self.plan: list[tuple[int, int]] = []
 
     def next_message(self) -> Message:
         return self.inbox.popleft() if self.inbox else self.conn.recv()
@@ -121,7 +123,7 @@ class Child:
                 self.load(msg)
             elif op == "unload":
                 self.llm = self.formatter = None
-                self.exact = []
+                self.body, self.plan = [], []
                 self.conn.send({"ev": "unloaded"})
             elif op == "generate":
                 self.generate(msg)
@@ -135,7 +137,7 @@ class Child:
 
         started = time.monotonic()
         self.llm = self.formatter = None  # free the old model before the new one takes memory
-        self.exact = []
+        self.body, self.plan = [], []
         self.fast = not msg.get("safe")
         try:
             variant = backend.load()
@@ -226,31 +228,34 @@ class Child:
         hold = max((len(s) for s in stops), default=1) - 1  # text that could still become a stop
 
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        history = prompt[:]
+        history = prompt + prefix
         text = ""
-        for tok in prefix:  # rebuild the text state the snapshot was taken from
-            text += decoder.decode(llm.detokenize([tok], prev_tokens=history))
-            history.append(tok)
+        for i, tok in enumerate(prefix):  # rebuild the text state the snapshot was taken from
+            text += decoder.decode(llm.detokenize([tok], prev_tokens=history[:len(prompt) + i]))
         emitted = int(msg.get("emitted_chars", len(text)))
         count, reason = len(prefix), "length"
 
         # Build the context exactly as any other run of this prompt builds it: batch shapes
         # change the floating-point results, so a cache computed in other slices could flip a
         # near-tie at temperature 0 and break the promise that a resumed task ends with the
-        # same text. So the prompt is evaluated in slices fixed by position (the grid), and
-        # what the cache holds from the last task is reused only in whole grid slices, which
-        # any run would have computed identically; at least the last slice is computed anew
-        # (its logits pick the first token). Earlier output tokens (resume) go one by one, as
-        # they were generated. A cancel is seen between slices.
-        reuse = grid_point(min(len(common_prefix(self.exact, prompt)), len(prompt) - 1), llm.n_batch)
+        # same text. So the prompt but its last token is evaluated in slices fixed by position
+        # (the grid), and the cache from the last task is reused only in the slices this
+        # prompt's own plan shares with it (an identical prompt: all of them). The last prompt
+        # token and earlier output tokens (resume) go one by one, as tokens are generated: the
+        # last of them is evaluated by `llm.generate`, whose logits pick the next token. A
+        # cancel is seen between slices.
+        body = prompt[:-1]
+        plan = grid(0, len(body), llm.n_batch)
+        reuse = shared_slices(plan, body, self.plan, self.body)
         llm.n_tokens = reuse  # llama.cpp drops the cache after this position at the next eval
-        self.exact = prompt[:reuse]
-        steps = [prompt[a:b] for a, b in grid(reuse, len(prompt), llm.n_batch)] + [[t] for t in prefix]
-        for step in steps:
+        self.plan = [cut for cut in plan if cut[1] <= reuse]
+        self.body = body
+        steps = [cut for cut in plan if cut[0] >= reuse] + [(i, i + 1) for i in range(len(body), len(history) - 1)]
+        for start, end in steps:
             fault("prompt", self.fast)
-            llm.eval(step)
-            if llm.n_tokens <= len(prompt) and llm.n_tokens == grid_point(llm.n_tokens, llm.n_batch):
-                self.exact = prompt[:llm.n_tokens]
+            llm.eval(history[start:end])
+            if end <= len(body):
+                self.plan.append((start, end))
             if self.cancelled(job):
                 self.conn.send({"ev": "done", "job": job, "reason": "cancelled", "input_tokens": len(prompt),
                                 "output_tokens": count})
@@ -288,13 +293,16 @@ class Child:
                         "output_tokens": count})
 
 
-def common_prefix(a: list[int], b: list[int]) -> list[int]:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
+def shared_slices(plan: list[tuple[int, int]], body: list[int], done: list[tuple[int, int]],
+                  cached: list[int]) -> int:
+    """How many leading tokens of `body` the cache holds as this plan would compute them: the
+    end of the last slice both plans share, with the same tokens up to it."""
+    reuse = 0
+    for cut, was in zip(plan, done):
+        if cut != was or body[reuse:cut[1]] != cached[reuse:cut[1]]:
             break
-        n += 1
-    return b[:n]
+        reuse = cut[1]
+    return reuse
 
 
 def main(conn: Connection) -> None:

@@ -4,20 +4,36 @@ against a baseline measured in the same run."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from functools import cache
 from typing import Any
 
 from app import paths
-from tests.conftest import Headless, wait_until
+from tests.conftest import ROOT, Headless, wait_until
 
 PROMPT = "Write a detailed essay about the history of lighthouses."
 TOKENS = 256
 
 
-def bare_llama(fast: bool = True) -> Any:
-    """Plain llama-cpp-python: same model, context and threads as the service's engine, warm;
-    `fast=False`: as in the engine's safe mode (no extra buffer types)."""
+@cache
+def fast_works() -> bool:
+    """Whether llama.cpp's fast CPU paths decode on this CPU at all (on some, e.g. with Intel
+    AMX, they crash: LMSP §11). Tried in a child process: a crash would end the benchmark."""
+    probe = "from tests.bench.test_throughput import bare_llama; bare_llama(fast=True)"
+    return subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, timeout=300).returncode == 0
+
+
+def bare_llama(fast: bool | None = None) -> Any:
+    """Plain llama-cpp-python: same model, context and threads as the service's engine, warm.
+    `fast=False`: as in the engine's safe mode (no extra buffer types); by default the mode the
+    service's engine ends up in on this CPU (`auto`: fast unless it crashes), so that a
+    baseline compares like with like."""
     from llama_cpp import Llama
+
+    if fast is None:
+        fast = fast_works()
 
     from app.engine import backend
     from app.engine.child import extra_bufts
@@ -29,7 +45,7 @@ def bare_llama(fast: bool = True) -> Any:
     return llm
 
 
-def bare_tokens_per_second(fast: bool = True) -> float:
+def bare_tokens_per_second(fast: bool | None = None) -> float:
     """Plain llama-cpp-python, same model, prompt, context and threads as the service's engine."""
     llm = bare_llama(fast)
     best = 0.0
