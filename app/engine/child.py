@@ -307,6 +307,10 @@ def shared_slices(plan: list[tuple[int, int]], body: list[int], done: list[tuple
 
 def main(conn: Connection) -> None:
     """Entry point of the child process."""
+    # Inference keeps every core busy; the service and the GUI must still answer at once. A
+    # lower priority lets their threads run the moment they wake, and costs decoding only
+    # the CPU time they actually use.
+    os.nice(10)
     try:
         Child(conn).serve()
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
