@@ -21,7 +21,7 @@ def child() -> Iterator[Child]:
     mine, theirs = multiprocessing.Pipe()
     kid = Child(theirs)
     kid.load({"path": str(paths.default_model_file()), "n_ctx": 4096, "n_threads": 2, "safe": True})
-    assert mine.recv()["ev"] == "loaded"
+    assert [mine.recv()["ev"], mine.recv()["ev"]] == ["backend", "loaded"]
     yield kid
     mine.close()
     theirs.close()

@@ -139,8 +139,10 @@ class Child:
         self.llm = self.formatter = None  # free the old model before the new one takes memory
         self.body, self.plan = [], []
         self.fast = not msg.get("safe")
+        variant = backend.load()
+        # Said before anything can crash, so that a crash report names the CPU code that ran.
+        self.conn.send({"ev": "backend", "cpu_variant": variant})
         try:
-            variant = backend.load()
             with extra_bufts(self.fast):
                 llm = Llama(model_path=msg["path"], n_ctx=msg.get("n_ctx", 4096),
                             n_threads=msg.get("n_threads") or os.cpu_count(), verbose=False)
@@ -167,8 +169,7 @@ class Child:
         self.llm = llm
         self.piece_bytes = longest_piece(llm)
         self.conn.send({"ev": "loaded", "n_ctx": llm.n_ctx(), "n_ctx_train": llm._model.n_ctx_train(),
-                        "load_seconds": time.monotonic() - started, "warmup_seconds": warmup,
-                        "cpu_variant": variant})
+                        "load_seconds": time.monotonic() - started, "warmup_seconds": warmup})
 
     def prompt_tokens(self, messages: list[Message], job: str) -> list[int] | str | None:
         """The prompt as tokens, or why it cannot fit, or None if cancelled meanwhile. Only the template's own markers are special

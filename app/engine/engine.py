@@ -170,13 +170,15 @@ class Engine:
             self._send({"op": "load", "path": path, "n_ctx": self.n_ctx, "n_threads": self.n_threads,
                         "safe": mode == SAFE})
             msg = await self._next()
+            if msg is not CRASHED and msg["ev"] == "backend":
+                self.cpu_variant = msg["cpu_variant"]
+                msg = await self._next()
             if msg is CRASHED:
                 await self._survive(crashes, "loading and warming up")
                 continue
             if msg["ev"] != "loaded":
                 raise EngineError(msg["code"], msg["message"])
             self.model_path, self.digest, self.mode = path, digest, mode
-            self.cpu_variant = msg.get("cpu_variant")
             log.info("%s: loaded %s in %s mode in %.2f s (warm-up %.2f s; llama.cpp CPU backend: %s)", self.name,
                      path, mode, msg["load_seconds"], msg.get("warmup_seconds", 0.0), self.cpu_variant or "native")
             self._last_used = time.monotonic()
