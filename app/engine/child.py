@@ -4,10 +4,11 @@ It runs in its own process so that a bad model file or a crash inside llama.cpp 
 the app down. It speaks plain dicts over a multiprocessing pipe:
 
   parent -> child  {"op": "load", "path", "n_ctx", "n_threads", "safe"} | {"op": "generate", "job", ...}
-                   {"op": "cancel", "job"} | {"op": "shutdown"}
+                   {"op": "embed", "texts", "dimensions"} | {"op": "cancel", "job"} | {"op": "shutdown"}
   child -> parent  {"ev": "loaded", ...} | {"ev": "chunk", "job", "ids", "text"}
                    {"ev": "done", "job", "reason", "input_tokens", "cached_tokens", "output_tokens"}
-                   {"ev": "error", "job"?, "code", "message"}
+                   {"ev": "embedded", "vectors", "dims", "tokens"}
+                   {"ev": "error", "job"?, "code", "message", "param"?}
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import signal
 import time
 from collections import deque
 from multiprocessing.connection import Connection
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from app.engine.embedder import Embedder
 
 Message = dict[str, Any]
 # A chat turn of ordinary length: the warm-up decodes it in one batch, as a first task would.
@@ -103,6 +107,8 @@ class Child:
         self.conn = conn
         self.llm: Any = None
         self.formatter: Any = None
+        self.embedder: Embedder | None = None  # made on the first embeddings request
+        self.n_threads = 1
         self.inbox: deque[Message] = deque()
         self.fast = True  # extra buffer types on (fault injection needs to know)
         self.piece_bytes = 1
@@ -120,11 +126,12 @@ class Child:
             if op == "load":
                 self.load(msg)
             elif op == "unload":
-                self.llm = self.formatter = None
-                self.exact = []
+                self.drop()
                 self.conn.send({"ev": "unloaded"})
             elif op == "generate":
                 self.generate(msg)
+            elif op == "embed":
+                self.embed(msg)
             # a cancel for a job that already ended needs no answer
 
     def load(self, msg: Message) -> None:
@@ -134,14 +141,14 @@ class Child:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         started = time.monotonic()
-        self.llm = self.formatter = None  # free the old model before the new one takes memory
-        self.exact = []
+        self.drop()  # free the old model before the new one takes memory
         self.fast = not msg.get("safe")
+        self.n_threads = msg.get("n_threads") or os.cpu_count() or 1
         try:
             variant = backend.load()
             with extra_bufts(self.fast):
-                llm = Llama(model_path=msg["path"], n_ctx=msg.get("n_ctx", 4096),
-                            n_threads=msg.get("n_threads") or os.cpu_count(), verbose=False)
+                llm = Llama(model_path=msg["path"], n_ctx=msg.get("n_ctx", 4096), n_threads=self.n_threads,
+                            verbose=False)
         except Exception as exc:  # llama.cpp reports a bad file as a ValueError/RuntimeError
             self.conn.send({"ev": "error", "code": "model_load_failed", "message": str(exc)})
             return
@@ -167,6 +174,27 @@ class Child:
         self.conn.send({"ev": "loaded", "n_ctx": llm.n_ctx(), "n_ctx_train": llm._model.n_ctx_train(),
                         "load_seconds": time.monotonic() - started, "warmup_seconds": warmup,
                         "cpu_variant": variant})
+
+    def drop(self) -> None:
+        """Forget the loaded model (the embeddings context first: it uses the model)."""
+        if self.embedder is not None:
+            self.embedder.close()
+        self.embedder = self.llm = self.formatter = None
+        self.exact = []
+
+    def embed(self, msg: Message) -> None:
+        if self.llm is None:
+            self.conn.send({"ev": "error", "code": "model_not_loaded", "message": "No model is loaded."})
+            return
+        if self.embedder is None:
+            from app.engine.embedder import Embedder  # numpy too: imported where it is used, as llama_cpp is
+
+            try:
+                self.embedder = Embedder(self.llm, self.n_threads)
+            except ValueError as exc:  # llama.cpp could not make the context (memory)
+                self.conn.send({"ev": "error", "code": "embeddings_unavailable", "message": str(exc)})
+                return
+        self.conn.send(self.embedder.embed(msg["texts"], msg.get("dimensions")))
 
     def prompt_tokens(self, messages: list[Message], job: str) -> list[int] | str | None:
         """The prompt as tokens, or why it cannot fit, or None if cancelled meanwhile. Only the template's own markers are special
