@@ -53,6 +53,8 @@ def test_a_chain_through_the_sdk_sees_earlier_turns_and_survives_sigkill(headles
     assert second.usage.input_tokens_details.cached_tokens > 0
     headless.kill()  # SIGKILL: the chain is all in SQLite
     headless.start()
+    sdk.close()
+    sdk = openai.OpenAI(base_url=f"{headless.url}/v1", api_key=token, max_retries=0, timeout=120)  # a new port
     third = sdk.responses.create(model=DEFAULT_MODEL_ID, previous_response_id=second.id, input="And his age?", **TURN)
     assert third.status in ("completed", "incomplete")
     listed = sdk.responses.input_items.list(third.id, order="asc")
