@@ -47,23 +47,26 @@ def fault(point: str, extra_bufts: bool) -> None:
 
 
 # Prompts are evaluated in slices fixed by absolute position (see `grid_point`): fine at the
-# start, where requests share a chat template's preamble, then llama.cpp's own batch size.
-FINE, FINE_UNTIL = 16, 128
+# start, where requests share a chat template's preamble, then COARSE tokens (at most llama.cpp's
+# batch): only whole slices are reused from the cache, so the next turn of a conversation reuses
+# all of the previous prompt but its last partial slice (with slices of 512, turns of ~75 tokens
+# reused nothing new for six turns in a row: tests/bench/test_conversations.py).
+FINE, FINE_UNTIL, COARSE = 16, 128, 128
 
 
-def grid_point(position: int, n_batch: int) -> int:
+def grid_point(position: int, coarse: int) -> int:
     """The last slice boundary at or before `position`."""
     if position < FINE_UNTIL:
         return position // FINE * FINE
-    return FINE_UNTIL + (position - FINE_UNTIL) // n_batch * n_batch
+    return FINE_UNTIL + (position - FINE_UNTIL) // coarse * coarse
 
 
-def grid(start: int, end: int, n_batch: int) -> list[tuple[int, int]]:
+def grid(start: int, end: int, coarse: int) -> list[tuple[int, int]]:
     """The slices that evaluate positions start..end (start on the grid)."""
     cuts = []
     while start < end:
-        step = FINE if start < FINE_UNTIL else n_batch
-        cuts.append((start, min(end, grid_point(start, n_batch) + step)))
+        step = FINE if start < FINE_UNTIL else coarse
+        cuts.append((start, min(end, grid_point(start, coarse) + step)))
         start = cuts[-1][1]
     return cuts
 
@@ -270,14 +273,15 @@ class Child:
         # any run would have computed identically; at least the last slice is computed anew
         # (its logits pick the first token). Earlier output tokens (resume) go one by one, as
         # they were generated. A cancel is seen between slices.
-        reuse = grid_point(min(len(common_prefix(self.exact, prompt)), len(prompt) - 1), llm.n_batch)
+        coarse = min(COARSE, llm.n_batch)
+        reuse = grid_point(min(len(common_prefix(self.exact, prompt)), len(prompt) - 1), coarse)
         llm.n_tokens = reuse  # llama.cpp drops the cache after this position at the next eval
         self.exact = prompt[:reuse]
-        steps = [prompt[a:b] for a, b in grid(reuse, len(prompt), llm.n_batch)] + [[t] for t in prefix]
+        steps = [prompt[a:b] for a, b in grid(reuse, len(prompt), coarse)] + [[t] for t in prefix]
         for step in steps:
             fault("prompt", self.fast)
             llm.eval(step)
-            if llm.n_tokens <= len(prompt) and llm.n_tokens == grid_point(llm.n_tokens, llm.n_batch):
+            if llm.n_tokens <= len(prompt) and llm.n_tokens == grid_point(llm.n_tokens, coarse):
                 self.exact = prompt[:llm.n_tokens]
             if self.cancelled(job):
                 self.conn.send({"ev": "done", "job": job, "reason": "cancelled", "input_tokens": len(prompt),
