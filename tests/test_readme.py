@@ -57,6 +57,7 @@ def test_python_pairing_example_with_the_openai_sdk(headless: Headless) -> None:
     lines = run.stdout.strip().splitlines()
     assert re.match(r"Allow 'My notes app' in LMSP Tray; its code is \d{3}-\d{3}$", lines[0])
     assert len(lines) >= 2 and lines[1].strip()  # the model's answer
+    assert lines[-1] == "2 vectors of 576 numbers"  # embeddings, after a conversation's second turn
 
 
 def test_shell_examples_run_in_order(headless: Headless) -> None:
@@ -67,6 +68,7 @@ def test_shell_examples_run_in_order(headless: Headless) -> None:
     assert run.returncode == 0, run.stderr
     out = run.stdout
     assert '"output_text"' in out                          # the curl response
+    assert out.count('"object": "embedding"') == 2          # the embeddings example
     assert "event: response.completed" in out or "event: response.incomplete" in out  # the stream ran to its end
     assert f"serving on {headless.url}" in out             # lmsp-tray status
     assert "smollm2-135m-instruct" in out                  # lmsp-tray models / tasks

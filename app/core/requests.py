@@ -29,6 +29,8 @@ class ResponseRequest:
     background: bool
     on_restart: str | None
     instructions: str | None
+    previous_response_id: str | None = None  # resolved into `messages` when accepted (app/core/conversation.py)
+    store: bool = True
 
     def generation(self) -> dict[str, Any]:
         """What the engine needs; stored with the response so a restart can redo or resume it."""
@@ -125,5 +127,11 @@ def parse(body: Any) -> ResponseRequest:
     on_restart = body.get("on_restart")
     if on_restart is not None and on_restart not in ON_RESTART:
         raise InvalidRequest(f"`on_restart` must be one of {list(ON_RESTART)}.", param="on_restart")
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise InvalidRequest("`previous_response_id` must be a response id.", param="previous_response_id")
+    if flags["background"] and not flags["store"]:  # as OpenAI: a background response is fetched later
+        raise InvalidRequest("A background response must be stored: `store: false` needs `background: false`.",
+                             param="store")
     return ResponseRequest(model, messages, max_tokens, float(temperature), float(top_p), seed, stop, metadata,
-                           flags["stream"], flags["background"], on_restart, instructions)
+                           flags["stream"], flags["background"], on_restart, instructions, previous, flags["store"])

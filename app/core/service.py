@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from app import paths
-from app.core import auth, idempotency, requests
+from app.core import auth, conversation, idempotency, requests
 from app.core.access import AccessFacade
 from app.core.downloads_facade import DownloadsFacade
+from app.core.embeddings import EmbeddingsFacade
 from app.core.ids import new_id
 from app.core.auth import Client
 from app.core.models_facade import ModelsFacade
@@ -50,7 +51,7 @@ class Created:
     replayed: bool             # answered from an idempotency key
 
 
-class AppService(AccessFacade, ModelsFacade, DownloadsFacade):
+class AppService(AccessFacade, ModelsFacade, DownloadsFacade, EmbeddingsFacade):
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.store = Store(data_dir / paths.DB_NAME)
@@ -139,10 +140,17 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade):
         return {**counts, "uncollected_tokens": self.forget_uncollected(now)}
 
     async def _housekeeping(self, tick: float = 5.0) -> None:
-        """Retention every ten minutes; idle models unloaded after `model_idle_ttl_seconds`."""
-        last_purge = time.monotonic()
+        """Retention every ten minutes, `store: false` responses every half minute; idle models
+        unloaded after `model_idle_ttl_seconds`."""
+        last_purge = last_unstored = time.monotonic()
         while True:
             await asyncio.sleep(tick)
+            if time.monotonic() - last_unstored > 30:  # store: false answers go within a minute and a half
+                last_unstored = time.monotonic()
+                try:
+                    await self.store.write(retention.purge_unstored)
+                except LmspError as exc:
+                    log.warning("purging store: false responses failed: %s", exc.message)
             ttl = self.settings["model_idle_ttl_seconds"]
             for engine in self.engines:
                 if ttl and engine.model_path and not self.runner.busy(engine) and engine.idle_for() > ttl:
@@ -217,6 +225,13 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade):
 
     async def response(self, client: Client, response_id: str) -> dict[str, Any]:
         return records.response_object(await self.owned(client, "response", response_id))
+
+    async def input_items(self, client: Client, response_id: str, order: str = "desc", after: str | None = None,
+                          limit: int = 20) -> dict[str, Any]:
+        """The input a response's model saw (earlier turns included, instructions not), OpenAI's list shape."""
+        row = await self.owned(client, "response", response_id)
+        items = conversation.input_items(response_id, json.loads(row["request"]))
+        return conversation.page(items, order, after, limit)
 
     async def task(self, client: Client, task_id: str) -> dict[str, Any]:
         return records.task_object(await self.owned(client, "task", task_id))
@@ -356,11 +371,15 @@ def _insert_response(conn: sqlite3.Connection, client_id: str, model_id: str, re
     except NotFound as exc:
         raise LmspError("model_not_found", f"The model {model_id!r} does not exist.", param="model",
                         status=404) from exc
+    generation = req.generation()
+    if req.previous_response_id is not None:
+        earlier = conversation.history(conn, client_id, req.previous_response_id)
+        generation = conversation.continued(generation, req.previous_response_id, earlier)
     response_id, task_id = new_id("resp"), new_id("task")
-    conn.execute("INSERT INTO responses(id, client_id, model_id, request, background, metadata, created_at) "
-                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                 (response_id, client_id, model_id, json.dumps(req.generation()), int(req.background),
-                  json.dumps(req.metadata), time.time()))
+    conn.execute("INSERT INTO responses(id, client_id, model_id, request, background, metadata, created_at, "
+                 "previous_response_id, store) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                 (response_id, client_id, model_id, json.dumps(generation), int(req.background),
+                  json.dumps(req.metadata), time.time(), req.previous_response_id, int(req.store)))
     events = machine.create(conn, task_id, response_id, on_restart, req.max_output_tokens)
     row = records.one_task(conn, task_id)
     assert row is not None

@@ -4,10 +4,11 @@ It runs in its own process so that a bad model file or a crash inside llama.cpp 
 the app down. It speaks plain dicts over a multiprocessing pipe:
 
   parent -> child  {"op": "load", "path", "n_ctx", "n_threads", "safe"} | {"op": "generate", "job", ...}
-                   {"op": "cancel", "job"} | {"op": "shutdown"}
+                   {"op": "embed", "texts", "dimensions"} | {"op": "cancel", "job"} | {"op": "shutdown"}
   child -> parent  {"ev": "loaded", ...} | {"ev": "chunk", "job", "ids", "text"}
                    {"ev": "done", "job", "reason", "input_tokens", "cached_tokens", "output_tokens"}
-                   {"ev": "error", "job"?, "code", "message"}
+                   {"ev": "embedded", "vectors", "dims", "tokens"}
+                   {"ev": "error", "job"?, "code", "message", "param"?}
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import signal
 import time
 from collections import deque
 from multiprocessing.connection import Connection
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from app.engine.embedder import Embedder
 
 Message = dict[str, Any]
 # A chat turn of ordinary length: the warm-up decodes it in one batch, as a first task would.
@@ -43,23 +47,26 @@ def fault(point: str, extra_bufts: bool) -> None:
 
 
 # Prompts are evaluated in slices fixed by absolute position (see `grid_point`): fine at the
-# start, where requests share a chat template's preamble, then llama.cpp's own batch size.
-FINE, FINE_UNTIL = 16, 128
+# start, where requests share a chat template's preamble, then COARSE tokens (at most llama.cpp's
+# batch): only whole slices are reused from the cache, so the next turn of a conversation reuses
+# all of the previous prompt but its last partial slice (with slices of 512, turns of ~75 tokens
+# reused nothing new for six turns in a row: tests/bench/test_conversations.py).
+FINE, FINE_UNTIL, COARSE = 16, 128, 128
 
 
-def grid_point(position: int, n_batch: int) -> int:
+def grid_point(position: int, coarse: int) -> int:
     """The last slice boundary at or before `position`."""
     if position < FINE_UNTIL:
         return position // FINE * FINE
-    return FINE_UNTIL + (position - FINE_UNTIL) // n_batch * n_batch
+    return FINE_UNTIL + (position - FINE_UNTIL) // coarse * coarse
 
 
-def grid(start: int, end: int, n_batch: int) -> list[tuple[int, int]]:
+def grid(start: int, end: int, coarse: int) -> list[tuple[int, int]]:
     """The slices that evaluate positions start..end (start on the grid)."""
     cuts = []
     while start < end:
-        step = FINE if start < FINE_UNTIL else n_batch
-        cuts.append((start, min(end, grid_point(start, n_batch) + step)))
+        step = FINE if start < FINE_UNTIL else coarse
+        cuts.append((start, min(end, grid_point(start, coarse) + step)))
         start = cuts[-1][1]
     return cuts
 
@@ -103,6 +110,8 @@ class Child:
         self.conn = conn
         self.llm: Any = None
         self.formatter: Any = None
+        self.embedder: Embedder | None = None  # made on the first embeddings request
+        self.n_threads = 1
         self.inbox: deque[Message] = deque()
         self.fast = True  # extra buffer types on (fault injection needs to know)
         self.piece_bytes = 1
@@ -122,11 +131,12 @@ class Child:
             if op == "load":
                 self.load(msg)
             elif op == "unload":
-                self.llm = self.formatter = None
-                self.body, self.plan = [], []
+                self.drop()
                 self.conn.send({"ev": "unloaded"})
             elif op == "generate":
                 self.generate(msg)
+            elif op == "embed":
+                self.embed(msg)
             # a cancel for a job that already ended needs no answer
 
     def load(self, msg: Message) -> None:
@@ -136,16 +146,16 @@ class Child:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         started = time.monotonic()
-        self.llm = self.formatter = None  # free the old model before the new one takes memory
-        self.body, self.plan = [], []
+        self.drop()  # free the old model before the new one takes memory
         self.fast = not msg.get("safe")
+        self.n_threads = msg.get("n_threads") or os.cpu_count() or 1
         variant = backend.load()
         # Said before anything can crash, so that a crash report names the CPU code that ran.
         self.conn.send({"ev": "backend", "cpu_variant": variant})
         try:
             with extra_bufts(self.fast):
-                llm = Llama(model_path=msg["path"], n_ctx=msg.get("n_ctx", 4096),
-                            n_threads=msg.get("n_threads") or os.cpu_count(), verbose=False)
+                llm = Llama(model_path=msg["path"], n_ctx=msg.get("n_ctx", 4096), n_threads=self.n_threads,
+                            verbose=False)
         except Exception as exc:  # llama.cpp reports a bad file as a ValueError/RuntimeError
             self.conn.send({"ev": "error", "code": "model_load_failed", "message": str(exc)})
             return
@@ -170,6 +180,27 @@ class Child:
         self.piece_bytes = longest_piece(llm)
         self.conn.send({"ev": "loaded", "n_ctx": llm.n_ctx(), "n_ctx_train": llm._model.n_ctx_train(),
                         "load_seconds": time.monotonic() - started, "warmup_seconds": warmup})
+
+    def drop(self) -> None:
+        """Forget the loaded model (the embeddings context first: it uses the model)."""
+        if self.embedder is not None:
+            self.embedder.close()
+        self.embedder = self.llm = self.formatter = None
+        self.body, self.plan = [], []
+
+    def embed(self, msg: Message) -> None:
+        if self.llm is None:
+            self.conn.send({"ev": "error", "code": "model_not_loaded", "message": "No model is loaded."})
+            return
+        if self.embedder is None:
+            from app.engine.embedder import Embedder  # numpy too: imported where it is used, as llama_cpp is
+
+            try:
+                self.embedder = Embedder(self.llm, self.n_threads)
+            except ValueError as exc:  # llama.cpp could not make the context (memory)
+                self.conn.send({"ev": "error", "code": "embeddings_unavailable", "message": str(exc)})
+                return
+        self.conn.send(self.embedder.embed(msg["texts"], msg.get("dimensions")))
 
     def prompt_tokens(self, messages: list[Message], job: str) -> list[int] | str | None:
         """The prompt as tokens, or why it cannot fit, or None if cancelled meanwhile. Only the template's own markers are special
@@ -246,7 +277,7 @@ class Child:
         # last of them is evaluated by `llm.generate`, whose logits pick the next token. A
         # cancel is seen between slices.
         body = prompt[:-1]
-        plan = grid(0, len(body), llm.n_batch)
+        plan = grid(0, len(body), min(COARSE, llm.n_batch))
         reuse = shared_slices(plan, body, self.plan, self.body)
         llm.n_tokens = reuse  # llama.cpp drops the cache after this position at the next eval
         self.plan = [cut for cut in plan if cut[1] <= reuse]

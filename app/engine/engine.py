@@ -34,10 +34,11 @@ SAFE_CRASH_BUDGET = 2  # crashes in safe mode that end one load or generation
 
 
 class EngineError(Exception):
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param  # the request field at fault, if the request was
 
 
 @dataclass
@@ -225,6 +226,19 @@ class Engine:
                         return
                 await self._survive(crashes, "generating with")
                 await self._load(path, digest, crashes)
+
+    async def embed(self, path: str, digest: str, texts: list[str], dimensions: int | None) -> Message:
+        """Embed `texts` with the model at `path`, loading it if needed. It waits its turn on the
+        same lock as a generation: it runs between two, never during one. The `embedded` message,
+        with `fresh` set if the model had to be loaded. Raises EngineError."""
+        async with self._lock:
+            loaded = await self._load(path, digest, [])
+            self._send({"op": "embed", "texts": texts, "dimensions": dimensions})
+            msg = await self._next()
+            if msg["ev"] != "embedded":
+                raise EngineError(msg["code"], msg["message"], msg.get("param"))
+            self._last_used = time.monotonic()
+            return {**msg, "fresh": not loaded.get("cached")}
 
     def idle_for(self) -> float:
         return time.monotonic() - self._last_used

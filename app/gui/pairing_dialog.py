@@ -20,7 +20,7 @@ SCOPE_WORDS = {
     "models:read": "See which models are installed",
     "models:write": "Add, remove, load and unload models",
     "responses:read": "Read the answers it asked for",
-    "responses:write": "Generate text with your models",
+    "responses:write": "Generate text and embeddings with your models",
     "tasks:read": "Follow the progress of its tasks",
     "tasks:cancel": "Cancel its tasks",
     "metrics:read": "See usage figures (tokens, speed)",

@@ -1,4 +1,4 @@
-"""The selected task: its event log and its text as it streams.
+"""The selected task: its event log and its text as it streams, and the response it continues.
 
 History comes from the facade (`events`), live events from the bridge; events that arrive
 while the history is loading wait in a buffer, and sequence numbers drop duplicates, so the
@@ -10,10 +10,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QFontDatabase, QTextCursor
 from PySide6.QtWidgets import QLabel, QListWidget, QPlainTextEdit, QSplitter, QVBoxLayout, QWidget
 
+from app.errors import NotFound
 from app.gui.async_ui import spawn
 from app.gui.session import Session
 
@@ -21,6 +22,8 @@ PAGE = 1000  # the facade returns at most this many events per call
 
 
 class TaskDetail(QWidget):
+    open_task = Signal(str)  # the task of the response this one continues, when its link is clicked
+
     def __init__(self, session: Session, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.session = session
@@ -30,6 +33,11 @@ class TaskDetail(QWidget):
         self._delta_run = 0
         self.header = QLabel("Select a task to see its events and output.")
         self.header.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.chain = QLabel()  # "Continues resp_...": a conversation's previous turn (previous_response_id)
+        self.chain.setObjectName("chain")
+        self.chain.setTextFormat(Qt.TextFormat.RichText)
+        self.chain.linkActivated.connect(lambda response_id: spawn(self._open_previous(response_id), self))
+        self.chain.hide()
         self.log = QListWidget()
         self.log.setObjectName("event-log")
         self.log.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
@@ -43,12 +51,14 @@ class TaskDetail(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 4, 0, 0)
         layout.addWidget(self.header)
+        layout.addWidget(self.chain)
         layout.addWidget(split, 1)
         session.bridge.task_event.connect(self.on_event)
 
     def show_task(self, task: dict[str, Any] | None) -> None:
         if task is None:
             self.task_id = None
+            self.chain.hide()
             self.header.setText("Select a task to see its events and output.")
             self.log.clear()
             self.text.clear()
@@ -57,6 +67,7 @@ class TaskDetail(QWidget):
         if task["id"] == self.task_id:
             return
         self.task_id, self.last_seq, self._delta_run = task["id"], -1, 0
+        self.chain.hide()
         self.log.clear()
         self.text.clear()
         self._buffer = []
@@ -110,10 +121,24 @@ class TaskDetail(QWidget):
                 self.log.addItem(line)
         else:
             self._delta_run = 0
+            previous = (event.get("response") or {}).get("previous_response_id")
+            if kind == "response.created" and previous:
+                self.chain.setText(f'Continues <a href="{previous}">{previous}</a>')
+                self.chain.show()
             if kind == "response.queued" and event.get("output_reset"):
                 self.text.clear()  # a retry starts again: the earlier attempt's text is void
             self.log.addItem(f"{seq:>4}  {stamp}  {kind.removeprefix('response.')}{_suffix(event)}")
         self.log.scrollToBottom()
+
+    async def _open_previous(self, response_id: str) -> None:
+        owner = self.session.owner
+        assert owner is not None
+        try:
+            response = await self.session.service.response(owner, response_id)
+        except NotFound:
+            self.chain.setText(f"Continues {response_id} (deleted or expired)")
+            return
+        self.open_task.emit(response["task"]["id"])
 
     def _append_text(self, delta: str) -> None:
         # A cursor of our own: the reader's selection stays put; follow the end only if they were there.

@@ -65,6 +65,7 @@ class TasksTab(QWidget):
         self.table.selectionModel().selectionChanged.connect(self._selection_changed)
 
         self.detail = TaskDetail(session)
+        self.detail.open_task.connect(self.select_task)
         split = QSplitter(Qt.Orientation.Vertical)
         split.addWidget(self.table)
         split.addWidget(self.detail)

@@ -117,6 +117,18 @@ async def get_response(request: web.Request) -> web.StreamResponse:
     return web.json_response(await service.response(_client(request), response_id))
 
 
+async def input_items(request: web.Request) -> web.Response:
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("`order` must be asc or desc.", param="order")
+    return web.json_response(await request.app[SERVICE].input_items(
+        _client(request), request.match_info["response_id"], order, request.query.get("after"), _limit(request)))
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[SERVICE].embed(await read_json(request)))
+
+
 async def cancel_response(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     response_id = request.match_info["response_id"]

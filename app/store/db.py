@@ -38,6 +38,9 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA wal_autocheckpoint = 1000")
+        # What is deleted is overwritten, not left in free pages: a `store: false` prompt or a
+        # deleted response is gone from the file once the WAL is checkpointed.
+        conn.execute("PRAGMA secure_delete = ON")
     return conn
 
 

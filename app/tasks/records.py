@@ -15,8 +15,8 @@ _DOWNLOAD = ("d.repo, d.file, d.revision, d.sha256, d.total_bytes, d.bytes, d.by
 _FROM = "FROM tasks t JOIN responses r ON r.id = t.response_id LEFT JOIN downloads d ON d.task_id = t.id"
 
 # A task with the response it belongs to: the unit every reader works with.
-JOINED = ("SELECT t.*, r.model_id, r.client_id, r.request, r.background, r.metadata, "
-          f"r.created_at AS response_created_at, {_DOWNLOAD} {_FROM}")
+JOINED = ("SELECT t.*, r.model_id, r.client_id, r.request, r.background, r.metadata, r.previous_response_id, "
+          f"r.store, r.created_at AS response_created_at, {_DOWNLOAD} {_FROM}")
 
 
 # The same, with only what a task object shows: a listing never loads the request or the output
@@ -103,6 +103,7 @@ def response_object(row: Mapping[str, Any]) -> dict[str, Any]:
         "error": _error(row),
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "background": bool(row["background"]), "metadata": json.loads(row["metadata"]),
+        "previous_response_id": row["previous_response_id"], "store": bool(row["store"]),
         "instructions": request.get("instructions"), "max_output_tokens": row["max_output_tokens"],
         "temperature": request.get("temperature"), "top_p": request.get("top_p"),
         "tools": [], "tool_choice": "auto", "parallel_tool_calls": False,

@@ -1,4 +1,8 @@
-"""Retention (LMSP §8): finished work older than the retention period goes; unfinished never."""
+"""Retention (LMSP §8): finished work older than the retention period goes; unfinished never.
+
+A `store: false` response (LMSP §12) goes much sooner: UNSTORED_GRACE_SECONDS after it ended,
+long enough for its caller (always in the foreground) to have its answer; while it runs it is
+kept like any task, so recovery still applies to it."""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import sqlite3
 import time
 
 from app.tasks.states import TERMINAL
+
+UNSTORED_GRACE_SECONDS = 60
 
 
 def purge(conn: sqlite3.Connection, retention_seconds: int, idempotency_ttl_seconds: int,
@@ -22,4 +28,18 @@ def purge(conn: sqlite3.Connection, retention_seconds: int, idempotency_ttl_seco
     pairings = conn.execute("DELETE FROM pairings WHERE expires_at < ? OR client_id IN "
                             "(SELECT id FROM clients WHERE revoked_at < ?)", (old, old)).rowcount
     clients = conn.execute("DELETE FROM clients WHERE revoked_at < ?", (old,)).rowcount
-    return {"responses": gone, "idempotency_keys": keys, "pairings": pairings, "clients": clients}
+    unstored = purge_unstored(conn, now)
+    return {"responses": gone, "unstored": unstored, "idempotency_keys": keys, "pairings": pairings,
+            "clients": clients}
+
+
+def purge_unstored(conn: sqlite3.Connection, now: float | None = None) -> int:
+    """Delete the `store: false` responses that ended more than the grace period ago: request,
+    output, events and task (cascade), and the idempotency keys that kept a copy of the answer."""
+    now = time.time() if now is None else now
+    marks = ",".join("?" * len(TERMINAL))
+    ended = (f"SELECT r.id FROM responses r JOIN tasks t ON t.response_id = r.id WHERE r.store = 0 "
+             f"AND t.status IN ({marks}) AND t.finished_at < ?")
+    params = (*TERMINAL, now - UNSTORED_GRACE_SECONDS)
+    conn.execute(f"DELETE FROM idempotency_keys WHERE response_id IN ({ended})", params)
+    return conn.execute(f"DELETE FROM responses WHERE id IN ({ended})", params).rowcount

@@ -1,0 +1,101 @@
+"""`POST /v1/embeddings` (LMSP §12): vectors for texts, from any registered model.
+
+Synchronous, not a durable task: nothing is stored, and the caller waits for the answer, as
+with OpenAI. The engine child computes it (the event loop only awaits), in its turn on the same
+engine lock as generations: between two generations, never at the same time as one.
+"""
+
+from __future__ import annotations
+
+import array
+import base64
+import sys
+from typing import Any
+
+from app.engine import models
+from app.engine.engine import Engine, EngineError
+from app.errors import InvalidRequest, LmspError
+from app.store.store import Store
+from app.tasks.bus import EventBus
+from app.tasks.runner import Runner
+
+KNOWN = {"model", "input", "encoding_format", "dimensions", "user"}
+MAX_INPUTS = 2048  # as OpenAI
+
+
+def parse(body: Any) -> tuple[str, list[str], str, int | None]:
+    """(model id, texts, encoding format, dimensions), or a 400 naming the field."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    for key in body:
+        if key not in KNOWN:
+            raise InvalidRequest(f"Unknown parameter {key!r}.", param=key)
+    model = body.get("model") or models.DEFAULT_MODEL_ID
+    if not isinstance(model, str):
+        raise InvalidRequest("`model` must be a model id.", param="model")
+    texts = body.get("input")
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, list) or not 1 <= len(texts) <= MAX_INPUTS:
+        raise InvalidRequest(f"`input` must be a string or a list of 1 to {MAX_INPUTS} strings.", param="input")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str) or not text:
+            raise InvalidRequest("Each input must be a non-empty string.",
+                                 param="input" if isinstance(body["input"], str) else f"input[{i}]")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise InvalidRequest("`encoding_format` must be float or base64.", param="encoding_format")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1):
+        raise InvalidRequest("`dimensions` must be a positive integer.", param="dimensions")
+    return model, texts, encoding, dimensions
+
+
+class EmbeddingsFacade:
+    """Mixed into AppService."""
+
+    store: Store
+    bus: EventBus
+    engines: list[Engine]
+    runner: Runner
+
+    def _embedding_engine(self, path: str) -> Engine:
+        """An engine without a task, the model's own first; else one with the model (it waits its turn)."""
+        engines = self.engines[:self.runner.capacity]
+        candidates = [e for e in engines if not self.runner.busy(e)] or engines
+        return min(candidates, key=lambda e: e.model_path != path)
+
+    async def embed(self, body: Any) -> dict[str, Any]:
+        model_id, texts, encoding, dimensions = parse(body)
+        try:
+            model = await self.store.read(models.usable, model_id)
+        except LmspError as exc:
+            if exc.status == 404:
+                raise LmspError("model_not_found", f"The model {model_id!r} does not exist.", param="model",
+                                status=404) from exc
+            raise
+        try:
+            done = await self._embedding_engine(model["path"]).embed(model["path"], model["digest"], texts, dimensions)
+        except EngineError as exc:
+            if exc.param is not None:  # the request's fault: an input too long, too many dimensions
+                raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from exc
+            status = {"model_load_failed": 422, "engine_crashed": 503}.get(exc.code, 500)
+            raise LmspError(exc.code, exc.message, status=status) from exc
+        if done["fresh"]:
+            self.bus.publish([{"type": "models.changed"}])
+        size = done["dims"] * 4
+        rows = [done["vectors"][i * size:(i + 1) * size] for i in range(len(texts))]
+        return {"object": "list", "model": model_id,
+                "data": [{"object": "embedding", "index": i, "embedding": _encoded(row, encoding)}
+                         for i, row in enumerate(rows)],
+                "usage": {"prompt_tokens": done["tokens"], "total_tokens": done["tokens"]}}
+
+
+def _encoded(row: bytes, encoding: str) -> list[float] | str:
+    """Little-endian float32, base64 (what the openai SDK asks for and decodes), or a list of numbers."""
+    if encoding == "base64":
+        return base64.b64encode(row).decode()
+    values = array.array("f", row)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()
