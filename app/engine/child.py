@@ -23,6 +23,8 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any, Iterator
 
+from app.engine import models
+
 Message = dict[str, Any]
 # A chat turn of ordinary length: the warm-up decodes it in one batch, as a first task would.
 WARMUP = ("You are a helpful assistant. Read the following note and answer the question after it. "
@@ -138,13 +140,21 @@ class Child:
         self.exact = []
         self.fast = not msg.get("safe")
         try:
+            fd, path = models.open_verified(msg["file"])
+        except (models.FileChanged, OSError) as exc:
+            self.conn.send({"ev": "error", "code": "model_changed" if isinstance(exc, models.FileChanged)
+                            else "model_load_failed", "message": str(exc)})
+            return
+        try:
             variant = backend.load()
             with extra_bufts(self.fast):
-                llm = Llama(model_path=msg["path"], n_ctx=msg.get("n_ctx", 4096),
+                llm = Llama(model_path=path, n_ctx=msg.get("n_ctx", 4096),
                             n_threads=msg.get("n_threads") or os.cpu_count(), verbose=False)
         except Exception as exc:  # llama.cpp reports a bad file as a ValueError/RuntimeError
             self.conn.send({"ev": "error", "code": "model_load_failed", "message": str(exc)})
             return
+        finally:
+            os.close(fd)  # llama.cpp opened (and mapped) the file itself
         warmup = 0.0
         if self.fast:
             # Fast paths that crash on this CPU do so on the first decode: find out now, in a
