@@ -249,7 +249,8 @@ async def test_queued_tasks_are_limited_per_client_and_in_all(api: Any, service:
     settings = await (await api.get("/v1/settings")).json()
     assert (settings["max_queued_tasks_per_client"], settings["max_queued_tasks"]) == (100, 1000)
     service.set_paused(True)
-    assert (await api.patch("/v1/settings", json={"max_queued_tasks_per_client": 3, "max_queued_tasks": 5})).status == 200
+    limits = {"max_queued_tasks_per_client": 3, "max_queued_tasks": 5}
+    assert (await api.patch("/v1/settings", json=limits)).status == 200
     _, other = await pair(api, ["responses:write", "tasks:read"], name="Other app")
     for _ in range(3):
         assert (await _queue(api)).status == 202
@@ -283,7 +284,7 @@ async def test_stored_request_bytes_are_limited_per_client_and_in_all(api: Any, 
     wait = await _refused(await _queue(api, prompt=prompt), "storage_limit_reached", "max_request_bytes_per_client")
     assert service.settings["retention_seconds"] <= wait <= service.settings["retention_seconds"] + 700
     assert (await _queue(api, other, prompt=prompt)).status == 202  # 2.4 MiB of everyone's 3
-    await _refused(await _queue(api, other, prompt=prompt), "storage_limit_reached", "max_request_bytes")
+    await _refused(await _queue(api, other, prompt="x" * (700 << 10)), "storage_limit_reached", "max_request_bytes")
     await service.purge(now=time.time() + service.settings["retention_seconds"] + 1)
     assert (await _queue(api, prompt=prompt)).status == 202
 
@@ -301,9 +302,10 @@ async def test_one_clients_queue_does_not_delay_anothers_single_task(api: Any, s
 
     async def all_done() -> list[dict[str, Any]] | None:
         tasks = (await (await api.get("/v1/tasks?limit=100")).json())["data"]
-        return tasks if all(t["status"] == "completed" for t in tasks) else None
+        return tasks if all(t["status"] in ("completed", "failed", "cancelled") for t in tasks) else None
 
-    tasks = await poll(all_done, timeout=120, what="every task completed")
+    tasks = await poll(all_done, timeout=120, what="every task to end")
+    assert all(t["status"] == "completed" for t in tasks), tasks
     started = {t["id"]: t["started_at"] for t in tasks}
     before_theirs = sorted(t for tid, t in started.items() if tid != theirs and t < started[theirs])
     print(f"\nthe other app's one task started after {len(before_theirs)} of the 6 queued before it")
@@ -327,6 +329,5 @@ async def test_space_that_retention_frees_goes_back_to_the_disk(tmp_path: Path) 
     counts = await svc.purge(now=time.time() + svc.settings["retention_seconds"] + 1)
     await svc.stop()
     after = db_file.stat().st_size
-    print(f"\n40 MiB of requests purged: the database went from {full / 2**20:.1f} MiB to {after / 2**20:.2f} MiB "
-          f"({counts['pages_reclaimed']} pages given back)")
+    print(f"\n40 MiB of requests purged: the database went from {full / 2**20:.1f} MiB to {after / 2**20:.2f} MiB")
     assert counts["responses"] == 40 and after < full / 10

@@ -183,7 +183,8 @@ class Engine:
             self.model_path, self.file, self.mode = file.path, file, mode
             self.cpu_variant = msg.get("cpu_variant")
             log.info("%s: loaded %s in %s mode in %.2f s (warm-up %.2f s; llama.cpp CPU backend: %s)", self.name,
-                     path, mode, msg["load_seconds"], msg.get("warmup_seconds", 0.0), self.cpu_variant or "native")
+                     file.path, mode, msg["load_seconds"], msg.get("warmup_seconds", 0.0),
+                     self.cpu_variant or "native")
             self._last_used = time.monotonic()
             return msg
 
