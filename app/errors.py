@@ -19,6 +19,7 @@ class LmspError(Exception):
         self.message = message
         self.param = param
         self.title = title or "Request not accepted"
+        self.headers: dict[str, str] = {}  # HTTP headers the answer carries (Retry-After)
         if status is not None:
             self.status = status
 
@@ -59,6 +60,16 @@ class Forbidden(LmspError):
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(code, message, status=403)
+
+
+class TooManyRequests(LmspError):
+    """A limit on queued work or stored bytes: 429 with a Retry-After, nothing stored."""
+
+    type = "rate_limit_error"
+
+    def __init__(self, code: str, message: str, retry_after: int) -> None:
+        super().__init__(code, message, status=429, title="Limit reached")
+        self.headers = {"Retry-After": str(retry_after)}
 
 
 class StoreError(LmspError):

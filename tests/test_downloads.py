@@ -307,3 +307,13 @@ async def test_generation_runs_while_a_download_is_under_way(api: Any, fake_hub:
     assert (await (await api.get(f"/v1/tasks/{task['id']}")).json())["status"] == "running"
     await api.post(f"/v1/tasks/{task['id']}/cancel")
     assert (await finished(api, task["id"]))["status"] == "cancelled"
+
+
+async def test_a_download_counts_as_queued_work(api: Any, service: Any, fake_hub: FakeHub) -> None:
+    service.set_paused(True)  # the generation stays queued
+    assert (await api.patch("/v1/settings", json={"max_queued_tasks_per_client": 1})).status == 200
+    assert (await api.post("/v1/responses", json={**SAY_HI, "background": True})).status == 202
+    resp = await api.post("/v1/models/downloads", json={"repo": REPO, "file": MODEL.name})
+    err = await expect_error(resp, 429, "too_many_queued_tasks")
+    assert resp.headers["Retry-After"].isdigit() and "max_queued_tasks_per_client" in err["message"], err
+    assert fake_hub.bytes_sent == 0

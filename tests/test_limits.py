@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.core.service import AppService
 from tests.conftest import Headless, wait_until
-from tests.helpers import bearer, http, pair
+from tests.helpers import bearer, expect_error, http, pair, poll
 
 FD_LIMIT = 1024  # the usual soft limit of a desktop session
 HOSTILE = 1100   # more than the service could ever hold at that limit
@@ -222,3 +223,111 @@ def test_registering_a_slow_file_stops_when_the_client_leaves_and_never_delays_e
     print(f"\nafter the client left: {after_leaving:.2f} s of CPU in 3 s; SIGTERM during a registration: "
           f"exited in {exit_seconds:.2f} s")
     assert after_leaving < 0.5 and exit_seconds < 5
+
+
+# -- limits on queued work and stored bytes, and fair turns -------------------------------------
+
+async def _queue(api: Any, token: str | None = None, prompt: str = "Say hi", **extra: Any) -> Any:
+    """One background task (the service is paused: it stays queued); the raw answer."""
+    return await api.post("/v1/responses", headers=bearer(token) if token else None,
+                          json={"input": prompt, "background": True, "max_output_tokens": 2, **extra})
+
+
+async def _task_count(service: Any) -> int:
+    return await service.store.read(lambda c: c.execute("SELECT COUNT(*) FROM tasks").fetchone()[0])
+
+
+async def _refused(resp: Any, code: str, setting: str) -> int:
+    """The 429 of a limit: LMSP error, the setting named, a Retry-After in seconds. Returns it."""
+    err = await expect_error(resp, 429, code)
+    assert err["type"] == "rate_limit_error" and f"setting {setting} =" in err["message"], err
+    assert resp.headers["Retry-After"].isdigit(), resp.headers
+    return int(resp.headers["Retry-After"])
+
+
+async def test_queued_tasks_are_limited_per_client_and_in_all(api: Any, service: Any) -> None:
+    settings = await (await api.get("/v1/settings")).json()
+    assert (settings["max_queued_tasks_per_client"], settings["max_queued_tasks"]) == (100, 1000)
+    service.set_paused(True)
+    limits = {"max_queued_tasks_per_client": 3, "max_queued_tasks": 5}
+    assert (await api.patch("/v1/settings", json=limits)).status == 200
+    _, other = await pair(api, ["responses:write", "tasks:read"], name="Other app")
+    for _ in range(3):
+        assert (await _queue(api)).status == 202
+    before = await _task_count(service)
+    assert await _refused(await _queue(api), "too_many_queued_tasks", "max_queued_tasks_per_client") > 0
+    assert await _task_count(service) == before  # nothing stored
+    for _ in range(2):  # the other app has its own share...
+        resp = await _queue(api, other)
+        assert resp.status == 202, await resp.text()
+    await _refused(await _queue(api, other), "too_many_queued_tasks", "max_queued_tasks")  # ...of the total
+    first = (await (await api.get("/v1/tasks?limit=100")).json())["data"][-1]
+    assert (await api.post(f"/v1/tasks/{first['id']}/cancel")).status == 200  # a finished task frees its place
+    assert (await _queue(api)).status == 202
+
+
+async def test_stored_request_bytes_are_limited_per_client_and_in_all(api: Any, service: Any) -> None:
+    settings = await (await api.get("/v1/settings")).json()
+    assert (settings["max_request_bytes_per_client"], settings["max_request_bytes"]) == (256 << 20, 1 << 30)
+    service.set_paused(True)
+    assert (await api.patch("/v1/settings", json={"max_request_bytes_per_client": 2 << 20,
+                                                   "max_request_bytes": 3 << 20})).status == 200
+    _, other = await pair(api, ["responses:write", "tasks:read"], name="Other app")
+    prompt = "x" * (600 << 10)
+    for _ in range(3):  # 1.8 MiB of 2
+        assert (await _queue(api, prompt=prompt)).status == 202
+    await _refused(await _queue(api, prompt=prompt), "storage_limit_reached", "max_request_bytes_per_client")
+    assert (await _queue(api, prompt="short")).status == 202  # what still fits is taken
+    for task in (await (await api.get("/v1/tasks?limit=100")).json())["data"]:
+        assert (await api.post(f"/v1/tasks/{task['id']}/cancel")).status == 200
+    # Finished requests still take their space until retention removes them: Retry-After says when.
+    wait = await _refused(await _queue(api, prompt=prompt), "storage_limit_reached", "max_request_bytes_per_client")
+    assert service.settings["retention_seconds"] <= wait <= service.settings["retention_seconds"] + 700
+    assert (await _queue(api, other, prompt=prompt)).status == 202  # 2.4 MiB of everyone's 3
+    await _refused(await _queue(api, other, prompt="x" * (700 << 10)), "storage_limit_reached", "max_request_bytes")
+    await service.purge(now=time.time() + service.settings["retention_seconds"] + 1)
+    assert (await _queue(api, prompt=prompt)).status == 202
+
+
+async def test_one_clients_queue_does_not_delay_anothers_single_task(api: Any, service: Any) -> None:
+    """Round-robin by client: the other app's one task runs after at most one of the 6 queued before it."""
+    service.set_paused(True)
+    _, other = await pair(api, ["responses:write", "tasks:read"], name="Other app")
+    for _ in range(6):
+        assert (await _queue(api, max_output_tokens=1)).status == 202
+    resp = await _queue(api, other, max_output_tokens=1)
+    assert resp.status == 202
+    theirs = (await resp.json())["task"]["id"]
+    service.set_paused(False)
+
+    async def all_done() -> list[dict[str, Any]] | None:
+        tasks = (await (await api.get("/v1/tasks?limit=100")).json())["data"]
+        return tasks if all(t["status"] in ("completed", "failed", "cancelled") for t in tasks) else None
+
+    tasks = await poll(all_done, timeout=120, what="every task to end")
+    assert all(t["status"] == "completed" for t in tasks), tasks
+    started = {t["id"]: t["started_at"] for t in tasks}
+    before_theirs = sorted(t for tid, t in started.items() if tid != theirs and t < started[theirs])
+    print(f"\nthe other app's one task started after {len(before_theirs)} of the 6 queued before it")
+    assert len(before_theirs) <= 1
+
+
+async def test_space_that_retention_frees_goes_back_to_the_disk(tmp_path: Path) -> None:
+    svc = AppService(tmp_path / "data")
+    db_file = tmp_path / "data" / "lmsp.sqlite3"
+    await svc.start()
+    svc.set_paused(True)
+    client = await svc.authenticate(await svc.owner_token())
+    assert client is not None
+    for _ in range(40):
+        created = await svc.create_response(client, {"input": "y" * (1 << 20), "background": True})
+        await svc.cancel(client, "task", created.body["task"]["id"])
+    await svc.stop()
+    full = db_file.stat().st_size
+    svc = AppService(tmp_path / "data")
+    await svc.start()
+    counts = await svc.purge(now=time.time() + svc.settings["retention_seconds"] + 1)
+    await svc.stop()
+    after = db_file.stat().st_size
+    print(f"\n40 MiB of requests purged: the database went from {full / 2**20:.1f} MiB to {after / 2**20:.2f} MiB")
+    assert counts["responses"] == 40 and after < full / 10

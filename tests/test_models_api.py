@@ -18,7 +18,7 @@ import pytest
 
 from app import paths
 from app.engine.gguf import Cancelled
-from app.engine.models import DEFAULT_MODEL_ID, sha256_file
+from app.engine.models import DEFAULT_MODEL_ID, FileChanged, Registered, examine, open_verified, sha256_file
 from tests.helpers import SAY_HI, bearer, expect_error, pair, poll, raw
 from tests.test_gguf import T, make_gguf, valid_kvs
 
@@ -216,6 +216,76 @@ async def test_changed_file_is_reported_and_never_loaded(api, service, copy_of_d
     fresh = await register(api, {"path": str(copy_of_default), "id": "copy2"})
     assert fresh["status"] == "available" and fresh["digest"] != old_digest
     assert fresh["size_bytes"] == DEFAULT_FILE.stat().st_size + 1
+
+
+def _flip_byte_keeping_size_and_mtime(path: Path, source: Path | None = None) -> None:
+    """Write `source`'s bytes (default: its own) to `path` with one tensor byte near the end flipped,
+    then give it `source`'s mtime: nothing a stat of the size and mtime could see."""
+    source = source or path
+    stat = source.stat()
+    data = bytearray(source.read_bytes())
+    data[-100] ^= 0xFF
+    with path.open("r+b" if path.exists() else "wb") as fh:  # in place when it exists: same inode
+        fh.write(data)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+async def test_a_file_swapped_behind_a_symlink_is_seen_as_changed_and_never_loaded(api, service, copy_of_default):
+    link = copy_of_default.with_name("current.gguf")
+    link.symlink_to(copy_of_default)
+    await register(api, {"path": str(link), "id": "linked"})
+    other = copy_of_default.with_name("other.gguf")
+    _flip_byte_keeping_size_and_mtime(other, copy_of_default)
+    link.unlink()
+    link.symlink_to(other)  # re-pointed: same size, same mtime, another file
+    assert (await model(api, "linked"))["status"] == "changed"
+    tasks_before = await task_rows(service)
+    await expect_error(await api.post("/v1/responses", json={**SAY_HI, "model": "linked"}), 409, "model_changed")
+    await expect_error(await api.post("/v1/models/linked/load"), 409, "model_changed")
+    assert await task_rows(service) == tasks_before
+    assert str(link) not in engine_paths(service)
+
+
+async def test_bytes_changed_in_place_are_refused_at_load(api, service, copy_of_default):
+    """Same inode, size and mtime, other bytes: the engine hashes the file it is about to load,
+    refuses it, the task fails with model_load_failed, and from then on the model shows `changed`."""
+    await register(api, {"path": str(copy_of_default), "id": "copy"})
+    _flip_byte_keeping_size_and_mtime(copy_of_default)
+    assert (await model(api, "copy"))["status"] == "available"  # nothing a stat can tell
+    resp = await api.post("/v1/responses", json={**SAY_HI, "model": "copy", "background": True})
+    assert resp.status == 202, await resp.text()
+    task_id = (await resp.json())["task"]["id"]
+
+    async def finished() -> dict[str, Any] | None:
+        task = await (await api.get(f"/v1/tasks/{task_id}")).json()
+        return task if task["status"] in ("completed", "failed", "cancelled") else None
+
+    task = await poll(finished, timeout=60, what="the task to end")
+    assert task["status"] == "failed" and task["error"]["code"] == "model_load_failed", task
+    assert "changed since it was registered" in task["error"]["message"], task
+    assert (await model(api, "copy"))["status"] == "changed"
+    await expect_error(await api.post("/v1/models/copy/load"), 422, "model_load_failed")
+    assert str(copy_of_default) not in engine_paths(service)
+
+
+def test_the_file_loaded_is_the_one_checked_even_if_the_link_moves_after(copy_of_default: Path) -> None:
+    """The check right before a load opens the file once; llama.cpp is given that open file, so a
+    link re-pointed between the check and the load changes nothing."""
+    link = copy_of_default.with_name("current.gguf")
+    link.symlink_to(copy_of_default)
+    found = examine(str(link))
+    registered = Registered(found.path, found.digest, found.size_bytes, found.mtime_ns, found.device, found.inode)
+    other = copy_of_default.with_name("other.gguf")
+    _flip_byte_keeping_size_and_mtime(other, copy_of_default)
+    fd, by_fd = open_verified(registered)
+    try:
+        link.unlink()
+        link.symlink_to(other)  # after the check, before llama.cpp opens it
+        assert sha256_file(Path(by_fd)) == found.digest != sha256_file(link)
+    finally:
+        os.close(fd)
+    with pytest.raises(FileChanged):  # and the next load refuses the other file
+        open_verified(registered)
 
 
 async def test_missing_file_is_reported(api, service, copy_of_default):

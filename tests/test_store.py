@@ -120,6 +120,28 @@ def _with_extra_migration(monkeypatch: pytest.MonkeyPatch, sql: str) -> None:
     monkeypatch.setattr(db, "migrations", lambda: [*real, (len(real) + 1, sql)])
 
 
+def test_a_file_made_before_incremental_vacuum_is_switched_once_and_keeps_its_data(tmp_path: Path) -> None:
+    """Files from schema 5 and older were made with auto_vacuum off: purges could never give space
+    back. Opening one switches it (one VACUUM); what it held is all there."""
+    path = tmp_path / "lmsp.sqlite3"
+    with plain(path) as old:  # as the app made it before: schema 5, no auto_vacuum
+        old.execute("PRAGMA journal_mode = WAL")
+        for version, sql in db.migrations()[:5]:
+            for statement in db._statements(sql):
+                old.execute(statement)
+            old.execute(f"PRAGMA user_version = {version}")
+        old.execute("INSERT INTO service_config(key, value) VALUES ('kept', '1')")
+        old.execute("INSERT INTO responses(id, client_id, model_id, request, background, created_at) "
+                    "VALUES ('resp_1', 'client_owner', 'm', '{\"input\": \"h\u00e9\"}', 1, 0)")
+        assert old.execute("PRAGMA auto_vacuum").fetchone()[0] == 0
+    opened = db.open_database(path)
+    conn = opened.conn
+    assert conn.execute("PRAGMA auto_vacuum").fetchone()[0] == db.AUTO_VACUUM_INCREMENTAL
+    assert settings_rows(conn)["kept"] == "1"
+    assert conn.execute("SELECT request_bytes FROM responses").fetchone()[0] == len('{"input": "hé"}'.encode())
+    conn.close()
+
+
 def test_migrating_an_existing_database_first_writes_a_backup_of_the_old_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "lmsp.sqlite3"

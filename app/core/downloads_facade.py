@@ -41,6 +41,7 @@ class DownloadsFacade:
 
     store: Store
     downloads: downloads.Downloads
+    settings: dict[str, Any]
 
     async def create_download(self, client: Client, body: Any) -> dict[str, Any]:
         """Ask the hub about the file, check the disk, and commit a queued download task. The
@@ -54,7 +55,7 @@ class DownloadsFacade:
                 raise LmspError("insufficient_storage", f"{file} needs {remote.size / 1e6:,.0f} MB and the disk "
                                 f"holding {hub.storage(repo).parent} has {free / 1e6:,.0f} MB free.", param="file")
             task_id = new_id("task")
-            await self.store.write(downloads.create, client.id, remote, task_id, new_id("dl"))
+            await self.store.write(downloads.create, self.settings, client.id, remote, task_id, new_id("dl"))
             self.downloads.wake()
         row = await self.store.read(records.one_task, task_id)
         return records.task_object(row)

@@ -75,11 +75,11 @@ class EmbeddingsFacade:
                                 status=404) from exc
             raise
         try:
-            done = await self._embedding_engine(model["path"]).embed(model["path"], model["digest"], texts, dimensions)
+            done = await self._embedding_engine(model["path"]).embed(models.registered(model), texts, dimensions)
         except EngineError as exc:
             if exc.param is not None:  # the request's fault: an input too long, too many dimensions
                 raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from exc
-            status = {"model_load_failed": 422, "engine_crashed": 503}.get(exc.code, 500)
+            status = {"model_load_failed": 422, "model_changed": 409, "engine_crashed": 503}.get(exc.code, 500)
             raise LmspError(exc.code, exc.message, status=status) from exc
         if done["fresh"]:
             self.bus.publish([{"type": "models.changed"}])

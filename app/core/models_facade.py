@@ -39,7 +39,10 @@ class ModelsFacade:
         return self._model_object(await self.store.read(models.get, model_id))
 
     def _model_object(self, row: Any) -> dict[str, Any]:
-        return {**models.model_object(row, self.loaded_paths()), "engine": self.modes.describe(row["digest"])}
+        found = models.model_object(row, self.loaded_paths())
+        if found["status"] == "available" and any(models.registered(row) in e.refused for e in self.engines):
+            found["status"] = "changed"  # same file, size and mtime, but an engine found other bytes in it
+        return {**found, "engine": self.modes.describe(row["digest"])}
 
     async def register_model(self, body: Any, progress: Any = None) -> dict[str, Any]:
         if not isinstance(body, dict) or not isinstance(body.get("path"), str):
@@ -106,7 +109,7 @@ class ModelsFacade:
             raise Conflict("engines_busy", "Every engine is busy with a task; try again when one is free.")
         started = time.monotonic()
         try:
-            await engine.load(row["path"], row["digest"])
+            await engine.load(models.registered(row))
         except EngineError as exc:
             raise LmspError("model_load_failed", f"The model could not be loaded: {exc.message}", status=422) from exc
         self.model_load_seconds = time.monotonic() - started

@@ -32,7 +32,7 @@ from app.errors import Conflict, InvalidRequest, LmspError, NotFound
 from app.secrets import TokenVault, hub_token, make_private
 from app.store import config
 from app.store.store import Store
-from app.tasks import downloads, machine, records, recovery, retention
+from app.tasks import downloads, limits, machine, records, recovery, retention
 from app.tasks.bus import EventBus, Feed
 from app.tasks.runner import Runner, request_cancel
 from app.tasks.states import TERMINAL
@@ -201,7 +201,8 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade, EmbeddingsFacade):
         if idempotency_key is not None:
             key = (idempotency.check_key(idempotency_key), idempotency.digest("POST", path, client.id, body),
                    self.settings["idempotency_ttl_seconds"])
-        stored, row, events = await self.store.write(_insert_response, client.id, model_id, req, on_restart, key)
+        stored, row, events = await self.store.write(_insert_response, self.settings, client.id, model_id, req,
+                                                     on_restart, key)
         if stored is not None:
             return Created(stored.status, stored.body, True)
         self.bus.publish(events)
@@ -359,8 +360,8 @@ def _service_id(conn: sqlite3.Connection) -> str:
     return str(ident)
 
 
-def _insert_response(conn: sqlite3.Connection, client_id: str, model_id: str, req: requests.ResponseRequest,
-                     on_restart: str, key: tuple[str, str, int] | None
+def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_id: str, model_id: str,
+                     req: requests.ResponseRequest, on_restart: str, key: tuple[str, str, int] | None
                      ) -> tuple[idempotency.Stored | None, dict[str, Any] | None, list[machine.Event]]:
     if key is not None:
         stored = idempotency.claim(conn, client_id, key[0], key[1], key[2])
@@ -376,10 +377,9 @@ def _insert_response(conn: sqlite3.Connection, client_id: str, model_id: str, re
         earlier = conversation.history(conn, client_id, req.previous_response_id)
         generation = conversation.continued(generation, req.previous_response_id, earlier)
     response_id, task_id = new_id("resp"), new_id("task")
-    conn.execute("INSERT INTO responses(id, client_id, model_id, request, background, metadata, created_at, "
-                 "previous_response_id, store) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                 (response_id, client_id, model_id, json.dumps(generation), int(req.background),
-                  json.dumps(req.metadata), time.time(), req.previous_response_id, int(req.store)))
+    limits.store_request(conn, settings, response_id, client_id, model_id, json.dumps(generation), req.background,
+                         json.dumps(req.metadata), time.time(), previous_response_id=req.previous_response_id,
+                         store=int(req.store))
     events = machine.create(conn, task_id, response_id, on_restart, req.max_output_tokens)
     row = records.one_task(conn, task_id)
     assert row is not None

@@ -24,6 +24,8 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Iterator
 
+from app.engine import models
+
 if TYPE_CHECKING:
     from app.engine.embedder import Embedder
 
@@ -153,12 +155,19 @@ class Child:
         # Said before anything can crash, so that a crash report names the CPU code that ran.
         self.conn.send({"ev": "backend", "cpu_variant": variant})
         try:
+            fd, path = models.open_verified(msg["file"])
+        except (models.FileChanged, OSError) as exc:
+            self.conn.send({"ev": "error", "code": "model_changed" if isinstance(exc, models.FileChanged)
+                            else "model_load_failed", "message": str(exc)})
+            return
+        try:
             with extra_bufts(self.fast):
-                llm = Llama(model_path=msg["path"], n_ctx=msg.get("n_ctx", 4096), n_threads=self.n_threads,
-                            verbose=False)
+                llm = Llama(model_path=path, n_ctx=msg.get("n_ctx", 4096), n_threads=self.n_threads, verbose=False)
         except Exception as exc:  # llama.cpp reports a bad file as a ValueError/RuntimeError
             self.conn.send({"ev": "error", "code": "model_load_failed", "message": str(exc)})
             return
+        finally:
+            os.close(fd)  # llama.cpp opened (and mapped) the file itself
         warmup = 0.0
         if self.fast:
             # Fast paths that crash on this CPU do so on the first decode: find out now, in a

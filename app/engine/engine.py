@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any, AsyncIterator
 
 from app.engine import child, cpu
+from app.engine.models import Registered
 from app.engine.modes import FAST, SAFE, EngineModes
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ class Engine:
         self.n_ctx = n_ctx
         self.n_threads = n_threads or os.cpu_count() or 1
         self.model_path: str | None = None
-        self.digest: str | None = None
+        self.file: Registered | None = None  # the model file loaded (with model_path), to reload after a crash
+        self.refused: set[Registered] = set()  # files the child found not to be what was registered
         self.mode: str | None = None          # the mode the loaded model runs in
         self.cpu_variant: str | None = None   # which libggml-cpu-<variant> the child picked
         self._proc: multiprocessing.process.BaseProcess | None = None
@@ -73,7 +75,7 @@ class Engine:
         self._job: str | None = None
         self._last_used = time.monotonic()
         self.exit_signal: int | None = None  # how the last child died, if by a signal
-        self._request: tuple[str, str, str] = ("", "", FAST)  # path, digest, mode of the last load asked for
+        self._mode_asked = FAST  # the mode of the last load asked for
 
     @property
     def alive(self) -> bool:
@@ -92,7 +94,7 @@ class Engine:
         kid.close()
         log.info("%s: started inference process %s", self.name, proc.pid)
         inbox: asyncio.Queue[Message] = asyncio.Queue()
-        self._proc, self._conn, self._inbox, self.model_path = proc, parent, inbox, None
+        self._proc, self._conn, self._inbox, self.model_path, self.file = proc, parent, inbox, None, None
 
         def pump() -> None:
             try:
@@ -130,13 +132,13 @@ class Engine:
             self.exit_signal = -code if code is not None and code < 0 else None
             log.warning("%s process exited with code %s", self.name, code)
         self._proc = self._conn = None
-        self.model_path = self.mode = None
+        self.model_path = self.file = self.mode = None
 
-    async def _survive(self, crashes: list[str], stage: str) -> None:
+    async def _survive(self, crashes: list[str], stage: str, file: Registered) -> None:
         """After the child died: decide whether to carry on (in safe mode) or fail.
         `crashes` holds the modes the child crashed in during this one request."""
         sig = self.exit_signal
-        path, digest, mode = self._request
+        path, mode = file.path, self._mode_asked
         name = signal.Signals(sig).name if sig else "no signal"
         detail = (f"{self.name}: inference process killed by {name} while {stage} {path} in "
                   f"{mode} mode (CPU: {cpu.summary()}; llama.cpp CPU backend: {self.cpu_variant or 'native'})")
@@ -145,7 +147,7 @@ class Engine:
             raise EngineError(CRASHED["code"], CRASHED["message"])
         crashes.append(mode)
         if mode == FAST and self.modes.auto:
-            await self.modes.fall_back(digest, (
+            await self.modes.fall_back(file.digest, (
                 f"The inference engine crashed ({name}) in fast mode on this CPU while {stage} this model; "
                 "it now runs in safe mode (llama.cpp's weight repacking and AMX kernels off), a little slower."))
             log.warning("%s: continuing in safe mode", self.name)
@@ -159,51 +161,56 @@ class Engine:
                               "work; the log has the details.")
         log.warning("%s: crashed in safe mode; trying once more with a fresh process", self.name)
 
-    async def _load(self, path: str, digest: str, crashes: list[str]) -> Message:
-        """Load in the mode the model should run in; survive a crash as `_survive` decides."""
+    async def _load(self, file: Registered, crashes: list[str]) -> Message:
+        """Load in the mode the model should run in; survive a crash as `_survive` decides.
+        The child loads the file only if it still is the one validated at registration."""
         while True:
-            mode = self.modes.mode(digest)
-            if self.model_path == path and self.mode == mode and self.alive:
+            mode = self.modes.mode(file.digest)
+            if self.file == file and self.mode == mode and self.alive:
                 return {"ev": "loaded", "cached": True}
             # Until it has loaded, nothing is: a failed load must not leave the old path behind.
-            self.model_path = self.mode = None
-            self._request = (path, digest, mode)
-            self._send({"op": "load", "path": path, "n_ctx": self.n_ctx, "n_threads": self.n_threads,
+            self.model_path = self.file = self.mode = None
+            self._mode_asked = mode
+            self._send({"op": "load", "file": file, "n_ctx": self.n_ctx, "n_threads": self.n_threads,
                         "safe": mode == SAFE})
             msg = await self._next()
             if msg is not CRASHED and msg["ev"] == "backend":
                 self.cpu_variant = msg["cpu_variant"]
                 msg = await self._next()
             if msg is CRASHED:
-                await self._survive(crashes, "loading and warming up")
+                await self._survive(crashes, "loading and warming up", file)
                 continue
             if msg["ev"] != "loaded":
+                if msg["code"] == "model_changed":
+                    self.refused.add(file)
                 raise EngineError(msg["code"], msg["message"])
-            self.model_path, self.digest, self.mode = path, digest, mode
+            self.model_path, self.file, self.mode = file.path, file, mode
             log.info("%s: loaded %s in %s mode in %.2f s (warm-up %.2f s; llama.cpp CPU backend: %s)", self.name,
-                     path, mode, msg["load_seconds"], msg.get("warmup_seconds", 0.0), self.cpu_variant or "native")
+                     file.path, mode, msg["load_seconds"], msg.get("warmup_seconds", 0.0),
+                     self.cpu_variant or "native")
             self._last_used = time.monotonic()
             return msg
 
-    async def load(self, path: str, digest: str) -> Message:
-        """Load `path` unless it is already loaded. Raises EngineError on failure."""
+    async def load(self, file: Registered) -> Message:
+        """Load `file` unless it is already loaded. Raises EngineError on failure (`model_changed`
+        when the file at its path is no longer the one registered)."""
         async with self._lock:
-            return await self._load(path, digest, [])
+            return await self._load(file, [])
 
     async def unload(self) -> None:
         async with self._lock:
             if self.alive and self.model_path is not None:
                 self._send({"op": "unload"})
                 await self._next()
-            self.model_path = self.mode = None
+            self.model_path = self.file = self.mode = None
 
     async def generate(self, gen: Generation) -> AsyncIterator[Message]:
         """Yield `chunk` messages, then one `done`. Raises EngineError on failure.
         A crash that `_survive` forgives is invisible here: the model is loaded again and
         the generation continues from the tokens already yielded."""
         async with self._lock:
-            path, digest = self.model_path, self.digest
-            if path is None or digest is None:
+            file = self.file
+            if file is None:
                 raise EngineError("model_not_loaded", "No model is loaded.")
             crashes: list[str] = []
             ids, emitted = list(gen.prefix_ids or []), gen.emitted_chars
@@ -224,15 +231,15 @@ class Engine:
                     if msg["ev"] == "done":
                         self._last_used = time.monotonic()
                         return
-                await self._survive(crashes, "generating with")
-                await self._load(path, digest, crashes)
+                await self._survive(crashes, "generating with", file)
+                await self._load(file, crashes)
 
-    async def embed(self, path: str, digest: str, texts: list[str], dimensions: int | None) -> Message:
-        """Embed `texts` with the model at `path`, loading it if needed. It waits its turn on the
+    async def embed(self, file: Registered, texts: list[str], dimensions: int | None) -> Message:
+        """Embed `texts` with the model in `file`, loading it if needed. It waits its turn on the
         same lock as a generation: it runs between two, never during one. The `embedded` message,
         with `fresh` set if the model had to be loaded. Raises EngineError."""
         async with self._lock:
-            loaded = await self._load(path, digest, [])
+            loaded = await self._load(file, [])
             self._send({"op": "embed", "texts": texts, "dimensions": dimensions})
             msg = await self._next()
             if msg["ev"] != "embedded":

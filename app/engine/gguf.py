@@ -253,6 +253,14 @@ def inspect(path: str | os.PathLike[str], cancel: threading.Event | None = None)
         if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or device would block or never end
             raise GgufError("not a regular file")
         with open(path, "rb") as f:
-            return _parse(_Reader(f, os.fstat(f.fileno()).st_size, cancel))
+            return read(f, cancel)
+    except OSError as e:
+        raise GgufError(f"cannot read the file: {e.strerror or e}") from e
+
+
+def read(f: BinaryIO, cancel: threading.Event | None = None) -> GgufInfo:
+    """`inspect` for a file already open (at its start): the caller may go on to hash the same bytes."""
+    try:
+        return _parse(_Reader(f, os.fstat(f.fileno()).st_size, cancel))
     except OSError as e:
         raise GgufError(f"cannot read the file: {e.strerror or e}") from e

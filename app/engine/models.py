@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 from app.engine import gguf
 from app.errors import Conflict, InvalidRequest, LmspError, NotFound
 
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")  # \Z: "$" would let "id\n" through
+DIGEST_CHECK_BYTES = 256 * 1024 * 1024  # files up to this size are hashed again before each load
 
 
 @dataclass(frozen=True)
@@ -27,21 +29,48 @@ class ModelFile:
     mtime_ns: int
     digest: str
     info: gguf.GgufInfo
+    device: int  # with `inode`: which file the path led to, whatever links led there
+    inode: int
+
+
+@dataclass(frozen=True)
+class Registered:
+    """What loading a model needs: its path, and what the file validated at registration was."""
+    path: str
+    digest: str
+    size_bytes: int
+    mtime_ns: int
+    device: int | None  # None for a model registered before they were recorded
+    inode: int | None
+
+
+class FileChanged(Exception):
+    """The file at a model's path is not the one that was validated and hashed at registration."""
+
+
+def registered(row: sqlite3.Row) -> Registered:
+    return Registered(row["path"], row["digest"], row["size_bytes"], row["mtime_ns"], row["device"], row["inode"])
 
 
 def sha256_file(path: Path, progress: Callable[[int, int], None] | None = None,
                 cancel: threading.Event | None = None) -> str:
-    h = hashlib.sha256()
-    total = path.stat().st_size
-    done = 0
     with path.open("rb") as fh:
-        while chunk := fh.read(1 << 20):
-            if cancel is not None and cancel.is_set():  # 40 GiB take minutes: nobody may be waiting
-                raise gguf.Cancelled()
-            h.update(chunk)
-            done += len(chunk)
-            if progress:
-                progress(done, total)
+        return _sha256(fh, progress, cancel)
+
+
+def _sha256(fh: BinaryIO, progress: Callable[[int, int], None] | None = None,
+            cancel: threading.Event | None = None) -> str:
+    """The digest of an open file from where it stands to its end."""
+    h = hashlib.sha256()
+    total = os.fstat(fh.fileno()).st_size
+    done = 0
+    while chunk := fh.read(1 << 20):
+        if cancel is not None and cancel.is_set():  # 40 GiB take minutes: nobody may be waiting
+            raise gguf.Cancelled()
+        h.update(chunk)
+        done += len(chunk)
+        if progress:
+            progress(done, total)
     return "sha256:" + h.hexdigest()
 
 
@@ -55,13 +84,48 @@ def examine(path_text: str, progress: Callable[[int, int], None] | None = None,
         raise InvalidRequest("The model path must be absolute.", param="path")
     if not path.is_file():
         raise InvalidRequest(f"No file at {path}.", param="path", code="model_file_not_found")
+    # One open for the check and the hash: the bytes validated are the bytes hashed, and the file
+    # recorded (device, inode) is the one they came from, whatever the path points at later.
     try:
-        info = gguf.inspect(path, cancel)
-    except gguf.GgufError as exc:
+        with path.open("rb") as fh:
+            before = os.fstat(fh.fileno())
+            info = gguf.read(fh, cancel)
+            fh.seek(0)
+            digest = digest or _sha256(fh, progress, cancel)
+            after = os.fstat(fh.fileno())
+    except (gguf.GgufError, OSError) as exc:
         raise InvalidRequest(f"{path.name} is not a usable GGUF model: {exc}", param="path",
                              code="invalid_model_file") from exc
-    stat = path.stat()
-    return ModelFile(str(path), stat.st_size, stat.st_mtime_ns, digest or sha256_file(path, progress, cancel), info)
+    if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+        raise InvalidRequest(f"{path.name} changed while it was being read; try again when it is complete.",
+                             param="path", code="invalid_model_file")
+    return ModelFile(str(path), after.st_size, after.st_mtime_ns, digest, info, after.st_dev, after.st_ino)
+
+
+def open_verified(file: Registered) -> tuple[int, str]:
+    """Open a model's file for loading, checking that it is still the file validated at
+    registration: device and inode, size and mtime, and the digest when that costs little.
+    Returns the open descriptor and a path naming exactly that open file where the system has
+    one, so that llama.cpp reads the file checked here even if `path` is re-pointed meanwhile.
+    The caller closes the descriptor. Raises FileChanged."""
+    fd = os.open(file.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO put there must not block
+    try:
+        st = os.fstat(fd)
+        recorded = (file.size_bytes, file.mtime_ns, file.device, file.inode)
+        found = (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
+        if any(want is not None and want != have for want, have in zip(recorded, found)):
+            raise FileChanged(f"{file.path} is no longer the file that was registered (another file, or "
+                              "changed since); register it again to use it.")
+        if st.st_size <= DIGEST_CHECK_BYTES:
+            with open(fd, "rb", closefd=False) as fh:
+                if _sha256(fh) != file.digest:
+                    raise FileChanged(f"The content of {file.path} changed since it was registered (its sha256 "
+                                      "differs); register it again to use it.")
+        by_fd = next((p for p in (f"/proc/self/fd/{fd}", f"/dev/fd/{fd}") if os.path.exists(p)), file.path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, by_fd
 
 
 def suggest_id(path: str) -> str:
@@ -80,19 +144,21 @@ def insert(conn: sqlite3.Connection, model_id: str, found: ModelFile, replace: b
         conn.execute("DELETE FROM models WHERE id = ?", (model_id,))
     meta = {"architecture": found.info.architecture, "name": found.info.name,
             "has_chat_template": found.info.has_chat_template}
-    conn.execute("INSERT INTO models(id, path, size_bytes, mtime_ns, digest, context_length, metadata, created_at) "
-                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+    conn.execute("INSERT INTO models(id, path, size_bytes, mtime_ns, digest, context_length, metadata, created_at, "
+                 "device, inode) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                  (model_id, found.path, found.size_bytes, found.mtime_ns, found.digest,
-                  found.info.context_length, json.dumps(meta), time.time()))
+                  found.info.context_length, json.dumps(meta), time.time(), found.device, found.inode))
 
 
 def file_status(row: sqlite3.Row) -> str:
-    """`available`, `missing`, or `changed` (size or mtime differ from what was registered)."""
+    """`available`, `missing`, or `changed`: the path leads to another file (device, inode) than the
+    one registered, or its size or mtime differ."""
     try:
         stat = Path(row["path"]).stat()
     except OSError:
         return "missing"
-    if stat.st_size != row["size_bytes"] or stat.st_mtime_ns != row["mtime_ns"]:
+    if stat.st_size != row["size_bytes"] or stat.st_mtime_ns != row["mtime_ns"] or (
+            row["inode"] is not None and (stat.st_dev, stat.st_ino) != (row["device"], row["inode"])):
         return "changed"
     return "available"
 

@@ -58,8 +58,8 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except LmspError as exc:
-        challenge = {"WWW-Authenticate": 'Bearer realm="lmsp"'} if exc.status == 401 else None
-        return web.json_response(exc.body(), status=exc.status, headers=challenge)
+        headers = {**exc.headers, **({"WWW-Authenticate": 'Bearer realm="lmsp"'} if exc.status == 401 else {})}
+        return web.json_response(exc.body(), status=exc.status, headers=headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

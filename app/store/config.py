@@ -10,6 +10,7 @@ from typing import Any
 from app.errors import InvalidRequest
 
 ON_RESTART = ("fail", "retry", "resume")
+MIB = 1024 * 1024
 
 DEFAULTS: dict[str, Any] = {
     "host": "127.0.0.1",
@@ -23,6 +24,12 @@ DEFAULTS: dict[str, Any] = {
     "allowed_hosts": [],
     "engine_mode": "auto",  # §11: auto falls back to safe per model when fast mode crashes
     "max_connections": 256,  # open HTTP connections at once; capped at a quarter of the fd limit
+    # Unfinished tasks (generations and downloads) one client, and all clients, may have at once.
+    "max_queued_tasks_per_client": 100,
+    "max_queued_tasks": 1000,
+    # Bytes of stored requests (prompts), finished ones kept for `retention_seconds` included.
+    "max_request_bytes_per_client": 256 * MIB,
+    "max_request_bytes": 1024 * MIB,
 }
 
 
@@ -57,6 +64,10 @@ VALIDATORS: dict[str, Any] = {
     "allowed_hosts": _str_list,
     "engine_mode": lambda v: v in ("auto", "fast", "safe"),
     "max_connections": _int_in(8, 65536),
+    "max_queued_tasks_per_client": _int_in(1, 100_000),
+    "max_queued_tasks": _int_in(1, 1_000_000),
+    "max_request_bytes_per_client": _int_in(MIB, 1 << 40),
+    "max_request_bytes": _int_in(MIB, 1 << 40),
 }
 
 

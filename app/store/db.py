@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 SQLITE_READONLY = 8
 SQLITE_CORRUPT = 11
 SQLITE_NOTADB = 26
+AUTO_VACUUM_INCREMENTAL = 2
 
 
 def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
@@ -35,6 +36,9 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     if readonly:
         conn.execute("PRAGMA query_only = ON")
     else:
+        # Retention's deletes give their pages back to the disk (retention.reclaim). A new file
+        # is made so; an older one is switched by one VACUUM (see `_reclaimable`).
+        conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA wal_autocheckpoint = 1000")
@@ -150,7 +154,25 @@ def open_database(path: Path) -> Opened:
         aside = move_aside(path)
         conn = connect(path)
     migrate(conn, path)
+    _reclaimable(conn, path)
     return Opened(conn, aside)
+
+
+def _reclaimable(conn: sqlite3.Connection, path: Path) -> None:
+    """Switch a file made before auto_vacuum = INCREMENTAL (schema 6 and older) by the one VACUUM
+    that takes: it rewrites the whole file, so it runs outside any transaction, hence not in a
+    migration. Without room on the disk for the copy, the file works on as it is and the next
+    start tries again."""
+    if conn.execute("PRAGMA auto_vacuum").fetchone()[0] == AUTO_VACUUM_INCREMENTAL:
+        return
+    started = time.monotonic()
+    try:
+        conn.execute("VACUUM")
+    except sqlite3.OperationalError as exc:
+        log.warning("could not switch the database %s to give freed space back (%s); trying at the next start",
+                    path, exc)
+        return
+    log.info("database switched to give freed space back to the disk (VACUUM, %.1f s)", time.monotonic() - started)
 
 
 def migrate(conn: sqlite3.Connection, path: Path) -> None:

@@ -36,7 +36,7 @@ from typing import Any, Callable
 from app.engine import hub, models
 from app.errors import LmspError
 from app.store.store import Store
-from app.tasks import machine
+from app.tasks import limits, machine
 from app.tasks.bus import EventBus
 from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING, TERMINAL
 
@@ -223,14 +223,14 @@ def _download(conn: sqlite3.Connection, task_id: str) -> sqlite3.Row:
     return row
 
 
-def create(conn: sqlite3.Connection, client_id: str, remote: hub.Remote, task_id: str, request_id: str
-           ) -> list[machine.Event]:
-    """A new queued download. Its request row in `responses` carries who asked and when."""
+def create(conn: sqlite3.Connection, settings: dict[str, Any], client_id: str, remote: hub.Remote, task_id: str,
+           request_id: str) -> list[machine.Event]:
+    """A new queued download, within the limits on queued work. Its request row in `responses`
+    carries who asked and when."""
     now = time.time()
-    conn.execute("INSERT INTO responses(id, client_id, model_id, request, background, metadata, created_at) "
-                 "VALUES (?, ?, ?, ?, 1, '{}', ?)",
-                 (request_id, client_id, f"{remote.repo}/{remote.file}",
-                  json.dumps({"repo": remote.repo, "file": remote.file, "revision": remote.revision}), now))
+    limits.store_request(conn, settings, request_id, client_id, f"{remote.repo}/{remote.file}",
+                         json.dumps({"repo": remote.repo, "file": remote.file, "revision": remote.revision}),
+                         True, "{}", now)
     conn.execute("INSERT INTO tasks(id, response_id, status, on_restart, created_at, kind) "
                  "VALUES (?, ?, 'queued', 'resume', ?, 'download')", (task_id, request_id, now))
     conn.execute("INSERT INTO downloads(task_id, repo, file, revision, commit_hash, sha256, total_bytes, partial_path) "

@@ -22,7 +22,7 @@ from typing import Any
 from app.engine import models
 from app.engine.engine import Engine, EngineError, Generation
 from app.engine.modes import EngineModes
-from app.errors import LmspError
+from app.errors import LmspError, StoreError
 from app.store.store import Store
 from app.tasks import machine, output, records
 from app.tasks.bus import EventBus
@@ -30,6 +30,8 @@ from app.tasks.machine import RESPONSE
 from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING
 
 log = logging.getLogger(__name__)
+BACKOFF_FIRST, BACKOFF_LAST = 0.5, 30.0  # seconds between tries of a write the database refuses
+WRITE_ERRORS = (StoreError, sqlite3.Error)  # what a write may raise when the disk refuses it
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,14 @@ class Chunk:
     text: str
     output_tokens: int
     tokens_per_second: float | None
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A task the runner took, whose client it was, and the events taking it wrote."""
+    task_id: str
+    client_id: str
+    events: list[machine.Event]
 
 
 @dataclass
@@ -54,6 +64,7 @@ class Job:
     new_tokens: int = 0
     item_id: str = ""       # the id of the response's one output message
     saving: asyncio.Task[bool] | None = None  # the write in flight, if any
+    error: Exception | None = None  # a write of the output that failed: the task stops
 
     def add(self, ids: list[int], text: str) -> None:
         self.ids += ids
@@ -71,6 +82,22 @@ class Job:
         return chunk
 
 
+class Backoff:
+    """Waits that double from half a second to half a minute, each logged once: a write that
+    keeps failing (a full disk) is retried without spinning or flooding the log."""
+
+    def __init__(self) -> None:
+        self.delay = BACKOFF_FIRST
+
+    async def wait(self, what: str) -> None:
+        log.warning("%s; trying again in %.1f s", what, self.delay)
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.delay * 2, BACKOFF_LAST)
+
+    def reset(self) -> None:
+        self.delay = BACKOFF_FIRST
+
+
 class Runner:
     def __init__(self, store: Store, bus: EventBus, engines: list[Engine], modes: EngineModes) -> None:
         self.store = store
@@ -83,6 +110,7 @@ class Runner:
         self.last_tokens_per_second: float | None = None
         self.paused = False
         self._wake = asyncio.Event()
+        self._last_client = ""  # whose task was taken last: the next queued one is another's
         self._stopping = False
         self._main: asyncio.Task[None] | None = None
         self._workers: set[asyncio.Task[None]] = set()
@@ -124,32 +152,57 @@ class Runner:
             job.engine.cancel()
 
     async def _schedule(self) -> None:
+        backoff = Backoff()
         while not self._stopping:
             self._wake.clear()
             engine = self.idle_engine()
             claimed = None
             if engine is not None and not self.paused:
-                claimed = await self.store.write(_claim, list(self.jobs))
+                try:
+                    claimed = await self.store.write(_claim, list(self.jobs), self._last_client)
+                except WRITE_ERRORS as exc:  # a full disk: no task can start until a write succeeds
+                    await backoff.wait(f"cannot take the next task ({exc})")
+                    continue
+                backoff.reset()
             if claimed is None or engine is None:
                 await self._wake.wait()
                 continue
-            task_id, events = claimed
-            self.bus.publish(events)
-            job = self.jobs[task_id] = Job(task_id, engine)
-            worker = asyncio.create_task(self._run(job), name=f"lmsp-task-{task_id}")
+            self._last_client = claimed.client_id
+            self.bus.publish(claimed.events)
+            job = self.jobs[claimed.task_id] = Job(claimed.task_id, engine)
+            worker = asyncio.create_task(self._run(job), name=f"lmsp-task-{claimed.task_id}")
             self._workers.add(worker)
             worker.add_done_callback(self._workers.discard)
 
     async def _run(self, job: Job) -> None:
         try:
             await self._execute(job)
-        except Exception:
-            log.exception("task %s failed unexpectedly", job.task_id)
-            await self.write(_fail, job.task_id, "internal_error", "An unexpected error stopped this task.")
+        except Exception as exc:
+            if isinstance(exc, StoreError) and exc.code == "disk_full":
+                code, message = "disk_full", ("The disk filled up while this task ran, so it stopped; its output "
+                                              "up to then is kept. Free some space and ask again.")
+            else:
+                log.exception("task %s failed unexpectedly", job.task_id)
+                code, message = "internal_error", "An unexpected error stopped this task."
+            await self._fail_when_possible(job.task_id, code, message)
         finally:
             log.info("task %s: left the engine", job.task_id)
             self.jobs.pop(job.task_id, None)
             self.wake()
+
+    async def _fail_when_possible(self, task_id: str, code: str, message: str) -> None:
+        """Fail the task. While the database refuses writes (a full disk) keep trying, ever more
+        slowly, and keep the task: taken again, it would fail again at once, in a tight loop."""
+        backoff = Backoff()
+        while True:
+            try:
+                if await self.write(_fail, task_id, code, message) is None:
+                    await self.write(_cancelled, task_id)  # a cancel was accepted meanwhile
+                return
+            except WRITE_ERRORS as exc:
+                if self._stopping:
+                    return  # the next start's recovery settles it, by its on_restart
+                await backoff.wait(f"task {task_id}: cannot record that it stopped ({exc})")
 
     async def _execute(self, job: Job) -> None:
         row = await self.store.read(records.one_task, job.task_id)
@@ -160,7 +213,7 @@ class Runner:
                  row["output_tokens"])
         try:
             model = await self.store.read(models.usable, row["model_id"])
-            if not (await job.engine.load(model["path"], model["digest"])).get("cached"):  # a fresh load: tell the GUI
+            if not (await job.engine.load(models.registered(model))).get("cached"):  # a fresh load: tell the GUI
                 self.bus.publish([{"type": "models.changed"}])
         except (LmspError, EngineError) as exc:
             code = exc.code if isinstance(exc, LmspError) or exc.code == "engine_crashed" else "model_load_failed"
@@ -189,7 +242,7 @@ class Runner:
                 self.tokens_generated += len(msg["ids"])
                 if job.saving is None or job.saving.done():
                     if job.saving is not None and not job.saving.result():
-                        job.engine.cancel()  # the task left `running`: a cancel was accepted
+                        job.engine.cancel()  # the task left `running` (a cancel), or a write failed
                     job.saving = asyncio.create_task(self._save(job))
         except EngineError as exc:
             await self._flush(job)
@@ -199,6 +252,8 @@ class Runner:
         self.last_tokens_per_second = _tokens_per_second(job) or self.last_tokens_per_second
         if job.saving is not None:
             await job.saving
+        if job.error is not None:
+            raise job.error
         if reason == "cancelled":
             if await self.write(_cancelled, job.task_id) is None:
                 await self._flush(job)  # shutting down: keep the snapshot, recovery decides
@@ -208,9 +263,14 @@ class Runner:
 
     async def _save(self, job: Job) -> bool:
         """Write the output produced so far, again and again while more comes during a commit.
-        False once the task is no longer running (a cancel was accepted)."""
+        False once the task is no longer running (a cancel was accepted) or a write failed
+        (kept in `job.error`: the generation is stopped, then the task fails)."""
         while job.unwritten():
-            if await self.write(_save_output, job.task_id, job.item_id, job.take()) is None:
+            try:
+                if await self.write(_save_output, job.task_id, job.item_id, job.take()) is None:
+                    return False
+            except WRITE_ERRORS as exc:
+                job.error = exc
                 return False
         return True
 
@@ -240,22 +300,26 @@ def _tokens_per_second(job: Job) -> float | None:
 
 # Transactions: each runs on the writer thread and returns the events it wrote.
 
-def _claim(conn: sqlite3.Connection, busy: list[str]) -> tuple[str, list[machine.Event]] | None:
-    """The next task to run: a resumed `running` task first, else the oldest queued one."""
+def _claim(conn: sqlite3.Connection, busy: list[str], last_client: str) -> Claimed | None:
+    """The next task to run: a resumed `running` task first, else a queued one, round-robin by
+    client: the oldest of the first client after `last_client` (in id order, wrapping around)
+    that has one. A client with 50 queued tasks delays another's single task by one task, not 50."""
     marks = ",".join("?" * len(busy))
-    exclude = f" AND id NOT IN ({marks})" if busy else ""
+    exclude = f" AND t.id NOT IN ({marks})" if busy else ""
     # Downloads are tasks too, but no engine work: app/tasks/downloads.py runs them.
-    row = conn.execute(f"SELECT id FROM tasks WHERE status = 'running' AND kind = 'response'{exclude} "
-                       "ORDER BY created_at LIMIT 1", busy).fetchone()
+    row = conn.execute(f"SELECT t.id, r.client_id FROM tasks t JOIN responses r ON r.id = t.response_id "
+                       f"WHERE t.status = 'running' AND t.kind = 'response'{exclude} ORDER BY t.created_at LIMIT 1",
+                       busy).fetchone()
     if row is not None:
-        return row["id"], []
-    row = conn.execute("SELECT id FROM tasks WHERE status = 'queued' AND kind = 'response' "
-                       "ORDER BY created_at LIMIT 1").fetchone()
+        return Claimed(row["id"], row["client_id"], [])
+    row = conn.execute("SELECT t.id, r.client_id FROM tasks t JOIN responses r ON r.id = t.response_id "
+                       "WHERE t.status = 'queued' AND t.kind = 'response' "
+                       "ORDER BY r.client_id <= ?, r.client_id, t.created_at LIMIT 1", (last_client,)).fetchone()
     if row is None:
         return None
     events = machine.transition(conn, row["id"], LOADING, [("response.loading", {"progress": 0.0})])
     assert events is not None
-    return row["id"], events
+    return Claimed(row["id"], row["client_id"], events)
 
 
 def _start_running(conn: sqlite3.Connection, task_id: str, item_id: str) -> list[machine.Event] | None:
