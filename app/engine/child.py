@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Iterator
 
 from app.engine import grammar
+from app.engine.sampling import GrammarSampler
 
 Message = dict[str, Any]
 # A chat turn of ordinary length: the warm-up decodes it in one batch, as a first task would.
@@ -199,12 +200,11 @@ class Child:
         """The sampler chain `Llama.generate` would build, with the request's grammar if it has
         one. The grammar is advanced over the tokens already produced (a resumed task), so the
         output carries on from where it stands and still ends as valid JSON."""
-        from llama_cpp.llama_grammar import LlamaGrammar
-
         constraint = msg.get("constraint")
-        rules = LlamaGrammar.from_string(grammar.gbnf(constraint)) if constraint else None
         sampler = self.llm._init_sampler(temp=float(msg.get("temperature", 1.0)), top_p=float(msg.get("top_p", 1.0)),
-                                         top_k=0, min_p=0.0, repeat_penalty=1.0, grammar=rules)
+                                         top_k=0, min_p=0.0, repeat_penalty=1.0)
+        if constraint:
+            sampler = GrammarSampler(self.llm, sampler, grammar.gbnf(constraint))
         for tok in prefix:
             sampler.accept(tok)
         return sampler
