@@ -18,6 +18,7 @@ import json
 import re
 import sys
 from functools import cache
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -42,15 +43,13 @@ QUANTIFIER = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
 def _converter() -> ModuleType:
     """llama_cpp.llama_grammar, which needs only the standard library. In the engine child the
     package is loaded anyway; in the app it is read alone, without loading llama.cpp's libraries."""
-    if "llama_cpp" in sys.modules:
+    package = importlib.util.find_spec("llama_cpp")
+    source = Path(list(package.submodule_search_locations or [""])[0], "llama_grammar.py") if package else None
+    if "llama_cpp" in sys.modules or source is None or not source.is_file():  # loaded, or frozen: import it
         import llama_cpp.llama_grammar
 
         return llama_cpp.llama_grammar
-    package = importlib.util.find_spec("llama_cpp")
-    if package is None or not package.submodule_search_locations:
-        raise RuntimeError("llama-cpp-python is not installed.")
-    folder = list(package.submodule_search_locations)[0]
-    spec = importlib.util.spec_from_file_location("lmsp_llama_grammar", f"{folder}/llama_grammar.py")
+    spec = importlib.util.spec_from_file_location("lmsp_llama_grammar", source)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
