@@ -77,11 +77,15 @@ def test_sdk_parse_helpers_return_parsed_objects_every_time(sdk: openai.OpenAI) 
 
 def test_json_object_always_parses(sdk: openai.OpenAI) -> None:
     for prompt in ("List three fruits as JSON.", "Say hello."):
-        made = sdk.responses.create(model="smollm2-135m-instruct", input=prompt, text={"format": {"type": "json_object"}})
+        # Temperature 0: any JSON object is a wide grammar, and at 1 the small model can wander for
+        # thousands of tokens of nested keys before it closes them (valid, but slow to wait for).
+        made = sdk.responses.create(model="smollm2-135m-instruct", input=prompt, temperature=0,
+                                    text={"format": {"type": "json_object"}})
         assert made.status == "completed"
         assert isinstance(json.loads(made.output_text), dict), made.output_text
         assert made.text.format.type == "json_object"
     chat = sdk.chat.completions.create(model="smollm2-135m-instruct", response_format={"type": "json_object"},
+                                       temperature=0,
                                        messages=[{"role": "user", "content": "Give me a JSON object."}])
     assert isinstance(json.loads(chat.choices[0].message.content or ""), dict)
 
@@ -100,8 +104,9 @@ def test_a_schema_the_grammar_cannot_express_is_refused_and_nothing_is_stored(he
     status, body = headless.post("/v1/responses", {"input": "hi", "tools": [{**TOOLS[1], "parameters": fmt["schema"]}]})
     assert status == 400 and body["error"] == {**body["error"], "code": "unsupported_schema",
                                                "param": "tools[0].parameters"}
-    status, body = headless.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                          "response_format": {"type": "json_schema", "json_schema": fmt}})
+    chat = {"messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": fmt}}
+    status, body = headless.post("/v1/chat/completions", chat)
     assert status == 400 and body["error"]["code"] == "unsupported_schema"
     assert body["error"]["param"] == "response_format.json_schema.schema"
     assert headless.get("/v1/tasks")[1]["data"] == []
