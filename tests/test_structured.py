@@ -76,7 +76,7 @@ def test_sdk_parse_helpers_return_parsed_objects_every_time(sdk: openai.OpenAI) 
 
 
 def test_json_object_always_parses(sdk: openai.OpenAI) -> None:
-    for prompt in ("List three fruits as JSON.", "Say hello."):
+    for prompt in ("Describe a cat in JSON with its name and age.", "Say hello."):
         # Temperature 0: any JSON object is a wide grammar, and at 1 the small model can wander for
         # thousands of tokens of nested keys before it closes them (valid, but slow to wait for).
         made = sdk.responses.create(model="smollm2-135m-instruct", input=prompt, temperature=0,
@@ -86,7 +86,7 @@ def test_json_object_always_parses(sdk: openai.OpenAI) -> None:
         assert made.text.format.type == "json_object"
     chat = sdk.chat.completions.create(model="smollm2-135m-instruct", response_format={"type": "json_object"},
                                        temperature=0,
-                                       messages=[{"role": "user", "content": "Give me a JSON object."}])
+                                       messages=[{"role": "user", "content": "Describe a cat in JSON with its name and age."}])
     assert isinstance(json.loads(chat.choices[0].message.content or ""), dict)
 
 
