@@ -23,6 +23,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
          {"type": "function", "name": "add", "description": "Add two integers.",
           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                          "required": ["a", "b"], "additionalProperties": False}}]
+CAT = "Describe a cat in JSON with its name and age."  # SmolLM2 closes this object (at temperature 0)
 ADD = {k: v for k, v in TOOLS[1].items() if k != "type"}  # the chat shape of a function
 CALL_EVENTS = ["response.output_item.added", "response.function_call_arguments.delta",
                "response.function_call_arguments.done", "response.output_item.done"]
@@ -76,7 +77,7 @@ def test_sdk_parse_helpers_return_parsed_objects_every_time(sdk: openai.OpenAI) 
 
 
 def test_json_object_always_parses(sdk: openai.OpenAI) -> None:
-    for prompt in ("Describe a cat in JSON with its name and age.", "Say hello."):
+    for prompt in (CAT, "Say hello."):
         # Temperature 0: any JSON object is a wide grammar, and at 1 the small model can wander for
         # thousands of tokens of nested keys before it closes them (valid, but slow to wait for).
         made = sdk.responses.create(model="smollm2-135m-instruct", input=prompt, temperature=0,
@@ -86,7 +87,7 @@ def test_json_object_always_parses(sdk: openai.OpenAI) -> None:
         assert made.text.format.type == "json_object"
     chat = sdk.chat.completions.create(model="smollm2-135m-instruct", response_format={"type": "json_object"},
                                        temperature=0,
-                                       messages=[{"role": "user", "content": "Describe a cat in JSON with its name and age."}])
+                                       messages=[{"role": "user", "content": CAT}])
     assert isinstance(json.loads(chat.choices[0].message.content or ""), dict)
 
 
