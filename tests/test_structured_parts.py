@@ -62,7 +62,8 @@ def test_json_strings_in_the_grammar_exclude_control_characters() -> None:
 def test_call_events_stream_the_arguments_whatever_the_chunks() -> None:
     for size in (1, 2, 3, 7, len(TEXT)):
         stream = CallStream("resp_abc")
-        events = [e for i in range(0, len(TEXT), size) for e in stream.feed(TEXT[i:i + size])] + stream.done("completed")
+        events = [e for i in range(0, len(TEXT), size) for e in stream.feed(TEXT[i:i + size])]
+        events += stream.done("completed")
         kinds = [kind for kind, _ in events]
         assert kinds[0] == "response.output_item.added" and kinds.count("response.output_item.added") == 1
         assert kinds[-2:] == ["response.function_call_arguments.done", "response.output_item.done"]

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from tests.conftest import Headless, wait_until
 from tests.helpers import COUNT
 
-TOKENS = 192
-ROUNDS = 3
+TOKENS = 128
+ROUNDS = 2
 # The numbers as a JSON array: as long as the plain answer, and it cannot end before TOKENS.
 NUMBERS = {"type": "object", "properties": {"numbers": {"type": "array", "items": {"type": "integer"},
                                                         "minItems": 500}},
@@ -29,6 +31,7 @@ def decode_rate(svc: Headless, extra: dict[str, Any]) -> float:
     return float(task["progress"]["tokens_per_second"])
 
 
+@pytest.mark.timeout(1800)  # decoding 5 x 128 tokens on a machine other work may be sharing
 def test_json_schema_grammar_decode_rate_vs_unconstrained(headless: Headless) -> None:
     headless.start()
     grammar = {"text": {"format": {"type": "json_schema", "name": "numbers", "schema": NUMBERS, "strict": True}}}
