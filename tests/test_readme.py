@@ -73,3 +73,18 @@ def test_shell_examples_run_in_order(headless: Headless) -> None:
     assert f"serving on {headless.url}" in out             # lmsp-tray status
     assert "smollm2-135m-instruct" in out                  # lmsp-tray models / tasks
     assert "No pairing requests are waiting." in out       # lmsp-tray pairings
+
+
+def test_structured_output_and_tools_example(headless: Headless) -> None:
+    """The API tour's example: a parsed object, a forced call, and the answer to the call's result."""
+    headless.start()
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("### Structured output and function tools"):].split("\n### ", 1)[0]
+    [code] = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    run = subprocess.run([sys.executable, "-c", code], env={**_env(headless), "TOKEN": headless.token},
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert re.match(r"name='.*' country='.*'$", lines[0]), lines
+    assert re.match(r"get_weather \{'city': '.*'\}$", lines[1]), lines
+    assert len(lines) >= 3 and lines[2].strip()  # the model's answer after the call's result

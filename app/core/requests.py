@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from app.core import structured
 from app.errors import InvalidRequest
 from app.store.config import ON_RESTART
 
@@ -13,6 +14,7 @@ KNOWN = {"model", "input", "instructions", "max_output_tokens", "temperature", "
          "parallel_tool_calls", "truncation", "reasoning", "include", "previous_response_id", "service_tier",
          "stream_options", "prompt_cache_key", "safety_identifier", "top_logprobs", "max_tool_calls"}
 ROLES = {"system", "developer", "user", "assistant"}
+CALL_ITEMS = {"function_call", "function_call_output"}
 
 
 @dataclass
@@ -29,13 +31,14 @@ class ResponseRequest:
     background: bool
     on_restart: str | None
     instructions: str | None
+    structured: dict[str, Any]  # text.format, tools, tool_choice and the constraint (app/core/structured.py)
     previous_response_id: str | None = None  # resolved into `messages` when accepted (app/core/conversation.py)
     store: bool = True
 
     def generation(self) -> dict[str, Any]:
         """What the engine needs; stored with the response so a restart can redo or resume it."""
         return {"messages": self.messages, "instructions": self.instructions, "temperature": self.temperature,
-                "top_p": self.top_p, "seed": self.seed, "stop": self.stop}
+                "top_p": self.top_p, "seed": self.seed, "stop": self.stop, **self.structured}
 
 
 def _is_int(v: Any) -> bool:
@@ -67,6 +70,9 @@ def _messages(value: Any) -> list[dict[str, str]]:
         raise InvalidRequest("`input` must be a string or a non-empty list of messages.", param="input")
     out = []
     for i, item in enumerate(value):
+        if isinstance(item, dict) and item.get("type") in CALL_ITEMS:
+            out.append(structured.item_message(item, value[:i], f"input[{i}]"))
+            continue
         if not isinstance(item, dict) or item.get("role") not in ROLES:
             raise InvalidRequest(f"Each message needs a role, one of {sorted(ROLES)}.", param=f"input[{i}].role")
         role = "system" if item["role"] == "developer" else item["role"]
@@ -134,4 +140,5 @@ def parse(body: Any) -> ResponseRequest:
         raise InvalidRequest("A background response must be stored: `store: false` needs `background: false`.",
                              param="store")
     return ResponseRequest(model, messages, max_tokens, float(temperature), float(top_p), seed, stop, metadata,
-                           flags["stream"], flags["background"], on_restart, instructions, previous, flags["store"])
+                           flags["stream"], flags["background"], on_restart, instructions, structured.parse(body),
+                           previous, flags["store"])

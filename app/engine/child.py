@@ -29,6 +29,9 @@ from app.engine import models
 if TYPE_CHECKING:
     from app.engine.embedder import Embedder
 
+from app.engine import grammar
+from app.engine.sampling import GrammarSampler
+
 Message = dict[str, Any]
 # A chat turn of ordinary length: the warm-up decodes it in one batch, as a first task would.
 WARMUP = ("You are a helpful assistant. Read the following note and answer the question after it. "
@@ -236,6 +239,19 @@ class Child:
                 tokens += llm.tokenize(text, add_bos=False, special=k % 2 == 0)
         return tokens
 
+    def sampler(self, msg: Message, prefix: list[int]) -> Any:
+        """The sampler chain `Llama.generate` would build, with the request's grammar if it has
+        one. The grammar is advanced over the tokens already produced (a resumed task), so the
+        output carries on from where it stands and still ends as valid JSON."""
+        constraint = msg.get("constraint")
+        sampler = self.llm._init_sampler(temp=float(msg.get("temperature", 1.0)), top_p=float(msg.get("top_p", 1.0)),
+                                         top_k=0, min_p=0.0, repeat_penalty=1.0)
+        if constraint:
+            sampler = GrammarSampler(self.llm, sampler, grammar.gbnf(constraint))
+        for tok in prefix:
+            sampler.accept(tok)
+        return sampler
+
     def cancelled(self, job: str) -> bool:
         while self.conn.poll():
             msg = self.conn.recv()
@@ -303,10 +319,10 @@ class Child:
                 return
         if msg.get("seed") is not None:
             llm.set_seed(int(msg["seed"]))
-        temperature = float(msg.get("temperature", 1.0))
+        sampler = self.sampler(msg, prefix)
         if count < limit:
-            for tok in llm.generate(history, temp=temperature, top_p=float(msg.get("top_p", 1.0)),
-                                    top_k=0, min_p=0.0, repeat_penalty=1.0, reset=True):
+            while True:
+                tok = sampler.sample(llm._ctx, -1)
                 if self.cancelled(job):
                     reason = "cancelled"
                     break
@@ -327,6 +343,7 @@ class Child:
                 emitted = safe
                 if count >= limit:
                     break
+                llm.eval([tok])
         text += decoder.decode(b"", final=True)
         if len(text) > emitted:
             self.conn.send({"ev": "chunk", "job": job, "ids": [], "text": text[emitted:]})

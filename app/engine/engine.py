@@ -51,6 +51,7 @@ class Generation:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] | None = None
+    constraint: dict[str, Any] | None = None  # JSON the output must be (app/engine/grammar.py)
     prefix_ids: list[int] | None = None
     emitted_chars: int = 0
 

@@ -22,6 +22,7 @@ ACTIVE = UNFINISHED  # the task statuses that are not final
 # The task status each event moves to; terminal events drop the task from `active`.
 EVENT_STATUS = {"response.created": "queued", "response.queued": "queued", "response.loading": "loading",
                 "response.in_progress": "running", "response.output_text.delta": "running",
+                "response.function_call_arguments.delta": "running",
                 "response.cancelling": "cancelling", "download.started": "running",
                 "download.cancelling": "cancelling"}
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")

@@ -1,5 +1,8 @@
 """The selected task: its event log and its text as it streams, and the response it continues.
 
+A function call shows as its name and its arguments; once a call or a JSON result is complete
+it is shown pretty-printed.
+
 History comes from the facade (`events`), live events from the bridge; events that arrive
 while the history is loading wait in a buffer, and sequence numbers drop duplicates, so the
 log has no gap and no repeat.
@@ -7,6 +10,7 @@ log has no gap and no repeat.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -19,6 +23,7 @@ from app.gui.async_ui import spawn
 from app.gui.session import Session
 
 PAGE = 1000  # the facade returns at most this many events per call
+DELTAS = ("response.output_text.delta", "response.function_call_arguments.delta")
 
 
 class TaskDetail(QWidget):
@@ -111,10 +116,10 @@ class TaskDetail(QWidget):
         self.last_seq = seq
         kind = event["type"]
         stamp = time.strftime("%H:%M:%S", time.localtime(event.get("created_at") or time.time()))
-        if kind == "response.output_text.delta":
+        if kind in DELTAS:
             self._append_text(event.get("delta", ""))
             self._delta_run += 1
-            line = f"{seq:>4}  {stamp}  output_text.delta ×{self._delta_run}"
+            line = f"{seq:>4}  {stamp}  {kind.removeprefix('response.')} ×{self._delta_run}"
             if self._delta_run > 1:
                 self.log.item(self.log.count() - 1).setText(line)
             else:
@@ -127,6 +132,9 @@ class TaskDetail(QWidget):
                 self.chain.show()
             if kind == "response.queued" and event.get("output_reset"):
                 self.text.clear()  # a retry starts again: the earlier attempt's text is void
+            shown = _finished_output(event)
+            if shown is not None:
+                self.text.setPlainText(shown)
             self.log.addItem(f"{seq:>4}  {stamp}  {kind.removeprefix('response.')}{_suffix(event)}")
         self.log.scrollToBottom()
 
@@ -149,6 +157,28 @@ class TaskDetail(QWidget):
         cursor.insertText(delta)
         if following:
             bar.setValue(bar.maximum())
+
+
+def _finished_output(event: dict[str, Any]) -> str | None:
+    """What the output pane shows instead of the raw stream: a call's name (its arguments
+    stream below it), then the whole call, or a complete JSON result, pretty-printed."""
+    item = event.get("item") or {}
+    if item.get("type") == "function_call":
+        if event["type"] == "response.output_item.added":
+            return f"Function call: {item['name']}\n"
+        return f"Function call: {item['name']}\n{_pretty(item['arguments']) or item['arguments']}"
+    if event["type"] == "response.output_text.done":
+        return _pretty(event.get("text", ""))
+    return None
+
+
+def _pretty(text: str) -> str | None:
+    """JSON objects and arrays indented; None for anything else (plain text stays as it is)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return json.dumps(value, indent=2, ensure_ascii=False) if isinstance(value, (dict, list)) else None
 
 
 def _suffix(event: dict[str, Any]) -> str:

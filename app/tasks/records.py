@@ -6,7 +6,7 @@ import json
 import sqlite3
 from typing import Any, Mapping
 
-from app.tasks import output
+from app.tasks import calls, output
 from app.tasks.states import CANCELLED, COMPLETED, FAILED, QUEUED
 
 # A download's own columns (NULL for a generation), and where every task's columns come from.
@@ -88,11 +88,15 @@ def response_object(row: Mapping[str, Any]) -> dict[str, Any]:
     status = response_status(row)
     text = row["output_text"]
     done = status in ("completed", "incomplete")
-    output = [] if not text and not done else [{
-        "type": "message", "id": message_id(row["response_id"]), "role": "assistant",
-        "status": "completed" if status == "completed" else ("in_progress" if status == "in_progress" else "incomplete"),
-        "content": [{"type": "output_text", "text": text, "annotations": []}],
-    }]
+    item_status = "completed" if status == "completed" else ("in_progress" if status == "in_progress" else "incomplete")
+    if request.get("call"):  # a forced function call: its item, once the model has named the function
+        call = calls.item(row["response_id"], text, item_status)
+        output, text = ([call] if call else []), ""
+    else:
+        output = [] if not text and not done else [{
+            "type": "message", "id": message_id(row["response_id"]), "role": "assistant", "status": item_status,
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }]
     return {
         "id": row["response_id"], "object": "response", "created_at": int(row["response_created_at"]),
         "status": status, "model": row["model_id"], "output": output, "output_text": text,
@@ -106,8 +110,8 @@ def response_object(row: Mapping[str, Any]) -> dict[str, Any]:
         "previous_response_id": row["previous_response_id"], "store": bool(row["store"]),
         "instructions": request.get("instructions"), "max_output_tokens": row["max_output_tokens"],
         "temperature": request.get("temperature"), "top_p": request.get("top_p"),
-        "tools": [], "tool_choice": "auto", "parallel_tool_calls": False,
-        "text": {"format": {"type": "text"}},
+        "tools": request.get("tools", []), "tool_choice": request.get("tool_choice", "auto"),
+        "parallel_tool_calls": False, "text": {"format": request.get("format", {"type": "text"})},
         "task": {"id": row["id"], "status": row["status"], "on_restart": row["on_restart"]},
     }
 

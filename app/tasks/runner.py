@@ -24,7 +24,7 @@ from app.engine.engine import Engine, EngineError, Generation
 from app.engine.modes import EngineModes
 from app.errors import LmspError, StoreError
 from app.store.store import Store
-from app.tasks import machine, output, records
+from app.tasks import calls, machine, output, records
 from app.tasks.bus import EventBus
 from app.tasks.machine import RESPONSE
 from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING
@@ -41,6 +41,7 @@ class Chunk:
     text: str
     output_tokens: int
     tokens_per_second: float | None
+    events: list[calls.Event]  # what the text adds to the stream
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Job:
     started: float = field(default_factory=time.monotonic)
     new_tokens: int = 0
     item_id: str = ""       # the id of the response's one output message
+    call: calls.CallStream | None = None  # a forced function call's output, instead of a message
     saving: asyncio.Task[bool] | None = None  # the write in flight, if any
     error: Exception | None = None  # a write of the output that failed: the task stops
 
@@ -77,7 +79,12 @@ class Job:
         return bool(self.ids or self.pending)
 
     def take(self) -> Chunk:
-        chunk = Chunk(self.ids, self.pending, self.tokens, _tokens_per_second(self))
+        if self.call is not None:
+            events = self.call.feed(self.pending)
+        else:
+            events = [("response.output_text.delta", {"delta": self.pending, "output_index": 0, "content_index": 0,
+                                                      "item_id": self.item_id})] if self.pending else []
+        chunk = Chunk(self.ids, self.pending, self.tokens, _tokens_per_second(self), events)
         self.ids, self.pending = [], ""
         return chunk
 
@@ -219,17 +226,19 @@ class Runner:
             code = exc.code if isinstance(exc, LmspError) or exc.code == "engine_crashed" else "model_load_failed"
             await self.write(_fail, job.task_id, code, exc.message)
             return
+        request = json.loads(row["request"])
         if row["status"] == LOADING:
-            started = await self.write(_start_running, job.task_id, job.item_id)
+            started = await self.write(_start_running, job.task_id, job.item_id, bool(request.get("call")))
             if started is None:  # cancelled while the model loaded
                 await self.write(_cancelled, job.task_id)
                 return
         ids, job.text = await self.store.read(output.read, job.task_id)
         job.tokens = len(ids)
-        request = json.loads(row["request"])
-        gen = Generation(messages=request["messages"], max_tokens=row["max_output_tokens"],
+        if request.get("call"):
+            job.call = calls.CallStream(row["response_id"], job.text)
+        gen = Generation(messages=calls.prompt(request), max_tokens=row["max_output_tokens"],
                          temperature=request.get("temperature", 1.0), top_p=request.get("top_p", 1.0),
-                         seed=request.get("seed"), stop=request.get("stop"),
+                         seed=request.get("seed"), stop=request.get("stop"), constraint=request.get("constraint"),
                          prefix_ids=ids, emitted_chars=len(job.text))
         reason, usage = "cancelled", {}
         job.started = time.monotonic()  # tokens/s counts generation, not the model load
@@ -258,7 +267,13 @@ class Runner:
             if await self.write(_cancelled, job.task_id) is None:
                 await self._flush(job)  # shutting down: keep the snapshot, recovery decides
             return
-        if await self.write(_complete, job.task_id, job.item_id, job.take(), job.text, reason, usage) is None:
+        last = job.take()
+        if job.call is not None:
+            ending = job.call.done("incomplete" if reason == "length" else "completed")
+        else:
+            ending = [("response.output_text.done", {"text": job.text, "output_index": 0, "content_index": 0,
+                                                     "item_id": job.item_id})]
+        if await self.write(_complete, job.task_id, last, ending, reason, usage) is None:
             await self.write(_cancelled, job.task_id)
 
     async def _save(self, job: Job) -> bool:
@@ -267,7 +282,7 @@ class Runner:
         (kept in `job.error`: the generation is stopped, then the task fails)."""
         while job.unwritten():
             try:
-                if await self.write(_save_output, job.task_id, job.item_id, job.take()) is None:
+                if await self.write(_save_output, job.task_id, job.take()) is None:
                     return False
             except WRITE_ERRORS as exc:
                 job.error = exc
@@ -279,7 +294,7 @@ class Runner:
         if job.saving is not None:
             await job.saving
         if job.unwritten():
-            await self.write(_save_output, job.task_id, job.item_id, job.take())
+            await self.write(_save_output, job.task_id, job.take())
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop taking tasks; running work stops at a token and its snapshot is committed."""
@@ -322,38 +337,38 @@ def _claim(conn: sqlite3.Connection, busy: list[str], last_client: str) -> Claim
     return Claimed(row["id"], row["client_id"], events)
 
 
-def _start_running(conn: sqlite3.Connection, task_id: str, item_id: str) -> list[machine.Event] | None:
+def _start_running(conn: sqlite3.Connection, task_id: str, item_id: str, call: bool) -> list[machine.Event] | None:
     # The output message and its text part open before the first delta, as OpenAI's stream does:
     # the openai SDK's `responses.stream()` helper refuses deltas for an item it was not given.
+    # A function call's item opens once its name is decoded (calls.CallStream).
     item = {"type": "message", "id": item_id, "role": "assistant", "status": "in_progress", "content": []}
     part = {"type": "output_text", "text": "", "annotations": []}
+    opened = [] if call else [
+        ("response.output_item.added", {"output_index": 0, "item": item}),
+        ("response.content_part.added", {"item_id": item_id, "output_index": 0, "content_index": 0, "part": part})]
     return machine.transition(conn, task_id, RUNNING, [
         ("response.loading", {"progress": 1.0}),
         ("response.in_progress", {"response": RESPONSE}),
-        ("response.output_item.added", {"output_index": 0, "item": item}),
-        ("response.content_part.added", {"item_id": item_id, "output_index": 0, "content_index": 0, "part": part}),
+        *opened,
     ], only_from=(LOADING,), started_at=time.time())
 
 
-def _save_output(conn: sqlite3.Connection, task_id: str, item_id: str, chunk: Chunk) -> list[machine.Event] | None:
-    delta = [("response.output_text.delta", {"delta": chunk.text, "output_index": 0, "content_index": 0,
-                                             "item_id": item_id})] if chunk.text else []
-    events = machine.record(conn, task_id, (RUNNING,), delta, output_tokens=chunk.output_tokens,
+def _save_output(conn: sqlite3.Connection, task_id: str, chunk: Chunk) -> list[machine.Event] | None:
+    events = machine.record(conn, task_id, (RUNNING,), chunk.events, output_tokens=chunk.output_tokens,
                             tokens_per_second=chunk.tokens_per_second)
     if events is not None and (chunk.ids or chunk.text):
         output.append(conn, task_id, chunk.ids, chunk.text)
     return events
 
 
-def _complete(conn: sqlite3.Connection, task_id: str, item_id: str, last: Chunk, text: str, reason: str,
+def _complete(conn: sqlite3.Connection, task_id: str, last: Chunk, ending: list[calls.Event], reason: str,
               usage: dict[str, Any]) -> list[machine.Event] | None:
-    saved = _save_output(conn, task_id, item_id, last)
+    saved = _save_output(conn, task_id, last)
     if saved is None:
         return None
     done = machine.transition(
         conn, task_id, COMPLETED,
-        [("response.output_text.done", {"text": text, "output_index": 0, "content_index": 0, "item_id": item_id}),
-         ("response.incomplete" if reason == "length" else "response.completed", {"response": RESPONSE})],
+        [*ending, ("response.incomplete" if reason == "length" else "response.completed", {"response": RESPONSE})],
         finish_reason=reason, input_tokens=usage.get("input_tokens", 0), cached_tokens=usage.get("cached_tokens", 0),
         finished_at=time.time())
     assert done is not None

@@ -1,0 +1,157 @@
+"""Structured output and function tools in a request (LMSP §12): `text.format`, `tools`,
+`tool_choice`, and the `function_call` / `function_call_output` input items.
+
+What comes out is stored with the request: the fields echoed in the response object and, when
+the output is constrained, the `constraint` the engine child turns into a grammar. A forced
+call (`tool_choice` `required` or a named function) is generated as one JSON object
+`{"name": ..., "arguments": {...}}` (see app/tasks/calls.py), so a single grammar covers the
+choice of function and its arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from app.engine import grammar
+from app.errors import InvalidRequest, LmspError
+
+TEXT = {"type": "text"}
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _unsupported(schema: Any, param: str) -> None:
+    reason = grammar.unsupported(schema)
+    if reason is not None:
+        raise LmspError("unsupported_schema", f"This schema cannot be enforced while decoding: {reason}.",
+                        param=param, status=400)
+
+
+def _format(text: Any) -> dict[str, Any]:
+    if text is None:
+        return TEXT
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        raise InvalidRequest("`text` must be an object with a `format`.", param="text")
+    fmt = text.get("format") or TEXT
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind != "json_schema":
+        raise InvalidRequest("`text.format.type` must be text, json_schema or json_object.", param="text.format.type")
+    if not isinstance(fmt.get("name"), str) or not NAME.match(fmt["name"]):
+        raise InvalidRequest("`text.format.name` must be 1-64 letters, digits, _ or -.", param="text.format.name")
+    if not isinstance(fmt.get("schema"), dict):
+        raise InvalidRequest("`text.format.schema` must be a JSON schema object.", param="text.format.schema")
+    if not isinstance(fmt.get("strict", False), (bool, type(None))):
+        raise InvalidRequest("`text.format.strict` must be true or false.", param="text.format.strict")
+    _unsupported(fmt["schema"], "text.format.schema")
+    out = {"type": "json_schema", "name": fmt["name"], "schema": fmt["schema"], "strict": bool(fmt.get("strict"))}
+    if isinstance(fmt.get("description"), str):
+        out["description"] = fmt["description"]
+    return out
+
+
+def _tool(tool: Any, param: str) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise InvalidRequest("Only function tools (`type: function`) are supported.", param=f"{param}.type")
+    if not isinstance(tool.get("name"), str) or not NAME.match(tool["name"]):
+        raise InvalidRequest("A function's `name` must be 1-64 letters, digits, _ or -.", param=f"{param}.name")
+    parameters = tool.get("parameters")
+    if parameters is None:
+        parameters = NO_PARAMETERS
+    if not isinstance(parameters, dict):
+        raise InvalidRequest("`parameters` must be a JSON schema object.", param=f"{param}.parameters")
+    _unsupported(parameters, f"{param}.parameters")
+    description = tool.get("description")
+    if description is not None and not isinstance(description, str):
+        raise InvalidRequest("`description` must be a string.", param=f"{param}.description")
+    return {"type": "function", "name": tool["name"], "description": description, "parameters": parameters,
+            "strict": bool(tool.get("strict", True))}
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidRequest("`tools` must be a list.", param="tools")
+    tools = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(value)]
+    names = [t["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("Each function needs its own name.", param="tools")
+    return tools
+
+
+def _choice(value: Any, tools: list[dict[str, Any]]) -> str | dict[str, Any]:
+    if value is None:
+        return "auto"
+    if value in ("auto", "none", "required"):
+        if value == "required" and not tools:
+            raise InvalidRequest("`tool_choice: required` needs at least one tool.", param="tool_choice")
+        return str(value)
+    if isinstance(value, dict) and value.get("type") == "function":
+        if not any(t["name"] == value.get("name") for t in tools):
+            raise InvalidRequest(f"No function named {value.get('name')!r} in `tools`.", param="tool_choice.name")
+        return {"type": "function", "name": value["name"]}
+    raise InvalidRequest("`tool_choice` must be auto, none, required or {\"type\": \"function\", \"name\"}.",
+                         param="tool_choice")
+
+
+def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """One schema for `{"name", "arguments"}` over the given functions. Each function's
+    parameters move under `$defs/fn<i>`, their local `$ref`s rewritten to follow them."""
+    defs, choices = {}, []
+    for i, tool in enumerate(tools):
+        defs[f"fn{i}"] = _moved(tool["parameters"], f"#/$defs/fn{i}/")
+        choices.append({"type": "object", "properties": {"name": {"const": tool["name"]},
+                                                          "arguments": {"$ref": f"#/$defs/fn{i}"}},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    return {"$defs": defs, **(choices[0] if len(choices) == 1 else {"anyOf": choices})}
+
+
+def _moved(node: Any, prefix: str) -> Any:
+    if isinstance(node, list):
+        return [_moved(x, prefix) for x in node]
+    if not isinstance(node, dict):
+        return node
+    return {k: (prefix + v[2:] if k == "$ref" and isinstance(v, str) and v.startswith("#/") else _moved(v, prefix))
+            for k, v in node.items()}
+
+
+def parse(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's structured-output and tool fields, checked, as stored with it."""
+    fmt = _format(body.get("text"))
+    tools = _tools(body.get("tools"))
+    choice = _choice(body.get("tool_choice"), tools)
+    out: dict[str, Any] = {"format": fmt, "tools": tools, "tool_choice": choice}
+    forced = tools if choice == "required" else [t for t in tools if isinstance(choice, dict)
+                                                 and t["name"] == choice["name"]]
+    if forced:
+        schema = call_schema(forced)
+        # Each function's schema passed alone; together only a clash of `$defs` names could fail.
+        _unsupported(schema, "tools")
+        out["constraint"] = {"type": "json_schema", "schema": schema}
+        out["call"] = True
+    elif fmt["type"] != "text":
+        out["constraint"] = fmt if fmt["type"] == "json_object" else {"type": "json_schema", "schema": fmt["schema"]}
+    return out
+
+
+def item_message(item: dict[str, Any], earlier: list[Any], param: str) -> dict[str, str]:
+    """A `function_call` or `function_call_output` input item as a chat message. A call reads
+    as the JSON the model writes for one; its result as a user turn naming the function
+    (every chat template knows user turns; not all know a `tool` role)."""
+    if item["type"] == "function_call":
+        name, arguments = item.get("name"), item.get("arguments")
+        if not isinstance(name, str) or not isinstance(arguments, str) or not isinstance(item.get("call_id"), str):
+            raise InvalidRequest("A function_call item needs `call_id`, `name` and `arguments` (a JSON string).",
+                                 param=param)
+        return {"role": "assistant", "content": f'{{"name": {json.dumps(name)}, "arguments": {arguments}}}'}
+    call_id, output = item.get("call_id"), item.get("output")
+    if not isinstance(call_id, str) or not isinstance(output, str):
+        raise InvalidRequest("A function_call_output item needs `call_id` and `output` (a string).", param=param)
+    name = next((x.get("name") for x in earlier if isinstance(x, dict) and x.get("type") == "function_call"
+                 and x.get("call_id") == call_id), None)
+    source = f"The function {name}" if isinstance(name, str) else f"The function call {call_id}"
+    return {"role": "user", "content": f"{source} returned: {output}"}

@@ -1,0 +1,152 @@
+"""JSON constraints as llama.cpp grammars (GBNF), from llama-cpp-python's own converter.
+
+A constraint is `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema",
+"schema": {...}}`. The server checks a schema with `unsupported` before it accepts a request;
+the engine child turns the constraint into a grammar with `gbnf` when it generates.
+
+llama-cpp-python's `json_schema_to_gbnf` raises on some schemas but silently ignores many
+keywords (`minimum`, `multipleOf`, `uniqueItems`, unknown `format`s, `not`, ...), and in most
+places a keyword is honoured only on the path its converter takes (`enum` wins over
+`maxLength`, `$ref` over anything beside it). Output that ignores such a keyword could break
+the schema, so `unsupported` accepts a keyword only where the converter honours it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+JSON_OBJECT = {"type": "json_object"}
+# Keywords that never change which documents are valid.
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+               "readOnly", "writeOnly", "$defs", "definitions"}
+PRIMITIVES = {"string", "number", "integer", "boolean", "null"}
+FORMATS = {"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"}
+# The converter's string character allows raw control characters, which JSON forbids inside a
+# string (json.loads and pydantic reject them): this is the character rule of llama.cpp's JSON grammar.
+CHAR_RULE = 'char ::= [^"\\\\]'
+JSON_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F]'
+# The converter writes a count out as that many copies of a rule: larger counts would make a
+# grammar of megabytes, built while the request is read.
+MAX_COUNT = 1000
+COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
+QUANTIFIER = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+@cache
+def _converter() -> ModuleType:
+    """llama_cpp.llama_grammar, which needs only the standard library. In the engine child the
+    package is loaded anyway; in the app it is read alone, without loading llama.cpp's libraries."""
+    package = importlib.util.find_spec("llama_cpp")
+    source = Path(list(package.submodule_search_locations or [""])[0], "llama_grammar.py") if package else None
+    if "llama_cpp" in sys.modules or source is None or not source.is_file():  # loaded, or frozen: import it
+        import llama_cpp.llama_grammar
+
+        return llama_cpp.llama_grammar
+    spec = importlib.util.spec_from_file_location("lmsp_llama_grammar", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def gbnf(constraint: dict[str, Any]) -> str:
+    """The grammar text for a constraint."""
+    module = _converter()
+    if constraint["type"] == "json_object":
+        return str(module.JSON_GBNF)
+    text = module.json_schema_to_gbnf(json.dumps(constraint["schema"]))
+    return "\n".join(line.replace(CHAR_RULE, JSON_CHAR, 1) if line.startswith(CHAR_RULE) else line
+                     for line in text.split("\n"))
+
+
+def unsupported(schema: Any) -> str | None:
+    """Why the grammar cannot express `schema`, or None when it can."""
+    try:
+        reason = _check(schema, "#")
+    except (TypeError, AttributeError, RecursionError):  # e.g. a list where a schema object belongs
+        return "it is not a well-formed JSON schema"
+    if reason is None:
+        try:
+            gbnf({"type": "json_schema", "schema": schema})
+        except Exception as exc:  # a third-party converter on any input: whatever it raises is a refusal
+            reason = f"the grammar converter rejects it ({exc or type(exc).__name__})"
+    return reason
+
+
+def _extra(node: dict[str, Any], allowed: set[str], where: str) -> str | None:
+    extra = sorted(set(node) - allowed - ANNOTATIONS)
+    return f"`{extra[0]}` at {where} is not supported here" if extra else None
+
+
+def _check(node: Any, where: str) -> str | None:
+    """Mirror of SchemaConverter.visit: the branch it takes, and the keywords that branch honours."""
+    if not isinstance(node, dict):
+        return f"{where} must be a schema object"
+    for name in ("$defs", "definitions"):
+        for key, sub in (node.get(name) or {}).items():
+            if reason := _check(sub, f"{where}/{name}/{key}"):
+                return reason
+    kind = node.get("type")
+    for count in COUNTS:
+        if count in node and not (isinstance(node[count], int) and 0 <= node[count] <= MAX_COUNT):
+            return f"`{count}` at {where} must be an integer from 0 to {MAX_COUNT}"
+    if isinstance(node.get("pattern"), str) and any(int(n or 0) > MAX_COUNT for q in QUANTIFIER.findall(node["pattern"])
+                                                    for n in q):
+        return f"a repetition count in the `pattern` at {where} is above {MAX_COUNT}"
+    if "$ref" in node:
+        ref = node["$ref"]
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            return f"only local `$ref`s (#/...) are supported, at {where}"
+        return _extra(node, {"$ref"}, where)
+    for union in ("anyOf", "oneOf"):
+        if union in node:
+            if not isinstance(node[union], list) or not node[union]:
+                return f"`{union}` at {where} must be a non-empty list"
+            return _extra(node, {union, "type"}, where) or next(
+                (r for i, sub in enumerate(node[union]) if (r := _check(sub, f"{where}/{union}/{i}"))), None)
+    if isinstance(kind, list):
+        if not all(k in PRIMITIVES | {"object", "array"} for k in kind):
+            return f"unknown type in {kind} at {where}"
+        return _extra(node, {"type"}, where)
+    if "const" in node or "enum" in node:
+        return _extra(node, {"const", "enum", "type"}, where)
+    if kind in (None, "object") and ("properties" in node or node.get("additionalProperties", True) is not True):
+        props = node.get("properties", {})
+        required = node.get("required", [])
+        if not isinstance(props, dict) or not isinstance(required, list):
+            return f"`properties` must be an object and `required` a list, at {where}"
+        if missing := [r for r in required if r not in props]:
+            return f"`required` names {missing[0]!r}, which is not in `properties`, at {where}"
+        extra = node.get("additionalProperties", True)
+        if isinstance(extra, dict) and (reason := _check(extra, f"{where}/additionalProperties")):
+            return reason
+        return _extra(node, {"type", "properties", "required", "additionalProperties"}, where) or next(
+            (r for key, sub in props.items() if (r := _check(sub, f"{where}/properties/{key}"))), None)
+    if kind in (None, "array") and ("items" in node or "prefixItems" in node):
+        items = node.get("items") or node["prefixItems"]
+        if isinstance(items, list):
+            return _extra(node, {"type", "items", "prefixItems"}, where) or next(
+                (r for i, sub in enumerate(items) if (r := _check(sub, f"{where}/items/{i}"))), None)
+        if "prefixItems" in node:
+            return f"`prefixItems` with `items` at {where} is not supported"
+        return _extra(node, {"type", "items", "minItems", "maxItems"}, where) or _check(items, f"{where}/items")
+    if kind in (None, "string") and "pattern" in node:
+        return _extra(node, {"type", "pattern"}, where)
+    if kind in (None, "string") and "format" in node:
+        if node["format"] not in FORMATS:
+            return f"format {node['format']!r} at {where} is not supported (only {sorted(FORMATS)})"
+        return _extra(node, {"type", "format"}, where)
+    if kind == "string":
+        return _extra(node, {"type", "minLength", "maxLength"}, where)
+    if kind == "object" or not node:
+        return _extra(node, {"type", "additionalProperties"}, where)
+    if kind in PRIMITIVES | {"array"}:  # any array: the converter's generic one
+        return _extra(node, {"type"}, where)
+    return f"the schema at {where} has no type the grammar knows"
