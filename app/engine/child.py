@@ -298,16 +298,15 @@ class Child:
         # same text. So the prompt but its last token is evaluated in slices fixed by position
         # (the grid), and the cache from the last task is reused only in the slices this
         # prompt's own plan shares with it (an identical prompt: all of them). The last prompt
-        # token and earlier output tokens (resume) go one by one, as tokens are generated: the
-        # last of them is evaluated by `llm.generate`, whose logits pick the next token. A
-        # cancel is seen between slices.
+        # token and earlier output tokens (resume) go one by one, as generated tokens do; the
+        # logits of the last of them pick the next token. A cancel is seen between slices.
         body = prompt[:-1]
         plan = grid(0, len(body), min(COARSE, llm.n_batch))
         reuse = shared_slices(plan, body, self.plan, self.body)
         llm.n_tokens = reuse  # llama.cpp drops the cache after this position at the next eval
         self.plan = [cut for cut in plan if cut[1] <= reuse]
         self.body = body
-        steps = [cut for cut in plan if cut[0] >= reuse] + [(i, i + 1) for i in range(len(body), len(history) - 1)]
+        steps = [cut for cut in plan if cut[0] >= reuse] + [(i, i + 1) for i in range(len(body), len(history))]
         for start, end in steps:
             fault("prompt", self.fast)
             llm.eval(history[start:end])
