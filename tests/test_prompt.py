@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import pytest
 
 from app import paths
+from app.engine import models
 from app.engine.child import Child
 from tests.helpers import SAY_HI
 from tests.test_api import wait_status
@@ -20,7 +21,10 @@ def child() -> Iterator[Child]:
     """The engine child's code, in this process, with the default model loaded."""
     mine, theirs = multiprocessing.Pipe()
     kid = Child(theirs)
-    kid.load({"path": str(paths.default_model_file()), "n_ctx": 4096, "n_threads": 2, "safe": True})
+    path = paths.default_model_file()
+    st = path.stat()
+    file = models.Registered(str(path), models.sha256_file(path), st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
+    kid.load({"file": file, "n_ctx": 4096, "n_threads": 2, "safe": True})
     assert [mine.recv()["ev"], mine.recv()["ev"]] == ["backend", "loaded"]
     yield kid
     mine.close()
