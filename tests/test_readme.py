@@ -86,5 +86,5 @@ def test_structured_output_and_tools_example(headless: Headless) -> None:
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
     assert re.match(r"name='.*' country='.*'$", lines[0]), lines
-    assert re.match(r"get_weather \{'city': '.*'\}$", lines[1]), lines
+    assert re.match(r"get_weather \{'city': .+\}$", lines[1]), lines
     assert len(lines) >= 3 and lines[2].strip()  # the model's answer after the call's result
