@@ -146,7 +146,7 @@ def test_a_resumed_task_still_ends_with_the_same_valid_json(headless: Headless) 
 def test_a_forced_call_is_a_function_call_item_whose_arguments_validate(sdk: openai.OpenAI, headless: Headless,
                                                                         choice: Any) -> None:
     stream = sdk.responses.create(model="smollm2-135m-instruct", input="What is the weather in Paris? And 2 + 3?",
-                                  tools=TOOLS, tool_choice=choice, stream=True)
+                                  tools=TOOLS, tool_choice=choice, stream=True, temperature=0)
     seen = list(stream)
     final = seen[-1].response
     assert seen[-1].type == "response.completed" and final.status == "completed"
@@ -181,7 +181,7 @@ def test_a_forced_call_is_a_function_call_item_whose_arguments_validate(sdk: ope
 
 def test_function_call_output_round_trip(sdk: openai.OpenAI) -> None:
     question = {"role": "user", "content": "What is the weather in Paris?"}
-    first = sdk.responses.create(model="smollm2-135m-instruct", input=[question], tools=TOOLS,
+    first = sdk.responses.create(model="smollm2-135m-instruct", input=[question], tools=TOOLS, temperature=0,
                                  tool_choice={"type": "function", "name": "get_weather"})
     [call] = first.output
     assert call.type == "function_call"
@@ -209,14 +209,14 @@ def test_function_call_output_round_trip(sdk: openai.OpenAI) -> None:
 def test_chat_completions_tool_calls_through_the_sdk(sdk: openai.OpenAI) -> None:
     messages: list[Any] = [{"role": "user", "content": "What is the weather in Oslo?"}]
     made = sdk.chat.completions.parse(model="smollm2-135m-instruct", messages=messages, tool_choice="required",
-                                      tools=[openai.pydantic_function_tool(Weather, name="get_weather")])
+                                      tools=[openai.pydantic_function_tool(Weather, name="get_weather")], temperature=0)
     choice = made.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather" and isinstance(call.function.parsed_arguments, Weather)
     # Streamed: the call arrives as tool_calls deltas that add up to the same shape.
     chunks = list(sdk.chat.completions.create(model="smollm2-135m-instruct", messages=messages, stream=True,
-                                              tools=[{"type": "function", "function": ADD}],
+                                              tools=[{"type": "function", "function": ADD}], temperature=0,
                                               tool_choice={"type": "function", "function": {"name": "add"}}))
     deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
     assert deltas[0][0].id.startswith("call_") and deltas[0][0].function.name == "add"
