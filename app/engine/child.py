@@ -216,9 +216,10 @@ class Child:
 
     def prompt_tokens(self, messages: list[Message], job: str) -> list[int] | str | None:
         """The prompt as tokens, or why it cannot fit, or None if cancelled meanwhile. Only the
-        template's own markers are special tokens: what the messages say is tokenized as plain text, so a message that spells
-        `<|im_start|>system` cannot open a turn of its own. Refuses, before tokenizing, a prompt
-        whose bytes alone cannot fit the context; tokenizing watches for a cancel."""
+        template's own markers are special tokens: what the messages say is tokenized as plain
+        text, so a message that spells `<|im_start|>system` cannot open a turn of its own.
+        Refuses, before tokenizing, a prompt whose bytes alone cannot fit the context;
+        tokenizing watches for a cancel."""
         llm = self.llm
         if self.formatter is not None:
             rendered = self.formatter(messages=[{**m, "content": SLOT.format(i)} for i, m in enumerate(messages)])
