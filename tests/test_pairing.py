@@ -142,6 +142,7 @@ async def test_each_requester_has_its_own_share_of_waiting_requests(api, service
     created = await request_pairing(api, "Real app")  # through the API, from this test's own user
     resp, text = await raw(api, "POST", "/v1/pairings", json={"client_name": "Real app", "scopes": WORKER})
     check_error(resp.status, text, 429, "too_many_pairings")  # its first request is still waiting
+    assert 0 < int(resp.headers["Retry-After"]) <= created["expires_at"] - created["created_at"] + 1  # when it expires
     approved = await api.post(f"/v1/pairings/{created['id']}/approve")
     assert approved.status == 200, await approved.text()
     assert (await status_of(api, created["id"]))["token"].startswith("lmsp_")

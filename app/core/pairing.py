@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import sqlite3
 import time
@@ -10,7 +11,7 @@ import unicodedata
 from typing import Any
 
 from app.core.auth import SCOPES, new_token, token_hash
-from app.errors import Conflict, InvalidRequest, LmspError, NotFound
+from app.errors import Conflict, InvalidRequest, LmspError, NotFound, TooManyRequests
 
 LIFETIME_SECONDS = 300
 # Waiting requests: in all (the owner looks at each), and per requester (app/server/peer.py), so
@@ -66,14 +67,20 @@ def pairing_object(row: sqlite3.Row) -> dict[str, Any]:
 def create(conn: sqlite3.Connection, name: str, scopes: list[str], theirs: set[str]) -> sqlite3.Row:
     """A new pending request; `theirs`: the ids of the requests this requester made before."""
     now = time.time()
-    waiting = conn.execute("SELECT id, client_name FROM pairings WHERE status = 'pending' AND expires_at > ?",
-                           (now,)).fetchall()
+    waiting = conn.execute("SELECT id, client_name, expires_at FROM pairings WHERE status = 'pending' "
+                           "AND expires_at > ?", (now,)).fetchall()
     own = [r for r in waiting if r["id"] in theirs]
-    if any(r["client_name"] == name for r in own):
-        raise LmspError("too_many_pairings", f"A pairing request from {name!r} is already waiting; poll it, "
-                        "or try again when it has expired.", status=429)
+
+    def retry_after(rows: list[sqlite3.Row]) -> int:  # until the first of them expires
+        return max(1, math.ceil(min(r["expires_at"] for r in rows) - now))
+
+    same = [r for r in own if r["client_name"] == name]
+    if same:
+        raise TooManyRequests("too_many_pairings", f"A pairing request from {name!r} is already waiting; poll it, "
+                              "or try again when it has expired.", retry_after(same))
     if len(own) >= MAX_PENDING_PER_REQUESTER or len(waiting) >= MAX_PENDING:
-        raise LmspError("too_many_pairings", "Too many pairing requests are waiting; try again later.", status=429)
+        raise TooManyRequests("too_many_pairings", "Too many pairing requests are waiting; try again later.",
+                              retry_after(own if len(own) >= MAX_PENDING_PER_REQUESTER else waiting))
     pairing_id = "pair_" + secrets.token_urlsafe(24)
     code = f"{secrets.randbelow(1000):03d}-{secrets.randbelow(1000):03d}"
     conn.execute("INSERT INTO pairings(id, client_name, scopes, code, status, created_at, expires_at) "
