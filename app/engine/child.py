@@ -3,9 +3,9 @@
 It runs in its own process so that a bad model file or a crash inside llama.cpp cannot take
 the app down. It speaks plain dicts over a multiprocessing pipe:
 
-  parent -> child  {"op": "load", "path", "n_ctx", "n_threads", "safe"} | {"op": "generate", "job", ...}
+  parent -> child  {"op": "load", "file", "n_ctx", "n_threads", "safe"} | {"op": "generate", "job", ...}
                    {"op": "embed", "texts", "dimensions"} | {"op": "cancel", "job"} | {"op": "shutdown"}
-  child -> parent  {"ev": "loaded", ...} | {"ev": "chunk", "job", "ids", "text"}
+  child -> parent  {"ev": "backend", "cpu_variant"} then {"ev": "loaded", ...} | {"ev": "chunk", "job", "ids", "text"}
                    {"ev": "done", "job", "reason", "input_tokens", "cached_tokens", "output_tokens"}
                    {"ev": "embedded", "vectors", "dims", "tokens"}
                    {"ev": "error", "job"?, "code", "message", "param"?}
@@ -24,13 +24,11 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Iterator
 
-from app.engine import models
+from app.engine import grammar, models
+from app.engine.sampling import GrammarSampler
 
 if TYPE_CHECKING:
     from app.engine.embedder import Embedder
-
-from app.engine import grammar
-from app.engine.sampling import GrammarSampler
 
 Message = dict[str, Any]
 # A chat turn of ordinary length: the warm-up decodes it in one batch, as a first task would.

@@ -64,8 +64,7 @@ class Engine:
         self.modes = modes
         self.n_ctx = n_ctx
         self.n_threads = n_threads or os.cpu_count() or 1
-        self.model_path: str | None = None
-        self.file: Registered | None = None  # the model file loaded (with model_path), to reload after a crash
+        self.file: Registered | None = None  # the model file loaded, to reload after a crash
         self.refused: set[Registered] = set()  # files the child found not to be what was registered
         self.mode: str | None = None          # the mode the loaded model runs in
         self.cpu_variant: str | None = None   # which libggml-cpu-<variant> the child picked
@@ -77,6 +76,11 @@ class Engine:
         self._last_used = time.monotonic()
         self.exit_signal: int | None = None  # how the last child died, if by a signal
         self._mode_asked = FAST  # the mode of the last load asked for
+
+    @property
+    def model_path(self) -> str | None:
+        """The path of the model loaded, if any."""
+        return self.file.path if self.file else None
 
     @property
     def alive(self) -> bool:
@@ -95,7 +99,7 @@ class Engine:
         kid.close()
         log.info("%s: started inference process %s", self.name, proc.pid)
         inbox: asyncio.Queue[Message] = asyncio.Queue()
-        self._proc, self._conn, self._inbox, self.model_path, self.file = proc, parent, inbox, None, None
+        self._proc, self._conn, self._inbox, self.file = proc, parent, inbox, None
 
         def pump() -> None:
             try:
@@ -133,7 +137,7 @@ class Engine:
             self.exit_signal = -code if code is not None and code < 0 else None
             log.warning("%s process exited with code %s", self.name, code)
         self._proc = self._conn = None
-        self.model_path = self.file = self.mode = None
+        self.file = self.mode = None
 
     async def _survive(self, crashes: list[str], stage: str, file: Registered) -> None:
         """After the child died: decide whether to carry on (in safe mode) or fail.
@@ -170,7 +174,7 @@ class Engine:
             if self.file == file and self.mode == mode and self.alive:
                 return {"ev": "loaded", "cached": True}
             # Until it has loaded, nothing is: a failed load must not leave the old path behind.
-            self.model_path = self.file = self.mode = None
+            self.file = self.mode = None
             self._mode_asked = mode
             self._send({"op": "load", "file": file, "n_ctx": self.n_ctx, "n_threads": self.n_threads,
                         "safe": mode == SAFE})
@@ -185,7 +189,7 @@ class Engine:
                 if msg["code"] == "model_changed":
                     self.refused.add(file)
                 raise EngineError(msg["code"], msg["message"])
-            self.model_path, self.file, self.mode = file.path, file, mode
+            self.file, self.mode = file, mode
             log.info("%s: loaded %s in %s mode in %.2f s (warm-up %.2f s; llama.cpp CPU backend: %s)", self.name,
                      file.path, mode, msg["load_seconds"], msg.get("warmup_seconds", 0.0),
                      self.cpu_variant or "native")
@@ -203,7 +207,7 @@ class Engine:
             if self.alive and self.model_path is not None:
                 self._send({"op": "unload"})
                 await self._next()
-            self.model_path = self.file = self.mode = None
+            self.file = self.mode = None
 
     async def generate(self, gen: Generation) -> AsyncIterator[Message]:
         """Yield `chunk` messages, then one `done`. Raises EngineError on failure.
