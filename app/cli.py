@@ -19,7 +19,7 @@ from keyring.errors import KeyringError
 from app import paths
 from app.core.pairing import shown
 from app.pull import pull
-from app.secrets import TokenVault, set_hub_token
+from app.secrets import owner_vault, set_hub_token
 
 COMMANDS = ("status", "models", "tasks", "pairings", "token", "pull", "hub-token")
 
@@ -34,7 +34,7 @@ class Client:
             self.url = json.loads((data_dir / paths.SERVICE_FILE).read_text())["url"]
         except (OSError, ValueError, KeyError):
             raise CliError(f"LMSP Tray is not running (no {paths.SERVICE_FILE} in {data_dir}).") from None
-        self.token = TokenVault(data_dir).get()
+        self.token = owner_vault(data_dir).get()
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
         data = json.dumps(body if body is not None else {}).encode() if method == "POST" else None
@@ -63,7 +63,7 @@ def _table(rows: list[list[str]]) -> str:
 def run(command: str, args: list[str], data_dir: Path) -> int:
     try:
         if command == "token":
-            token = TokenVault(data_dir).get()
+            token = owner_vault(data_dir).get()
             if token is None:
                 raise CliError("No owner token yet: start LMSP Tray once to create it.")
             print(token)

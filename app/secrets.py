@@ -1,4 +1,5 @@
-"""Where the owner token is kept: the OS keyring, or a user-only file where none exists.
+"""Where secrets are kept (the owner token, upstream API keys, the hub token): the OS keyring,
+or a user-only file where none exists; never the database.
 
 Tests select a backend with the `keyring` library's own mechanism (PYTHON_KEYRING_BACKEND or
 keyring.set_keyring), so they never touch a real keychain.
@@ -6,6 +7,7 @@ keyring.set_keyring), so they never touch a real keychain.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -32,48 +34,61 @@ def make_private(folder: Path) -> None:
                 os.chmod(path, 0o700 if name in dirs else 0o600)
 
 
-class TokenVault:
-    """The owner token of one data directory. `where` says which backend holds it."""
+class Vault:
+    """One secret of one data directory (the owner token, an upstream's API key): the OS keyring,
+    else a file readable only by this user. `where` says which backend holds it."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, name: str, file_name: str | None = None) -> None:
         self.data_dir = data_dir
-        self.account = f"owner-token:{data_dir}"
+        self.account = f"{name}:{data_dir}"
+        self.file = data_dir / (file_name or name)
         self.where = "keyring"
-
-    @property
-    def file(self) -> Path:
-        return self.data_dir / TOKEN_FILE
 
     def get(self) -> str | None:
         try:
-            token = keyring.get_password(SERVICE, self.account)
-            if token:
+            secret = keyring.get_password(SERVICE, self.account)
+            if secret:
                 self.where = "keyring"
-                return token
+                return secret
         except (KeyringError, RuntimeError) as exc:
-            log.info("no usable keyring backend (%s); using the token file", type(exc).__name__)
+            log.info("no usable keyring backend (%s); using the file %s", type(exc).__name__, self.file.name)
         if self.file.exists():
             self.where = "file"
             return self.file.read_text(encoding="utf-8").strip() or None
         return None
 
-    def put(self, token: str) -> str:
-        """Store the token; returns where it went ("keyring" or "file")."""
+    def put(self, secret: str) -> str:
+        """Store the secret; returns where it went ("keyring" or "file")."""
         try:
-            keyring.set_password(SERVICE, self.account, token)
-            if keyring.get_password(SERVICE, self.account) == token:
+            keyring.set_password(SERVICE, self.account, secret)
+            if keyring.get_password(SERVICE, self.account) == secret:
                 self.where = "keyring"
                 return self.where
         except (KeyringError, RuntimeError) as exc:
-            log.warning("no keyring backend available (%s): the owner token is kept in %s, "
+            log.warning("no keyring backend available (%s): a secret is kept in %s, "
                         "readable only by you", type(exc).__name__, self.file)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(token)
+            fh.write(secret)
         os.chmod(self.file, 0o600)
         self.where = "file"
         return self.where
+
+    def delete(self) -> None:
+        with contextlib.suppress(KeyringError, RuntimeError):
+            keyring.delete_password(SERVICE, self.account)
+        self.file.unlink(missing_ok=True)
+
+
+def owner_vault(data_dir: Path) -> Vault:
+    """The owner token of one data directory."""
+    return Vault(data_dir, "owner-token", TOKEN_FILE)
+
+
+def api_key_vault(data_dir: Path, key_ref: str) -> Vault:
+    """The API key of one remote endpoint, named by the `key_ref` its database row keeps."""
+    return Vault(data_dir, f"api-key-{key_ref}", f"api_key_{key_ref}")
 
 
 HUB_TOKEN_ACCOUNT = "huggingface-token"

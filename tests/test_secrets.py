@@ -15,7 +15,7 @@ from keyring.errors import PasswordDeleteError
 
 from app.core.auth import OWNER_ID
 from app.core.service import AppService
-from app.secrets import SERVICE, TOKEN_FILE, TokenVault
+from app.secrets import SERVICE, TOKEN_FILE, owner_vault
 from app.server.app import make_app
 
 
@@ -68,7 +68,7 @@ async def started(data_dir: Path) -> AppService:
 
 def test_without_a_keyring_the_token_goes_to_a_file_only_the_user_can_read(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
-    vault = TokenVault(data_dir)
+    vault = owner_vault(data_dir)
 
     assert vault.put("lmsp_secret-one") == "file"
 
@@ -76,7 +76,7 @@ def test_without_a_keyring_the_token_goes_to_a_file_only_the_user_can_read(tmp_p
     token_file = data_dir / TOKEN_FILE
     assert token_file.read_text() == "lmsp_secret-one"
     assert mode(token_file) == 0o600
-    again = TokenVault(data_dir)
+    again = owner_vault(data_dir)
     assert again.get() == "lmsp_secret-one" and again.where == "file"
 
 
@@ -85,7 +85,7 @@ def test_token_file_is_made_user_only_even_if_it_was_readable_by_others(tmp_path
     token_file.write_text("lmsp_old")
     os.chmod(token_file, 0o644)
 
-    TokenVault(tmp_path).put("lmsp_new")
+    owner_vault(tmp_path).put("lmsp_new")
 
     assert token_file.read_text() == "lmsp_new"
     assert mode(token_file) == 0o600
@@ -94,7 +94,7 @@ def test_token_file_is_made_user_only_even_if_it_was_readable_by_others(tmp_path
 def test_with_a_keyring_the_token_goes_there_and_no_file_is_written(
         tmp_path: Path, memory_keyring: MemoryKeyring) -> None:
     data_dir = tmp_path / "data"
-    vault = TokenVault(data_dir)
+    vault = owner_vault(data_dir)
 
     assert vault.put("lmsp_secret-two") == "keyring"
 
@@ -102,14 +102,14 @@ def test_with_a_keyring_the_token_goes_there_and_no_file_is_written(
     assert list(memory_keyring.passwords.values()) == ["lmsp_secret-two"]
     assert [service for service, _ in memory_keyring.passwords] == [SERVICE]
     assert not (data_dir / TOKEN_FILE).exists()
-    assert TokenVault(data_dir).get() == "lmsp_secret-two"
+    assert owner_vault(data_dir).get() == "lmsp_secret-two"
 
 
 def test_each_data_directory_has_its_own_token_in_the_keyring(tmp_path: Path, memory_keyring: MemoryKeyring) -> None:
-    TokenVault(tmp_path / "one").put("lmsp_one")
-    TokenVault(tmp_path / "two").put("lmsp_two")
-    assert TokenVault(tmp_path / "one").get() == "lmsp_one"
-    assert TokenVault(tmp_path / "two").get() == "lmsp_two"
+    owner_vault(tmp_path / "one").put("lmsp_one")
+    owner_vault(tmp_path / "two").put("lmsp_two")
+    assert owner_vault(tmp_path / "one").get() == "lmsp_one"
+    assert owner_vault(tmp_path / "two").get() == "lmsp_two"
 
 
 # -- through the service -------------------------------------------------------------------

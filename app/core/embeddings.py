@@ -74,6 +74,9 @@ class EmbeddingsFacade:
                 raise LmspError("model_not_found", f"The model {model_id!r} does not exist.", param="model",
                                 status=404) from exc
             raise
+        if model["format"] == "remote":
+            raise InvalidRequest(f"{model_id!r} is a remote model; embeddings are computed by local models only.",
+                                 param="model", code="model_not_supported")
         try:
             done = await self._embedding_engine(model["path"]).embed(models.registered(model), texts, dimensions)
         except EngineError as exc:

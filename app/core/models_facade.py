@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from app.engine import discovery, gguf, models
 from app.engine.engine import Engine, EngineError
@@ -28,6 +28,12 @@ class ModelsFacade:
     model_load_seconds: float | None
     _examining: set[threading.Event]  # one per file being validated and hashed; set to stop it
 
+    # RemoteFacade's (declared, not defined: a definition here would hide it)
+    register_remote_model: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+    forget_remote_model: Callable[[str], Awaitable[None]]
+    check_upstreams: Callable[[], Awaitable[None]]
+    remote_object: Callable[[Any], dict[str, Any]]
+
     def loaded_paths(self) -> set[str]:
         return {e.model_path for e in self.engines if e.model_path and e.alive}
 
@@ -39,12 +45,16 @@ class ModelsFacade:
         return self._model_object(await self.store.read(models.get, model_id))
 
     def _model_object(self, row: Any) -> dict[str, Any]:
+        if row["format"] == "remote":
+            return self.remote_object(row)
         found = models.model_object(row, self.loaded_paths())
         if found["status"] == "available" and any(models.registered(row) in e.refused for e in self.engines):
             found["status"] = "changed"  # same file, size and mtime, but an engine found other bytes in it
         return {**found, "engine": self.modes.describe(row["digest"])}
 
     async def register_model(self, body: Any, progress: Any = None) -> dict[str, Any]:
+        if isinstance(body, dict) and "remote" in body:
+            return await self.register_remote_model(body)
         if not isinstance(body, dict) or not isinstance(body.get("path"), str):
             raise InvalidRequest("`path` (an absolute file path) is required.", param="path")
         if set(body) - {"path", "id"}:
@@ -89,7 +99,7 @@ class ModelsFacade:
     async def discover_models(self) -> list[dict[str, Any]]:
         """GGUF files that LM Studio, Ollama and the Hugging Face cache already have here."""
         found = await asyncio.to_thread(discovery.discover)
-        registered = {m["path"] for m in await self.list_models()}
+        registered = {m.get("path") for m in await self.list_models()}
         return [{**item.__dict__, "suggested_id": models.suggest_id(
                     item.name.replace("/", "-") if item.source == "ollama" else Path(item.name).name),
                  "registered": item.path in registered} for item in found]
@@ -100,10 +110,14 @@ class ModelsFacade:
             if engine.model_path == row["path"] and not self.runner.busy(engine):
                 await engine.unload()
         await self.store.write(lambda c: c.execute("DELETE FROM models WHERE id = ?", (model_id,)))
+        await self.forget_remote_model(model_id)
         self.bus.publish([{"type": "models.changed"}])
 
     async def load_model(self, model_id: str) -> dict[str, Any]:
         row = await self.store.read(models.usable, model_id)
+        if row["format"] == "remote":  # nothing to load: check that its endpoints answer
+            await self.check_upstreams()
+            return self.remote_object(row)
         engine = self.runner.idle_engine()
         if engine is None:
             raise Conflict("engines_busy", "Every engine is busy with a task; try again when one is free.")

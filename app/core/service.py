@@ -25,11 +25,13 @@ from app.core.embeddings import EmbeddingsFacade
 from app.core.ids import new_id
 from app.core.auth import Client
 from app.core.models_facade import ModelsFacade
+from app.core.remote_facade import RemoteFacade
 from app.engine import models
 from app.engine.engine import Engine
 from app.engine.modes import EngineModes
+from app.engine.remote import Upstreams
 from app.errors import Conflict, InvalidRequest, LmspError, NotFound
-from app.secrets import TokenVault, hub_token, make_private
+from app.secrets import hub_token, make_private, owner_vault
 from app.store import config
 from app.store.store import Store
 from app.tasks import downloads, limits, machine, records, recovery, retention
@@ -40,6 +42,7 @@ from app.tasks.states import TERMINAL
 log = logging.getLogger(__name__)
 RESTART_KEY, RESTART_REQUIRED = "restart_required_for", ["host", "port"]  # settings read at start only
 VERIFIED_SECONDS = 60.0  # a verified token is trusted from memory this long, unless revoked
+UPSTREAM_CHECK_SECONDS = 30.0  # how often idle remote endpoints are probed, for the health shown
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled",
                    *downloads.TERMINAL_EVENTS)
 
@@ -51,15 +54,16 @@ class Created:
     replayed: bool             # answered from an idempotency key
 
 
-class AppService(AccessFacade, ModelsFacade, DownloadsFacade, EmbeddingsFacade):
+class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, EmbeddingsFacade):
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.store = Store(data_dir / paths.DB_NAME)
         self.bus = EventBus()
-        self.vault = TokenVault(data_dir)
+        self.vault = owner_vault(data_dir)
         self.engines: list[Engine] = []
         self.modes = EngineModes(self.store, self.bus, lambda: str(self.settings["engine_mode"]))
-        self.runner = Runner(self.store, self.bus, self.engines, self.modes)
+        self.upstreams = Upstreams()
+        self.runner = Runner(self.store, self.bus, self.engines, self.modes, self.upstreams)
         self.downloads = downloads.Downloads(self.store, self.bus, hub_token)
         self.settings: dict[str, Any] = dict(config.DEFAULTS)
         self.service_id = ""
@@ -88,7 +92,8 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade, EmbeddingsFacade):
         self.recovery_counts = await self.store.write(recovery.recover)
         await self.store.write(idempotency.forget_in_flight)
         await self.purge()
-        self.runner.resize(self.settings["max_concurrent_tasks"])
+        await self.open_upstreams()
+        self._apply_settings(self.settings)
         self.runner.start()
         await self.downloads.start()
         self._janitor = asyncio.create_task(self._housekeeping(), name="lmsp-housekeeping")
@@ -102,7 +107,7 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade, EmbeddingsFacade):
             self._janitor.cancel()
         await asyncio.gather(self.runner.stop(), self.downloads.stop())
         self.bus.publish([{"type": "service.stopping"}])
-        await asyncio.gather(*(engine.stop() for engine in self.engines))
+        await asyncio.gather(*(engine.stop() for engine in self.engines), self.upstreams.close())
         await self.store.close()
 
     async def _ensure_owner_token(self) -> None:
@@ -126,8 +131,9 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade, EmbeddingsFacade):
             return
         known = await self.store.read(lambda c: c.execute("SELECT * FROM models WHERE id = ?",
                                                           (models.DEFAULT_MODEL_ID,)).fetchone())
-        if known and (known["path"] == str(path) or models.file_status(known) == "available"):
-            return
+        if known and (known["format"] == "remote" or known["path"] == str(path)
+                      or models.file_status(known) == "available"):
+            return  # there, or the user gave its id to a model of their own
         # First start, or the app (and the model inside it) moved since: register it where it is now.
         found = await self.examine(str(path))
         await self.store.write(models.insert, models.DEFAULT_MODEL_ID, found, True)
@@ -141,10 +147,15 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade, EmbeddingsFacade):
 
     async def _housekeeping(self, tick: float = 5.0) -> None:
         """Retention every ten minutes, `store: false` responses every half minute; idle models
-        unloaded after `model_idle_ttl_seconds`."""
+        unloaded after `model_idle_ttl_seconds`; remote endpoints no task uses probed every half
+        minute."""
         last_purge = last_unstored = time.monotonic()
+        last_upstreams = -UPSTREAM_CHECK_SECONDS  # the first tick checks them: health for the Models tab
         while True:
             await asyncio.sleep(tick)
+            if time.monotonic() - last_upstreams > UPSTREAM_CHECK_SECONDS and self.upstreams.models:
+                last_upstreams = time.monotonic()
+                await self.check_upstreams()
             if time.monotonic() - last_unstored > 30:  # store: false answers go within a minute and a half
                 last_unstored = time.monotonic()
                 try:
@@ -305,10 +316,19 @@ class AppService(AccessFacade, ModelsFacade, DownloadsFacade, EmbeddingsFacade):
         changes = config.validate(changes)
         await self.store.write(config.save, changes)
         self.settings = {**self.settings, **changes}
-        if "max_concurrent_tasks" in changes:
-            self.runner.resize(changes["max_concurrent_tasks"])
+        self._apply_settings(changes)
         self.bus.publish([{"type": "settings.changed", "changed": sorted(changes)}])
         return self.settings_view()
+
+    def _apply_settings(self, changes: dict[str, Any]) -> None:
+        """Hand the settings the runner and routing read to them."""
+        if "max_concurrent_tasks" in changes:
+            self.runner.resize(changes["max_concurrent_tasks"])
+        if "max_concurrent_remote_tasks" in changes:
+            self.runner.remote_capacity = changes["max_concurrent_remote_tasks"]
+            self.runner.wake()
+        if "remote_wait_seconds" in changes:
+            self.upstreams.wait_seconds = changes["remote_wait_seconds"]
 
     def settings_view(self) -> dict[str, Any]:
         return {**self.settings, RESTART_KEY: RESTART_REQUIRED}

@@ -20,9 +20,9 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
-from app.engine import child, cpu
+from app.engine import child, cpu, models
 from app.engine.models import Registered
 from app.engine.modes import FAST, SAFE, EngineModes
 
@@ -56,7 +56,26 @@ class Generation:
     emitted_chars: int = 0
 
 
+Waiting = Callable[[str], Awaitable[None]]  # told why a task waits for its engine, before each pause
+
+
+class Runs(Protocol):
+    """What the runner needs of an engine, local (`Engine`) or remote (app/engine/remote.py)."""
+    name: str
+
+    async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
+        """Get ready to run `gen` on the model of this `models` row; True when it had to be loaded."""
+
+    def generate(self, gen: Generation) -> AsyncIterator[Message]:
+        """`chunk` messages (`ids`, `text`, and `tokens` where there are no ids), a `reset` when the
+        output starts again from nothing, then one `done`. Raises EngineError."""
+
+    def cancel(self) -> None:
+        """Stop what runs: `generate` ends with a `done` of reason `cancelled`."""
+
+
 class Engine:
+    """A local engine: one llama.cpp child process."""
     _ids = itertools.count(1)
 
     def __init__(self, name: str, modes: EngineModes, n_ctx: int = 4096, n_threads: int | None = None) -> None:
@@ -195,6 +214,9 @@ class Engine:
                      self.cpu_variant or "native")
             self._last_used = time.monotonic()
             return msg
+
+    async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
+        return not (await self.load(models.registered(model))).get("cached")
 
     async def load(self, file: Registered) -> Message:
         """Load `file` unless it is already loaded. Raises EngineError on failure (`model_changed`

@@ -171,8 +171,10 @@ def get(conn: sqlite3.Connection, model_id: str) -> sqlite3.Row:
 
 
 def usable(conn: sqlite3.Connection, model_id: str) -> sqlite3.Row:
-    """The model's row if its file is there and unchanged; a clear error otherwise."""
+    """The model's row if its file is there and unchanged (or it is remote); a clear error otherwise."""
     row = get(conn, model_id)
+    if row["format"] == "remote":
+        return row
     status = file_status(row)
     if status == "missing":
         raise LmspError("model_missing", f"The file of model {model_id!r} is gone: {row['path']}.", status=409)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from app.core import metrics
-from app.errors import InvalidRequest
+from app.errors import Forbidden, InvalidRequest
 from app.server.handlers import unless_client_leaves
 from app.server.keys import CLIENT, LATENCY, SERVICE
 from app.server.middleware import read_json
@@ -54,12 +54,29 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def register_model(request: web.Request) -> web.Response:
     body = await read_json(request)
+    if isinstance(body, dict) and "remote" in body:
+        # The service will reach out to another server, with a key: the owner's decision.
+        require_admin(request, "Registering a remote model")
     try:
         # Validating and hashing can take minutes: if the client leaves, the work stops too.
         registered = await unless_client_leaves(request, request.app[SERVICE].register_model(body))
         return web.json_response(registered, status=201)
     except OSError as exc:  # the path itself is unusable: name too long, a directory we may not read...
         raise InvalidRequest(f"The model path cannot be used: {exc.strerror or exc}.", param="path") from None
+
+
+async def update_model(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[SERVICE].update_remote_model(request.match_info["model_id"],
+                                                                            await read_json(request)))
+
+
+async def test_endpoint(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[SERVICE].test_endpoint(await read_json(request)))
+
+
+def require_admin(request: web.Request, what: str) -> None:
+    if not request[CLIENT].is_admin:
+        raise Forbidden("insufficient_scope", f"{what} needs the scope 'admin'.")
 
 
 async def create_download(request: web.Request) -> web.Response:

@@ -30,6 +30,9 @@ DEFAULTS: dict[str, Any] = {
     # Bytes of stored requests (prompts), finished ones kept for `retention_seconds` included.
     "max_request_bytes_per_client": 256 * MIB,
     "max_request_bytes": 1024 * MIB,
+    # §11 remote endpoints: how long a task waits for one to answer; tasks on them at once.
+    "remote_wait_seconds": 300,
+    "max_concurrent_remote_tasks": 8,
 }
 
 
@@ -68,6 +71,8 @@ VALIDATORS: dict[str, Any] = {
     "max_queued_tasks": _int_in(1, 1_000_000),
     "max_request_bytes_per_client": _int_in(MIB, 1 << 40),
     "max_request_bytes": _int_in(MIB, 1 << 40),
+    "remote_wait_seconds": _int_in(0, 7 * 86400),
+    "max_concurrent_remote_tasks": _int_in(1, 256),
 }
 
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.engine import models
-from app.engine.engine import Engine, EngineError, Generation
+from app.engine.engine import Engine, EngineError, Generation, Runs
 from app.engine.modes import EngineModes
+from app.engine.remote import RemoteEngine, Upstreams
 from app.errors import LmspError, StoreError
 from app.store.store import Store
 from app.tasks import calls, machine, output, records
@@ -32,6 +33,8 @@ from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, 
 log = logging.getLogger(__name__)
 BACKOFF_FIRST, BACKOFF_LAST = 0.5, 30.0  # seconds between tries of a write the database refuses
 WRITE_ERRORS = (StoreError, sqlite3.Error)  # what a write may raise when the disk refuses it
+# Engine errors a task fails with as they are; any other failure to open an engine is a failed load.
+OWN_CODES = ("engine_crashed", "upstream_unavailable", "upstream_error")
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,11 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Claimed:
-    """A task the runner took, whose client it was, and the events taking it wrote."""
+    """A task the runner took, whose client it was, its model's format (`gguf` runs on a local
+    engine, `remote` on its endpoints), and the events taking it wrote."""
     task_id: str
     client_id: str
+    format: str
     events: list[machine.Event]
 
 
@@ -56,7 +61,7 @@ class Claimed:
 class Job:
     """A task on an engine, with its output so far."""
     task_id: str
-    engine: Engine
+    engine: Runs
     text: str = ""          # all the output text, for the final `output_text.done`
     tokens: int = 0         # output tokens produced, a resumed snapshot's included
     ids: list[int] = field(default_factory=list)  # produced, not yet written
@@ -68,12 +73,18 @@ class Job:
     saving: asyncio.Task[bool] | None = None  # the write in flight, if any
     error: Exception | None = None  # a write of the output that failed: the task stops
 
-    def add(self, ids: list[int], text: str) -> None:
+    def add(self, ids: list[int], text: str, tokens: int) -> None:
         self.ids += ids
-        self.tokens += len(ids)
-        self.new_tokens += len(ids)
+        self.tokens += tokens
+        self.new_tokens += tokens
         self.text += text
         self.pending += text
+
+    def reset(self) -> None:
+        """The output starts again from nothing (a remote task moved to another endpoint)."""
+        self.text, self.tokens, self.ids, self.pending = "", 0, [], ""
+        if self.call is not None:
+            self.call = calls.CallStream(self.call.response_id, "")
 
     def unwritten(self) -> bool:
         return bool(self.ids or self.pending)
@@ -106,13 +117,16 @@ class Backoff:
 
 
 class Runner:
-    def __init__(self, store: Store, bus: EventBus, engines: list[Engine], modes: EngineModes) -> None:
+    def __init__(self, store: Store, bus: EventBus, engines: list[Engine], modes: EngineModes,
+                 upstreams: Upstreams) -> None:
         self.store = store
         self.bus = bus
         self.engines = engines
         self.modes = modes
+        self.upstreams = upstreams
         self.jobs: dict[str, Job] = {}
-        self.capacity = len(engines)  # how many tasks may run at once (max_concurrent_tasks)
+        self.capacity = len(engines)  # how many tasks may run at once locally (max_concurrent_tasks)
+        self.remote_capacity = 8      # and on remote endpoints (max_concurrent_remote_tasks)
         self.tokens_generated = 0     # since start, for /metrics
         self.last_tokens_per_second: float | None = None
         self.paused = False
@@ -142,6 +156,9 @@ class Runner:
     def idle_engine(self) -> Engine | None:
         return next((e for e in self.engines[:self.capacity] if not self.busy(e)), None)
 
+    def remote_running(self) -> int:
+        return sum(isinstance(job.engine, RemoteEngine) for job in self.jobs.values())
+
     def resize(self, capacity: int) -> None:
         """Change how many tasks run at once; engines beyond it finish their task and then rest."""
         # Engines share the cores: several llama.cpp processes each spinning every core would
@@ -163,20 +180,24 @@ class Runner:
         while not self._stopping:
             self._wake.clear()
             engine = self.idle_engine()
+            formats = [name for name, free in (("gguf", engine is not None),
+                                               ("remote", self.remote_running() < self.remote_capacity)) if free]
             claimed = None
-            if engine is not None and not self.paused:
+            if formats and not self.paused:
                 try:
-                    claimed = await self.store.write(_claim, list(self.jobs), self._last_client)
+                    claimed = await self.store.write(_claim, list(self.jobs), self._last_client, formats)
                 except WRITE_ERRORS as exc:  # a full disk: no task can start until a write succeeds
                     await backoff.wait(f"cannot take the next task ({exc})")
                     continue
                 backoff.reset()
-            if claimed is None or engine is None:
+            if claimed is None:
                 await self._wake.wait()
                 continue
             self._last_client = claimed.client_id
             self.bus.publish(claimed.events)
-            job = self.jobs[claimed.task_id] = Job(claimed.task_id, engine)
+            runs: Runs | None = RemoteEngine(self.upstreams) if claimed.format == "remote" else engine
+            assert runs is not None
+            job = self.jobs[claimed.task_id] = Job(claimed.task_id, runs)
             worker = asyncio.create_task(self._run(job), name=f"lmsp-task-{claimed.task_id}")
             self._workers.add(worker)
             worker.add_done_callback(self._workers.discard)
@@ -218,28 +239,35 @@ class Runner:
         log.info("task %s: %s on %s (attempt %d, %d tokens so far)", job.task_id,
                  "resuming" if row["status"] == RUNNING else "starting", job.engine.name, row["attempt"],
                  row["output_tokens"])
-        try:
-            model = await self.store.read(models.usable, row["model_id"])
-            if not (await job.engine.load(models.registered(model))).get("cached"):  # a fresh load: tell the GUI
-                self.bus.publish([{"type": "models.changed"}])
-        except (LmspError, EngineError) as exc:
-            code = exc.code if isinstance(exc, LmspError) or exc.code == "engine_crashed" else "model_load_failed"
-            await self.write(_fail, job.task_id, code, exc.message)
-            return
         request = json.loads(row["request"])
-        if row["status"] == LOADING:
-            started = await self.write(_start_running, job.task_id, job.item_id, bool(request.get("call")))
-            if started is None:  # cancelled while the model loaded
-                await self.write(_cancelled, job.task_id)
-                return
         ids, job.text = await self.store.read(output.read, job.task_id)
-        job.tokens = len(ids)
+        job.tokens = row["output_tokens"]  # a remote task's output has a count but no token ids
         if request.get("call"):
             job.call = calls.CallStream(row["response_id"], job.text)
         gen = Generation(messages=calls.prompt(request), max_tokens=row["max_output_tokens"],
                          temperature=request.get("temperature", 1.0), top_p=request.get("top_p", 1.0),
                          seed=request.get("seed"), stop=request.get("stop"), constraint=request.get("constraint"),
                          prefix_ids=ids, emitted_chars=len(job.text))
+
+        async def waiting(message: str) -> None:
+            if await self.write(_waiting, job.task_id, message) is None:
+                job.engine.cancel()  # a cancel was accepted while it waited
+
+        try:
+            model = await self.store.read(models.usable, row["model_id"])
+            if await job.engine.open(model, gen, waiting):  # a fresh load: tell the GUI
+                self.bus.publish([{"type": "models.changed"}])
+        except (LmspError, EngineError) as exc:
+            code = exc.code if isinstance(exc, LmspError) or exc.code in OWN_CODES else "model_load_failed"
+            if await self.write(_fail, job.task_id, code, exc.message) is None:
+                await self.write(_cancelled, job.task_id)
+            return
+        if row["status"] == LOADING:
+            started = await self.write(_start_running, job.task_id, job.item_id, bool(request.get("call")))
+            if started is None:  # cancelled while the model loaded
+                job.engine.cancel()  # a remote stream that opened is closed
+                await self.write(_cancelled, job.task_id)
+                return
         reason, usage = "cancelled", {}
         job.started = time.monotonic()  # tokens/s counts generation, not the model load
         try:
@@ -247,8 +275,12 @@ class Runner:
                 if msg["ev"] == "done":
                     reason, usage = msg["reason"], msg
                     break
-                job.add(msg["ids"], msg["text"])
-                self.tokens_generated += len(msg["ids"])
+                if msg["ev"] == "reset":
+                    await self._restart_output(job, msg["resume_mode"])
+                    continue
+                tokens = msg.get("tokens", len(msg["ids"]))
+                job.add(msg["ids"], msg["text"], tokens)
+                self.tokens_generated += tokens
                 if job.saving is None or job.saving.done():
                     if job.saving is not None and not job.saving.result():
                         job.engine.cancel()  # the task left `running` (a cancel), or a write failed
@@ -275,6 +307,14 @@ class Runner:
                                                      "item_id": job.item_id})]
         if await self.write(_complete, job.task_id, last, ending, reason, usage) is None:
             await self.write(_cancelled, job.task_id)
+
+    async def _restart_output(self, job: Job, resume_mode: str) -> None:
+        """Drop the output written so far: the engine starts the text again (LMSP §11, `retry`)."""
+        if job.saving is not None:
+            await job.saving
+        job.reset()
+        if await self.write(_reset_output, job.task_id, resume_mode) is None:
+            job.engine.cancel()
 
     async def _save(self, job: Job) -> bool:
         """Write the output produced so far, again and again while more comes during a commit.
@@ -315,26 +355,43 @@ def _tokens_per_second(job: Job) -> float | None:
 
 # Transactions: each runs on the writer thread and returns the events it wrote.
 
-def _claim(conn: sqlite3.Connection, busy: list[str], last_client: str) -> Claimed | None:
-    """The next task to run: a resumed `running` task first, else a queued one, round-robin by
-    client: the oldest of the first client after `last_client` (in id order, wrapping around)
-    that has one. A client with 50 queued tasks delays another's single task by one task, not 50."""
-    marks = ",".join("?" * len(busy))
-    exclude = f" AND t.id NOT IN ({marks})" if busy else ""
-    # Downloads are tasks too, but no engine work: app/tasks/downloads.py runs them.
-    row = conn.execute(f"SELECT t.id, r.client_id FROM tasks t JOIN responses r ON r.id = t.response_id "
-                       f"WHERE t.status = 'running' AND t.kind = 'response'{exclude} ORDER BY t.created_at LIMIT 1",
-                       busy).fetchone()
+def _claim(conn: sqlite3.Connection, busy: list[str], last_client: str, formats: list[str]) -> Claimed | None:
+    """The next task to run on an engine that is free (`formats`: local `gguf`, `remote`): a
+    resumed `running` task first, else a queued one, round-robin by client: the oldest of the
+    first client after `last_client` (in id order, wrapping around) that has one. A client with
+    50 queued tasks delays another's single task by one task, not 50."""
+    # Downloads are tasks too, but no engine work: app/tasks/downloads.py runs them. A task whose
+    # model was deleted is taken as a local one, and fails as such.
+    tasks = ("SELECT t.id, r.client_id, COALESCE(m.format, 'gguf') AS format FROM tasks t "
+             "JOIN responses r ON r.id = t.response_id LEFT JOIN models m ON m.id = r.model_id "
+             f"WHERE t.kind = 'response' AND COALESCE(m.format, 'gguf') IN ({','.join('?' * len(formats))})")
+    exclude = f" AND t.id NOT IN ({','.join('?' * len(busy))})" if busy else ""
+    row = conn.execute(f"{tasks} AND t.status = 'running'{exclude} ORDER BY t.created_at LIMIT 1",
+                       (*formats, *busy)).fetchone()
     if row is not None:
-        return Claimed(row["id"], row["client_id"], [])
-    row = conn.execute("SELECT t.id, r.client_id FROM tasks t JOIN responses r ON r.id = t.response_id "
-                       "WHERE t.status = 'queued' AND t.kind = 'response' "
-                       "ORDER BY r.client_id <= ?, r.client_id, t.created_at LIMIT 1", (last_client,)).fetchone()
+        return Claimed(row["id"], row["client_id"], row["format"], [])
+    row = conn.execute(f"{tasks} AND t.status = 'queued' ORDER BY r.client_id <= ?, r.client_id, t.created_at LIMIT 1",
+                       (*formats, last_client)).fetchone()
     if row is None:
         return None
     events = machine.transition(conn, row["id"], LOADING, [("response.loading", {"progress": 0.0})])
     assert events is not None
-    return Claimed(row["id"], row["client_id"], events)
+    return Claimed(row["id"], row["client_id"], row["format"], events)
+
+
+def _waiting(conn: sqlite3.Connection, task_id: str, message: str) -> list[machine.Event] | None:
+    return machine.record(conn, task_id, (LOADING,), [("response.loading", {"progress": 0.0, "message": message})])
+
+
+def _reset_output(conn: sqlite3.Connection, task_id: str, resume_mode: str) -> list[machine.Event] | None:
+    """A new attempt from nothing, in place: the output goes, and the event says so."""
+    task = conn.execute("SELECT status, attempt FROM tasks WHERE id = ?", (task_id,)).fetchone()
+    if task["status"] != RUNNING:
+        return None
+    output.clear(conn, task_id)  # first: the response in the event shows the output as it now is
+    return machine.record(conn, task_id, (RUNNING,), [("response.in_progress", {
+        "response": RESPONSE, "output_reset": True, "resume_mode": resume_mode})],
+        attempt=task["attempt"] + 1, output_tokens=0, tokens_per_second=None)
 
 
 def _start_running(conn: sqlite3.Connection, task_id: str, item_id: str, call: bool) -> list[machine.Event] | None:

@@ -1,0 +1,380 @@
+"""Remote endpoints (LMSP §11): models that run on other OpenAI-compatible servers.
+
+`Upstreams` keeps, in memory, each remote model's endpoints with their API keys (read from the
+vault, never the database), their health and how many tasks each runs. A `RemoteEngine` runs
+one task: it sends the request to the reachable endpoint with the fewest running tasks, moves
+on to the next when a connection fails before the stream starts, waits (the task stays
+`loading`) while none answers, and streams the upstream's deltas to the runner in the same
+messages a local engine sends. An upstream that breaks mid-stream hands the task to another
+endpoint, which starts the text again: OpenAI-compatible servers cannot be trusted to continue
+a half-written assistant message, so the runner resets the output (`resume_mode: retry`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import ssl
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+from urllib.parse import urlsplit
+
+import httpx2
+
+from app.engine.engine import EngineError, Generation, Message, Waiting
+
+log = logging.getLogger(__name__)
+CONNECT_SECONDS = 5.0      # to open a connection or answer a probe
+STALL_SECONDS = 300.0      # the longest silence inside a stream before the upstream counts as gone
+WAIT_FIRST, WAIT_LAST = 0.5, 10.0  # seconds between rounds of tries while no endpoint answers
+
+
+class RemoteError(Exception):
+    """Why an endpoint cannot be used, as an LMSP error code and a message that names it."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(eq=False)
+class Endpoint:
+    """One upstream of a remote model, as routing sees it."""
+    base_url: str
+    model: str
+    api_key: str | None = field(default=None, repr=False)  # memory only
+    key_ref: str | None = None  # the name of the secret holding `api_key`
+    status: str = "available"   # available | unreachable
+    error: str | None = None    # why it is unreachable
+    running: int = 0
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def url(self, path: str) -> str:
+        return self.base_url.rstrip("/") + path
+
+    def mark(self, error: RemoteError | None) -> None:
+        if error is None:
+            if self.status != "available":
+                log.info("upstream %s answers again", self.base_url)
+            self.status, self.error = "available", None
+        else:
+            if self.status != "unreachable":
+                log.warning("upstream %s: %s", self.base_url, error.message)
+            self.status, self.error = "unreachable", error.message
+
+    def describe(self) -> dict[str, Any]:
+        return {"base_url": self.base_url, "model": self.model, "has_api_key": bool(self.api_key),
+                "status": self.status, "error": self.error, "running": self.running}
+
+
+def check_url(base_url: Any) -> str:
+    """The base URL if it is one an upstream can have (http or https, a host); else RemoteError."""
+    if not isinstance(base_url, str) or not base_url.strip():
+        raise RemoteError("invalid_url", "`base_url` is required, e.g. http://gpu-box:8080/v1.")
+    parts = urlsplit(base_url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise RemoteError("invalid_url", f"{base_url!r} is not an http:// or https:// URL with a host.")
+    if parts.query or parts.fragment:
+        raise RemoteError("invalid_url", f"{base_url!r}: a base URL has no query or fragment.")
+    return base_url.strip().rstrip("/")
+
+
+def transport_error(endpoint: Endpoint, exc: Exception) -> RemoteError:
+    """What a failed connection means, in words that say what to fix."""
+    where = endpoint.base_url
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ssl.SSLError):
+            return RemoteError("upstream_tls_error", f"{where}: the TLS handshake failed ({cause.__class__.__name__}: "
+                               f"{getattr(cause, 'reason', None) or cause}).")
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(exc, httpx2.TimeoutException):
+        return RemoteError("upstream_unreachable", f"{where} did not answer within {CONNECT_SECONDS:.0f} s.")
+    if isinstance(exc, httpx2.ConnectError):
+        return RemoteError("upstream_unreachable", f"{where} refused the connection or cannot be reached ({exc}).")
+    return RemoteError("upstream_unreachable", f"{where}: the connection failed ({exc.__class__.__name__}: {exc}).")
+
+
+def upstream_message(response: httpx2.Response) -> str:
+    """The error message an upstream sent (OpenAI's `{"error": {"message"}}` or FastAPI's `detail`)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:300] or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error", body.get("detail", body))
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"]
+        return json.dumps(error)[:300] if not isinstance(error, str) else error
+    return json.dumps(body)[:300]
+
+
+async def probe(client: httpx2.AsyncClient, endpoint: Endpoint) -> list[str]:
+    """`GET {base_url}/models`: the model names it serves. Raises RemoteError saying what is wrong:
+    an unreachable or TLS-failing server, a refused key, an answer that is not OpenAI's, or a model
+    it does not serve."""
+    try:
+        response = await client.get(endpoint.url("/models"), headers=endpoint.headers(), timeout=CONNECT_SECONDS)
+    except httpx2.TransportError as exc:
+        raise transport_error(endpoint, exc) from None
+    where = endpoint.base_url
+    if response.status_code in (401, 403):
+        raise RemoteError("upstream_auth_failed", f"{where} refused the API key ({response.status_code}: "
+                          f"{upstream_message(response)}).")
+    try:
+        listed = response.json()["data"] if response.status_code == 200 else None
+        names = [m["id"] for m in listed] if isinstance(listed, list) else None
+    except (ValueError, KeyError, TypeError):
+        names = None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise RemoteError("upstream_not_openai", f"{where}/models did not answer as an OpenAI-compatible server "
+                          f"does (HTTP {response.status_code}; expected a JSON list of models). Is the base URL "
+                          "the one that ends in /v1?")
+    if names and endpoint.model not in names:
+        raise RemoteError("upstream_model_not_found", f"{where} does not serve a model {endpoint.model!r}; it "
+                          f"serves: {', '.join(names[:20])}.")
+    return names
+
+
+class Upstreams:
+    """Every remote model's endpoints, their health and load; one HTTP client for all."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, list[Endpoint]] = {}
+        self.wait_seconds = 300.0  # setting remote_wait_seconds
+        self._client: httpx2.AsyncClient | None = None
+
+    @property
+    def client(self) -> httpx2.AsyncClient:
+        if self._client is None:
+            # No pool limit: concurrency is bounded by max_concurrent_remote_tasks, not here.
+            self._client = httpx2.AsyncClient(timeout=httpx2.Timeout(STALL_SECONDS, connect=CONNECT_SECONDS),
+                                              limits=httpx2.Limits(max_connections=None))
+        return self._client
+
+    def set(self, model_id: str, endpoints: list[Endpoint]) -> None:
+        """Take a model's endpoints as they now are. An endpoint that stays (same URL and model) stays
+        the same object, with its new key and health: the tasks running on it count there."""
+        known = {(e.base_url, e.model): e for e in self.models.get(model_id, [])}
+        kept = []
+        for new in endpoints:
+            old = known.get((new.base_url, new.model))
+            if old is not None:
+                old.api_key, old.key_ref, old.status, old.error = new.api_key, new.key_ref, new.status, new.error
+            kept.append(old or new)
+        self.models[model_id] = kept
+
+    def forget(self, model_id: str) -> None:
+        self.models.pop(model_id, None)
+
+    def order(self, model_id: str) -> list[Endpoint]:
+        """The endpoints to try: reachable ones first, fewest running tasks first, then as listed."""
+        endpoints = self.models.get(model_id, [])
+        return sorted(endpoints, key=lambda e: (e.status != "available", e.running, endpoints.index(e)))
+
+    def describe(self, model_id: str) -> list[dict[str, Any]]:
+        return [e.describe() for e in self.models.get(model_id, [])]
+
+    async def check(self) -> None:
+        """Probe every endpoint that no task is using, so that health shown is current."""
+        idle = [e for endpoints in self.models.values() for e in endpoints if not e.running]
+        await asyncio.gather(*(self._check(e) for e in idle))
+
+    async def _check(self, endpoint: Endpoint) -> None:
+        try:
+            await probe(self.client, endpoint)
+            endpoint.mark(None)
+        except RemoteError as exc:
+            endpoint.mark(exc)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+def request_body(endpoint: Endpoint, gen: Generation) -> dict[str, Any]:
+    """The chat completion request for `gen`, streamed, with the usage asked for at the end."""
+    body: dict[str, Any] = {"model": endpoint.model, "messages": gen.messages, "stream": True,
+                            "stream_options": {"include_usage": True},
+                            "temperature": gen.temperature, "top_p": gen.top_p}
+    if gen.max_tokens is not None:
+        body["max_tokens"] = gen.max_tokens
+    if gen.seed is not None:
+        body["seed"] = gen.seed
+    if gen.stop:
+        body["stop"] = gen.stop
+    if gen.constraint is not None:
+        schema = gen.constraint.get("schema")
+        body["response_format"] = ({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+                                   if schema is not None else {"type": "json_object"})
+    return body
+
+
+END = {"ev": "end"}
+
+
+class RemoteEngine:
+    """Runs one task on a remote model's endpoints (the runner makes one per task)."""
+
+    def __init__(self, upstreams: Upstreams) -> None:
+        self.upstreams = upstreams
+        self.model_id = ""
+        self.name = "remote"
+        self._endpoint: Endpoint | None = None
+        self._response: httpx2.Response | None = None
+        self._pump: asyncio.Task[None] | None = None
+        self._cancelled = asyncio.Event()
+
+    async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
+        """Start `gen` on a reachable endpoint; while none answers, tell `waiting` and try again,
+        up to the setting remote_wait_seconds. Raises EngineError (`upstream_unavailable`, or
+        `upstream_error` when an upstream refused the request itself)."""
+        self.model_id, self.name = model["id"], f"remote:{model['id']}"
+        deadline = time.monotonic() + self.upstreams.wait_seconds
+        pause = WAIT_FIRST
+        while not self._cancelled.is_set():
+            errors = await self._connect(gen)
+            if self._response is not None:
+                break
+            if time.monotonic() + pause > deadline:
+                raise EngineError("upstream_unavailable", f"No endpoint of {self.model_id!r} answered for "
+                                  f"{self.upstreams.wait_seconds:.0f} s (setting remote_wait_seconds): "
+                                  + " ".join(errors))
+            await waiting("Waiting for an endpoint to answer: " + " ".join(errors))
+            with contextlib.suppress(asyncio.TimeoutError):  # a cancel ends the pause at once
+                await asyncio.wait_for(self._cancelled.wait(), pause)
+            pause = min(pause * 2, WAIT_LAST)
+        return False
+
+    async def _connect(self, gen: Generation) -> list[str]:
+        """Send `gen` to each endpoint in routing order until one starts a stream; the errors
+        of those that did not. An upstream's 4xx fails the task: another would refuse it too."""
+        errors = []
+        for endpoint in self.upstreams.order(self.model_id):
+            client = self.upstreams.client
+            request = client.build_request("POST", endpoint.url("/chat/completions"), headers=endpoint.headers(),
+                                           json=request_body(endpoint, gen))
+            try:
+                response = await client.send(request, stream=True)
+            except httpx2.TransportError as exc:
+                error = transport_error(endpoint, exc)
+                endpoint.mark(error)
+                errors.append(error.message)
+                continue
+            if response.status_code == 200:
+                endpoint.mark(None)
+                endpoint.running += 1
+                self._endpoint, self._response = endpoint, response
+                log.info("%s: streaming from %s", self.name, endpoint.base_url)
+                return errors
+            await response.aread()
+            await response.aclose()
+            message = f"{endpoint.base_url} answered {response.status_code}: {upstream_message(response)}"
+            if 400 <= response.status_code < 500:
+                raise EngineError("upstream_error", message)
+            endpoint.mark(RemoteError("upstream_unreachable", message))
+            errors.append(message)
+        if not errors:
+            errors.append(f"The model {self.model_id!r} has no endpoints.")
+        return errors
+
+    async def generate(self, gen: Generation) -> AsyncIterator[Message]:
+        """Yield `chunk` messages, then one `done`, like a local engine; a `reset` first when the
+        stream starts the text again (a resumed task, or another endpoint after one broke)."""
+        restart = gen.emitted_chars > 0
+        tokens = 0
+        try:
+            while True:
+                if self._cancelled.is_set() or self._response is None:  # cancelled before the stream
+                    yield {"ev": "done", "reason": "cancelled", "input_tokens": 0, "output_tokens": tokens}
+                    return
+                if restart:
+                    yield {"ev": "reset", "resume_mode": "retry"}
+                    tokens = 0
+                queue: asyncio.Queue[Message] = asyncio.Queue()
+                assert self._response is not None
+                self._pump = asyncio.create_task(self._read(self._response, queue))
+                while (msg := await queue.get())["ev"] == "chunk":
+                    tokens += 1
+                    yield msg
+                if msg["ev"] == "done":
+                    yield {**msg, "output_tokens": msg["output_tokens"] or tokens}
+                    return
+                # The upstream broke: another endpoint starts again, or the task fails.
+                self._release()
+                if msg["ev"] == "error":
+                    raise EngineError(msg["code"], msg["message"])
+                errors = [msg["message"], *await self._connect(gen)]
+                if self._response is None:
+                    raise EngineError("upstream_unavailable", " ".join(errors))
+                restart = True
+        finally:
+            self._release()
+
+    async def _read(self, response: httpx2.Response, queue: asyncio.Queue[Message]) -> None:
+        """Turn the upstream's server-sent events into messages on `queue`, ending with `done`,
+        `broken` (the stream failed) or `error` (the upstream sent one)."""
+        endpoint = self._endpoint
+        assert endpoint is not None
+        reason, usage = None, {}
+        try:
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    queue.put_nowait({"ev": "error", "code": "upstream_error",
+                                      "message": f"{endpoint.base_url}: {upstream_message_of(event)}"})
+                    return
+                usage = event.get("usage") or usage
+                for choice in event.get("choices") or ():
+                    text = (choice.get("delta") or {}).get("content")
+                    if text:
+                        queue.put_nowait({"ev": "chunk", "ids": [], "text": text, "tokens": 1})
+                    reason = choice.get("finish_reason") or reason
+        except asyncio.CancelledError:
+            queue.put_nowait({"ev": "done", "reason": "cancelled", "input_tokens": 0, "output_tokens": 0})
+            raise
+        except (httpx2.TransportError, ValueError) as exc:
+            error = RemoteError("upstream_unreachable", f"{endpoint.base_url} broke off the stream "
+                                f"({exc.__class__.__name__}).")
+            endpoint.mark(error)
+            queue.put_nowait({"ev": "broken", "message": error.message})
+            return
+        finally:
+            await response.aclose()  # on a cancel, this closes the connection: the upstream stops
+        if reason is None:  # the stream ended without saying why: it was cut
+            queue.put_nowait({"ev": "broken", "message": f"{endpoint.base_url} ended the stream early."})
+            return
+        queue.put_nowait({"ev": "done", "reason": "length" if reason == "length" else "stop",
+                          "input_tokens": usage.get("prompt_tokens", 0), "cached_tokens": 0,
+                          "output_tokens": usage.get("completion_tokens", 0)})
+
+    def _release(self) -> None:
+        if self._endpoint is not None:
+            self._endpoint.running -= 1
+        self._endpoint = self._response = None
+
+    def cancel(self) -> None:
+        """Stop the task: the upstream stream is closed, which stops its generation."""
+        self._cancelled.set()
+        if self._pump is not None:
+            self._pump.cancel()
+        elif self._response is not None:  # opened, never read: nobody else will close it
+            asyncio.get_running_loop().create_task(self._response.aclose())
+            self._release()
+
+
+def upstream_message_of(event: dict[str, Any]) -> str:
+    error = event["error"]
+    return error.get("message", json.dumps(error)) if isinstance(error, dict) else str(error)
