@@ -1,0 +1,54 @@
+"""The `upstreams` fixture: real OpenAI-compatible servers for the remote-endpoint tests start,
+stream token by token, and die by SIGKILL as a crashed remote server would."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import Upstream
+
+
+async def stream_chat(session: aiohttp.ClientSession, upstream: Upstream) -> list[dict[str, Any]]:
+    """The SSE chunks of a short chat completion at temperature 0."""
+    body = {"model": upstream.alias, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8,
+            "temperature": 0, "stream": True}
+    chunks = []
+    async with session.post(upstream.base_url + "/chat/completions", json=body) as resp:
+        assert resp.status == 200 and resp.content_type == "text/event-stream", await resp.text()
+        async for line in resp.content:
+            data = line.decode().strip().removeprefix("data: ")
+            if data and data != "[DONE]":
+                chunks.append(json.loads(data))
+    return chunks
+
+
+@pytest.mark.timeout(60)
+async def test_two_upstreams_stream_and_one_dies_by_sigkill(upstreams: Any) -> None:
+    first, second = upstreams(2)
+    assert first.port != second.port
+    async with aiohttp.ClientSession() as session:
+        for upstream in (first, second):
+            async with session.get(upstream.base_url + "/models") as resp:
+                assert [m["id"] for m in (await resp.json())["data"]] == ["smollm2"]
+            chunks = await stream_chat(session, upstream)
+            text = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"][0]["delta"].get("content")]
+            assert len(text) > 1 and "".join(text).strip(), chunks  # streamed piece by piece
+            assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length"), chunks[-1]
+
+        first.kill()
+        # A pooled keep-alive connection finds the server gone (ServerDisconnectedError, or
+        # refused if the pool saw it close first); a new connection is refused.
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await stream_chat(session, first)
+        async with aiohttp.ClientSession() as fresh:
+            with pytest.raises(aiohttp.ClientConnectorError) as refused:
+                await stream_chat(fresh, first)
+        assert isinstance(refused.value.os_error, ConnectionRefusedError), refused.value
+        assert await stream_chat(session, second)  # the other one is unaffected
+
+        first.restart()
+        assert await stream_chat(session, first)
