@@ -237,10 +237,10 @@ class Upstream:
     One thread each: two of them share the machine's two cores."""
 
     def __init__(self, procs: Processes, log: Path, kind: str = "python", alias: str = "smollm2",
-                 interrupt: bool = True) -> None:
+                 interrupt: bool = True, api_key: str | None = None) -> None:
         from app.paths import default_model_file
 
-        self.procs, self.log, self.kind, self.alias = procs, log, kind, alias
+        self.procs, self.log, self.kind, self.alias, self.api_key = procs, log, kind, alias, api_key
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -255,6 +255,8 @@ class Upstream:
             self.command = [str(LLAMA_SERVER), "--model", model, "--alias", alias, "--host", "127.0.0.1",
                             "--port", str(self.port), "--threads", "1", "--threads-batch", "1",
                             "--ctx-size", "2048", "--no-webui"]
+        if api_key:  # then every request needs `Authorization: Bearer <api_key>`, else 401
+            self.command += ["--api-key", api_key]
 
     def start(self) -> "Upstream":
         """Start it (don't wait: `ready` does, so that several load at once)."""
@@ -268,8 +270,10 @@ class Upstream:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"upstream {self.base_url} exited: {self.log.read_text()[-3000:]}"
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             try:
-                with urllib.request.urlopen(self.base_url + "/models", timeout=5) as resp:
+                with urllib.request.urlopen(urllib.request.Request(self.base_url + "/models", headers=headers),
+                                            timeout=5) as resp:
                     if resp.status == 200:
                         return self
             except OSError:  # refused while it loads, or 503 (llama-server's "Loading model")
@@ -290,7 +294,7 @@ class Upstream:
 
 @pytest.fixture
 def upstreams(tmp_path: Path, procs: Processes) -> Any:
-    """upstreams(n=1, kind="python", alias="smollm2", interrupt=True) -> n ready Upstreams, each
+    """upstreams(n=1, kind="python", alias="smollm2", interrupt=True, api_key=None) -> n ready Upstreams, each
     killed (whole process group) with the test."""
     def start(n: int = 1, **kwargs: Any) -> list[Upstream]:
         count = len(list(tmp_path.glob("upstream-*.log")))

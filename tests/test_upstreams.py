@@ -52,3 +52,13 @@ async def test_two_upstreams_stream_and_one_dies_by_sigkill(upstreams: Any) -> N
 
         first.restart()
         assert await stream_chat(session, first)
+
+
+@pytest.mark.timeout(60)
+async def test_an_upstream_with_an_api_key_refuses_requests_without_it(upstreams: Any) -> None:
+    (upstream,) = upstreams(api_key="sk-test")
+    async with aiohttp.ClientSession() as session:
+        for headers, status in (({}, 401), ({"Authorization": "Bearer wrong"}, 401),
+                                ({"Authorization": "Bearer sk-test"}, 200)):
+            async with session.get(upstream.base_url + "/models", headers=headers) as resp:
+                assert resp.status == status, await resp.text()

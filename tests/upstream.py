@@ -31,13 +31,15 @@ def main() -> None:
     parser.add_argument("--n-ctx", type=int, default=2048)
     parser.add_argument("--interrupt-requests", action=argparse.BooleanOptionalAction, default=True,
                         help="the server's default: a new request ends the stream in progress")
+    parser.add_argument("--api-key", help="then every request needs `Authorization: Bearer <it>` (else 401)")
     args = parser.parse_args()
     model = ModelSettings(model=args.model, model_alias=args.model_alias, n_ctx=args.n_ctx,
                           n_threads=args.n_threads, n_threads_batch=args.n_threads, verbose=False)
     backend.load()
     with extra_bufts(False):
         app = create_app(server_settings=ServerSettings(host="127.0.0.1", port=args.port,
-                                                        interrupt_requests=args.interrupt_requests),
+                                                        interrupt_requests=args.interrupt_requests,
+                                                        api_key=args.api_key),
                          model_settings=[model])
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
