@@ -254,7 +254,7 @@ class Upstream:
             assert LLAMA_SERVER.is_file(), f"no {LLAMA_SERVER}: `make llama-server` builds it"
             self.command = [str(LLAMA_SERVER), "--model", model, "--alias", alias, "--host", "127.0.0.1",
                             "--port", str(self.port), "--threads", "1", "--threads-batch", "1",
-                            "--ctx-size", "2048", "--no-webui"]
+                            "--ctx-size", "2048", "--no-ui"]
         if api_key:  # then every request needs `Authorization: Bearer <api_key>`, else 401
             self.command += ["--api-key", api_key]
 
