@@ -11,11 +11,13 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
@@ -219,13 +221,11 @@ def wait_until(predicate: Any, timeout: float = 60.0, interval: float = 0.05) ->
 # llama.cpp's own server, built once by `make llama-server` (test-only) from the llama.cpp that
 # llama-cpp-python vendors; LMSP_LLAMA_SERVER (as `make test` sets it) says where.
 LLAMA_SERVER = Path(os.environ.get("LMSP_LLAMA_SERVER") or Path.home() / ".cache" / "lmsp-tray"
-                    / "llama-server-0.3.36" / "llama-server")
+                    / f"llama-server-{version('llama-cpp-python')}" / "llama-server")
 
 
 def free_port() -> int:
     """A loopback port nothing listens on now (the OS's pick; another could take it before use)."""
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -234,7 +234,8 @@ def free_port() -> int:
 class Upstream:
     """One OpenAI-compatible server on loopback serving the default model as `alias`:
     llama-cpp-python's (`kind="python"`, tests/upstream.py) or llama.cpp's `llama-server`.
-    One thread each: two of them share the machine's two cores."""
+    One thread each: two of them share the machine's two cores. `interrupt` (python only, its
+    default): a new request ends the stream in progress; llama-server runs 4 slots at once."""
 
     def __init__(self, procs: Processes, log: Path, kind: str = "python", alias: str = "smollm2",
                  interrupt: bool = True, api_key: str | None = None) -> None:
@@ -246,7 +247,6 @@ class Upstream:
         self.proc: subprocess.Popen[bytes] | None = None
         model = str(default_model_file())
         if kind == "python":
-            # interrupt: llama_cpp.server's default, a new request ends the stream in progress.
             self.command = [sys.executable, "-m", "tests.upstream", "--model", model, "--port", str(self.port),
                             "--model-alias", alias, "--n-threads", "1",
                             "--interrupt-requests" if interrupt else "--no-interrupt-requests"]
@@ -267,13 +267,13 @@ class Upstream:
     def ready(self, timeout: float = 60.0) -> "Upstream":
         """Wait until GET /v1/models answers 200."""
         assert self.proc is not None
+        models = urllib.request.Request(self.base_url + "/models", headers={
+            "Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"upstream {self.base_url} exited: {self.log.read_text()[-3000:]}"
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             try:
-                with urllib.request.urlopen(urllib.request.Request(self.base_url + "/models", headers=headers),
-                                            timeout=5) as resp:
+                with urllib.request.urlopen(models, timeout=5) as resp:
                     if resp.status == 200:
                         return self
             except OSError:  # refused while it loads, or 503 (llama-server's "Loading model")
@@ -282,12 +282,13 @@ class Upstream:
         raise TimeoutError(f"upstream {self.base_url} not ready in {timeout}s: {self.log.read_text()[-3000:]}")
 
     def kill(self) -> None:
-        """SIGKILL, as a crash or a pulled plug: clients see their connections reset, then refused."""
+        """SIGKILL, as a crash: a stream in progress ends short (its chunked body cut off), new
+        connections are refused."""
         assert self.proc is not None
         kill_group(self.proc)
 
     def restart(self) -> "Upstream":
-        """The same server again, on the same port (about a second for the default model)."""
+        """The same server again, on the same port (under a second for the default model)."""
         self.kill()
         return self.start().ready()
 

@@ -10,12 +10,17 @@ import aiohttp
 import pytest
 
 from tests.conftest import Upstream
+from tests.helpers import COUNT
+
+
+def chat(upstream: Upstream, prompt: str, max_tokens: int) -> dict[str, Any]:
+    return {"model": upstream.alias, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
 
 
 async def stream_chat(session: aiohttp.ClientSession, upstream: Upstream) -> list[dict[str, Any]]:
     """The SSE chunks of a short chat completion at temperature 0."""
-    body = {"model": upstream.alias, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8,
-            "temperature": 0, "stream": True}
+    body = chat(upstream, "Say hi", 8)
     chunks = []
     async with session.post(upstream.base_url + "/chat/completions", json=body) as resp:
         assert resp.status == 200 and resp.content_type == "text/event-stream", await resp.text()
@@ -42,7 +47,12 @@ async def test_two_upstreams_stream_and_one_dies_by_sigkill(upstreams: Any, kind
             assert len(text) > 1 and "".join(text).strip(), chunks  # streamed piece by piece
             assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length"), chunks[-1]
 
-        first.kill()
+        # SIGKILL mid-stream: the stream ends short (no finish_reason, no [DONE]), then
+        # connections are refused.
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with session.post(first.base_url + "/chat/completions", json=chat(first, COUNT, 500)) as resp:
+                async for _ in resp.content:
+                    first.kill()
         with pytest.raises(aiohttp.ClientConnectorError) as refused:
             await stream_chat(session, first)
         assert isinstance(refused.value.os_error, ConnectionRefusedError), refused.value
