@@ -255,32 +255,37 @@ class RemoteEngine:
 
     async def _connect(self, gen: Generation) -> list[str]:
         """Send `gen` to each endpoint in routing order until one starts a stream; the errors
-        of those that did not. An upstream's 4xx fails the task: another would refuse it too."""
-        errors = []
+        of those that did not. An upstream's 4xx fails the task: another would refuse it too; so
+        does a 5xx from every endpoint (they answer: waiting for them would not help)."""
+        errors, answered = [], []
         for endpoint in self.upstreams.order(self.model_id):
             client = self.upstreams.client
             request = client.build_request("POST", endpoint.url("/chat/completions"), headers=endpoint.headers(),
                                            json=request_body(endpoint, gen))
+            endpoint.running += 1  # counted from the start: tasks opening at once spread out
             try:
                 response = await client.send(request, stream=True)
             except httpx2.TransportError as exc:
+                endpoint.running -= 1
                 error = transport_error(endpoint, exc)
                 endpoint.mark(error)
                 errors.append(error.message)
                 continue
             if response.status_code == 200:
                 endpoint.mark(None)
-                endpoint.running += 1
                 self._endpoint, self._response = endpoint, response
                 log.info("%s: streaming from %s", self.name, endpoint.base_url)
                 return errors
+            endpoint.running -= 1
             await response.aread()
             await response.aclose()
             message = f"{endpoint.base_url} answered {response.status_code}: {upstream_message(response)}"
             if 400 <= response.status_code < 500:
                 raise EngineError("upstream_error", message)
-            endpoint.mark(RemoteError("upstream_unreachable", message))
             errors.append(message)
+            answered.append(message)
+        if answered and len(answered) == len(errors):
+            raise EngineError("upstream_error", " ".join(answered))
         if not errors:
             errors.append(f"The model {self.model_id!r} has no endpoints.")
         return errors
