@@ -6,8 +6,9 @@ one task: it sends the request to the reachable endpoint with the fewest running
 on to the next when a connection fails before the stream starts, waits (the task stays
 `loading`) while none answers, and streams the upstream's deltas to the runner in the same
 messages a local engine sends. An upstream that breaks mid-stream hands the task to another
-endpoint, which starts the text again: OpenAI-compatible servers cannot be trusted to continue
-a half-written assistant message, so the runner resets the output (`resume_mode: retry`).
+endpoint, which continues the text where it can (llama.cpp's llama-server) and otherwise starts
+it again: OpenAI-compatible servers cannot be trusted to continue a half-written assistant
+message, so the runner resets the output (`resume_mode: retry`).
 """
 
 from __future__ import annotations
