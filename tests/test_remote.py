@@ -333,3 +333,25 @@ async def test_a_task_moves_between_llama_servers_mid_stream_without_starting_ov
     text = (await (await api.get(f"/v1/responses/{evs[0]['response_id']}")).json())["output_text"]
     assert text == "".join(e["delta"] for e in evs if e["type"] == "response.output_text.delta")
     assert len(text) > len(before) > 0 and text.startswith(before)
+
+
+def test_the_openai_sdk_uses_a_remote_model_as_any_other(headless: Headless, upstreams: Any) -> None:
+    import openai
+
+    up, = upstreams(1, kind="llama-server")
+    svc = headless.start()
+    assert svc.post("/v1/models", {"id": "big", "remote": remote(up)})[0] == 201
+    client = openai.OpenAI(base_url=f"{svc.url}/v1", api_key=svc.token, max_retries=0, timeout=60)
+    try:
+        assert client.models.retrieve("big").owned_by == "remote"
+        pieces = [c.choices[0].delta.content for c in client.chat.completions.create(
+            model="big", messages=[{"role": "user", "content": "Name three colours."}], max_tokens=16,
+            temperature=0, stream=True) if c.choices and c.choices[0].delta.content]
+        assert len(pieces) > 5
+        made = client.responses.create(model="big", input="Name three colours.", max_output_tokens=16, temperature=0)
+        assert made.output_text == "".join(pieces) and made.usage.input_tokens > 0
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.embeddings.create(model="big", input="hello")
+        assert refused.value.code == "model_not_supported"
+    finally:
+        client.close()
