@@ -132,6 +132,8 @@ class ModelsFacade:
 
     async def unload_model(self, model_id: str) -> dict[str, Any]:
         row = await self.store.read(models.get, model_id)
+        if row["format"] == "remote":  # nothing loaded here
+            return self.remote_object(row)
         for engine in self.engines:
             if engine.model_path == row["path"]:
                 if self.runner.busy(engine):

@@ -67,7 +67,7 @@ class Endpoint:
             self.status, self.error = "available", None
         else:
             if self.status != "unreachable":
-                log.warning("upstream %s: %s", self.base_url, error.message)
+                log.warning("%s", error.message)  # it names the endpoint
             self.status, self.error = "unreachable", error.message
 
     def describe(self) -> dict[str, Any]:
@@ -187,8 +187,11 @@ class Upstreams:
         return [e.describe() for e in self.models.get(model_id, [])]
 
     async def check(self) -> None:
-        """Probe every endpoint that no task is using, so that health shown is current."""
-        idle = [e for endpoints in self.models.values() for e in endpoints if not e.running]
+        """Probe every endpoint of a server no task is using, so that the health shown is current.
+        A busy server is left alone: llama_cpp.server ends the stream it runs for any new request."""
+        endpoints = [e for listed in self.models.values() for e in listed]
+        busy = {e.base_url for e in endpoints if e.running}
+        idle = [e for e in endpoints if e.base_url not in busy]
         await asyncio.gather(*(self._check(e) for e in idle))
 
     async def _check(self, endpoint: Endpoint) -> None:
@@ -254,7 +257,11 @@ class RemoteEngine:
     A task that already has output (resumed after a restart, or moved off an endpoint that
     broke) continues it where the endpoint can: llama.cpp's `llama-server` evaluates the chat
     template's prompt followed by the text so far (`/apply-template`, then `/completion`), as if
-    it had written that text itself. Elsewhere the output starts again (`reset`)."""
+    it had written that text itself. Elsewhere the output starts again (`reset`).
+
+    Each try at an endpoint is one task (`_stream`) that sends the request, reads the stream
+    and closes it: the HTTP client's connection is opened and closed in the same task, and a
+    cancel is that task's cancellation, which closes the connection and so stops the upstream."""
 
     def __init__(self, upstreams: Upstreams) -> None:
         self.upstreams = upstreams
@@ -263,11 +270,10 @@ class RemoteEngine:
         self.gen = Generation([], None)
         self.text = ""          # the output so far, committed or streamed
         self.tokens = 0
-        self._endpoint: Endpoint | None = None
-        self._response: httpx2.Response | None = None
-        self._reader: Reader = read_chat
-        self._restart = False   # the stream opened starts the output again
+        self._endpoint: Endpoint | None = None  # the endpoint streaming, and its stream's messages
+        self._queue: asyncio.Queue[Message] = asyncio.Queue()
         self._pump: asyncio.Task[None] | None = None
+        self._restart = False   # the stream opened starts the output again
         self._cancelled = asyncio.Event()
 
     async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
@@ -280,7 +286,7 @@ class RemoteEngine:
         pause = WAIT_FIRST
         while not self._cancelled.is_set():
             errors = await self._connect()
-            if self._response is not None:
+            if self._endpoint is not None:
                 break
             if time.monotonic() + pause > deadline:
                 raise EngineError("upstream_unavailable", f"No endpoint of {self.model_id!r} answered for "
@@ -292,26 +298,6 @@ class RemoteEngine:
             pause = min(pause * 2, WAIT_LAST)
         return False
 
-    async def _request(self, endpoint: Endpoint) -> httpx2.Request:
-        """The request that carries on the task on `endpoint`: a continuation of the text so far
-        where it can, else the chat completion from the start."""
-        client = self.upstreams.client
-        if self.text and endpoint.continues is None:  # not probed since the service started
-            await probe(client, endpoint)
-        continuing = bool(self.text) and bool(endpoint.continues)
-        self._restart, self._reader = bool(self.text) and not continuing, read_completion if continuing else read_chat
-        if not continuing:
-            return client.build_request("POST", endpoint.url("/chat/completions"), headers=endpoint.headers(),
-                                        json=chat_request(endpoint, self.gen))
-        root = endpoint.base_url.removesuffix("/v1")
-        rendered = await client.post(root + "/apply-template", headers=endpoint.headers(), timeout=CONNECT_SECONDS,
-                                     json={"messages": self.gen.messages})
-        rendered.raise_for_status()
-        body = {"prompt": rendered.json()["prompt"] + self.text, "cache_prompt": True, **sampling(self.gen)}
-        if self.gen.max_tokens is not None:
-            body["n_predict"] = max(1, self.gen.max_tokens - self.tokens)
-        return client.build_request("POST", root + "/completion", headers=endpoint.headers(), json=body)
-
     async def _connect(self) -> list[str]:
         """Send the task to each endpoint in routing order until one starts a stream; the errors
         of those that did not. An upstream's 4xx fails the task: another would refuse it too; so
@@ -319,48 +305,104 @@ class RemoteEngine:
         errors, answered = [], []
         for endpoint in self.upstreams.order(self.model_id):
             endpoint.running += 1  # counted from the start: tasks opening at once spread out
-            try:
-                response = await self.upstreams.client.send(await self._request(endpoint), stream=True)
-            except (httpx2.TransportError, httpx2.HTTPStatusError, ValueError, KeyError, RemoteError) as exc:
-                endpoint.running -= 1
-                error = exc if isinstance(exc, RemoteError) else transport_error(endpoint, exc)
-                endpoint.mark(error)
-                errors.append(error.message)
-                continue
-            if response.status_code == 200:
-                endpoint.mark(None)
-                self._endpoint, self._response = endpoint, response
+            self._endpoint, self._queue = endpoint, asyncio.Queue()
+            self._pump = asyncio.create_task(self._stream(endpoint, self._queue), name=f"lmsp-{self.name}")
+            first = await self._queue.get()
+            if first["ev"] == "opened":
                 log.info("%s: streaming from %s%s", self.name, endpoint.base_url,
                          " (continuing its text)" if self.text and not self._restart else "")
                 return errors
-            endpoint.running -= 1
-            await response.aread()
-            await response.aclose()
-            message = f"{endpoint.base_url} answered {response.status_code}: {upstream_message(response)}"
-            if 400 <= response.status_code < 500:
-                raise EngineError("upstream_error", message)
-            errors.append(message)
-            answered.append(message)
+            self._release()
+            if first["ev"] == "done":  # cancelled meanwhile
+                return errors
+            if first["ev"] == "refused" and first["status"] < 500:
+                raise EngineError("upstream_error", first["message"])
+            errors.append(first["message"])
+            if first["ev"] == "refused":
+                answered.append(first["message"])
         if answered and len(answered) == len(errors):
             raise EngineError("upstream_error", " ".join(answered))
         if not errors:
             errors.append(f"The model {self.model_id!r} has no endpoints.")
         return errors
 
+    async def _request(self, endpoint: Endpoint) -> tuple[str, dict[str, Any], Reader]:
+        """Where and what to send to carry on the task on `endpoint`, and how to read its stream:
+        a continuation of the text so far where it can, else the chat completion from the start."""
+        client = self.upstreams.client
+        if self.text and endpoint.continues is None:  # not probed since the service started
+            await probe(client, endpoint)
+        continuing = bool(self.text) and bool(endpoint.continues)
+        self._restart = bool(self.text) and not continuing
+        if not continuing:
+            return endpoint.url("/chat/completions"), chat_request(endpoint, self.gen), read_chat
+        root = endpoint.base_url.removesuffix("/v1")
+        rendered = await client.post(root + "/apply-template", headers=endpoint.headers(), timeout=CONNECT_SECONDS,
+                                     json={"messages": self.gen.messages})
+        rendered.raise_for_status()
+        body = {"prompt": rendered.json()["prompt"] + self.text, "cache_prompt": True, **sampling(self.gen)}
+        if self.gen.max_tokens is not None:
+            body["n_predict"] = max(1, self.gen.max_tokens - self.tokens)
+        return root + "/completion", body, read_completion
+
+    async def _stream(self, endpoint: Endpoint, queue: asyncio.Queue[Message]) -> None:
+        """One try at `endpoint`, as messages on `queue`: `opened` or why not (`failed`: no
+        answer, `refused`: an HTTP error), then the chunks, ending with `done`, `broken` (the
+        stream failed) or `error` (the upstream sent one)."""
+        reason, usage, opened = None, {}, False
+        try:
+            url, body, reader = await self._request(endpoint)
+            async with self.upstreams.client.stream("POST", url, headers=endpoint.headers(), json=body) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    queue.put_nowait({"ev": "refused", "status": response.status_code, "message": (
+                        f"{endpoint.base_url} answered {response.status_code}: {upstream_message(response)}")})
+                    return
+                endpoint.mark(None)
+                queue.put_nowait({"ev": "opened"})
+                opened = True
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        queue.put_nowait({"ev": "error", "code": "upstream_error",
+                                          "message": f"{endpoint.base_url}: {upstream_message_of(event)}"})
+                        return
+                    text, finish, counted = reader(event)
+                    if text:
+                        queue.put_nowait({"ev": "chunk", "ids": [], "text": text, "tokens": 1})
+                    reason, usage = finish or reason, counted or usage
+        except asyncio.CancelledError:  # leaving the `async with` closed the connection: the upstream stops
+            queue.put_nowait({"ev": "done", "reason": "cancelled", "input_tokens": 0})
+            raise
+        except (httpx2.TransportError, httpx2.HTTPStatusError, ValueError, KeyError, RemoteError) as exc:
+            error = exc if isinstance(exc, RemoteError) else transport_error(endpoint, exc)
+            if opened:
+                error = RemoteError(error.code, f"{endpoint.base_url} broke off the stream ({exc.__class__.__name__}).")
+            endpoint.mark(error)
+            queue.put_nowait({"ev": "broken" if opened else "failed", "message": error.message})
+            return
+        if reason is None:  # the stream ended without saying why: it was cut
+            queue.put_nowait({"ev": "broken", "message": f"{endpoint.base_url} ended the stream early."})
+            return
+        queue.put_nowait({"ev": "done", "reason": reason, "cached_tokens": 0, **usage})
+
     async def generate(self, gen: Generation) -> AsyncIterator[Message]:
         """Yield `chunk` messages, then one `done`, like a local engine; a `reset` first when the
         stream starts the output again (an endpoint that cannot continue it)."""
         try:
             while True:
-                if self._cancelled.is_set() or self._response is None:  # cancelled before the stream
+                if self._endpoint is None:  # cancelled before a stream opened
                     yield {"ev": "done", "reason": "cancelled", "input_tokens": 0}
                     return
                 if self._restart:
                     yield {"ev": "reset", "resume_mode": "retry"}
-                    self.text, self.tokens = "", 0
-                queue: asyncio.Queue[Message] = asyncio.Queue()
-                self._pump = asyncio.create_task(self._read(self._response, queue))
-                while (msg := await queue.get())["ev"] == "chunk":
+                    self.text, self.tokens, self._restart = "", 0, False
+                while (msg := await self._queue.get())["ev"] == "chunk":
                     self.text += msg["text"]
                     self.tokens += 1
                     yield msg
@@ -372,62 +414,23 @@ class RemoteEngine:
                 if msg["ev"] == "error":
                     raise EngineError(msg["code"], msg["message"])
                 errors = [msg["message"], *await self._connect()]
-                if self._response is None:
+                if self._endpoint is None and not self._cancelled.is_set():
                     raise EngineError("upstream_unavailable", " ".join(errors))
         finally:
+            if self._pump is not None:
+                self._pump.cancel()  # a runner that stops reading closes the stream too
             self._release()
-
-    async def _read(self, response: httpx2.Response, queue: asyncio.Queue[Message]) -> None:
-        """Turn the upstream's server-sent events into messages on `queue`, ending with `done`,
-        `broken` (the stream failed) or `error` (the upstream sent one)."""
-        endpoint = self._endpoint
-        assert endpoint is not None
-        reason, usage = None, {}
-        try:
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    queue.put_nowait({"ev": "error", "code": "upstream_error",
-                                      "message": f"{endpoint.base_url}: {upstream_message_of(event)}"})
-                    return
-                text, finish, counted = self._reader(event)
-                if text:
-                    queue.put_nowait({"ev": "chunk", "ids": [], "text": text, "tokens": 1})
-                reason, usage = finish or reason, counted or usage
-        except asyncio.CancelledError:
-            queue.put_nowait({"ev": "done", "reason": "cancelled", "input_tokens": 0})
-            raise
-        except (httpx2.TransportError, ValueError) as exc:
-            error = RemoteError("upstream_unreachable", f"{endpoint.base_url} broke off the stream "
-                                f"({exc.__class__.__name__}).")
-            endpoint.mark(error)
-            queue.put_nowait({"ev": "broken", "message": error.message})
-            return
-        finally:
-            await response.aclose()  # on a cancel, this closes the connection: the upstream stops
-        if reason is None:  # the stream ended without saying why: it was cut
-            queue.put_nowait({"ev": "broken", "message": f"{endpoint.base_url} ended the stream early."})
-            return
-        queue.put_nowait({"ev": "done", "reason": reason, "cached_tokens": 0, **usage})
 
     def _release(self) -> None:
         if self._endpoint is not None:
             self._endpoint.running -= 1
-        self._endpoint = self._response = None
+        self._endpoint = None
 
     def cancel(self) -> None:
-        """Stop the task: the upstream stream is closed, which stops its generation."""
+        """Stop the task: its stream's connection is closed, which stops the upstream's generation."""
         self._cancelled.set()
         if self._pump is not None:
             self._pump.cancel()
-        elif self._response is not None:  # opened, never read: nobody else will close it
-            asyncio.get_running_loop().create_task(self._response.aclose())
-            self._release()
 
 
 def upstream_message_of(event: dict[str, Any]) -> str:
