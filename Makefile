@@ -12,6 +12,14 @@ LLAMA_VERSION := 0.3.36
 LLAMA_CMAKE   := -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON
 WHEELS        ?= $(HOME)/.cache/lmsp-tray/wheels/llama-$(LLAMA_VERSION)-portable
 LLAMA_WHEEL   := $(WHEELS)/.built
+# Test-only: llama.cpp's own OpenAI-compatible server, from the llama.cpp llama-cpp-python
+# vendors (same version as the wheel), an upstream for the remote-endpoint tests. No AMX
+# kernels in this build (GGML_NATIVE=OFF: AVX2 at most), so it runs on CPUs where they crash.
+LLAMA_SERVER_DIR ?= $(HOME)/.cache/lmsp-tray/llama-server-$(LLAMA_VERSION)
+LLAMA_SERVER     := $(LLAMA_SERVER_DIR)/llama-server
+LLAMA_SERVER_CMAKE := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF \
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
+  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
 
 # Qt's platform plugins and the virtual screen + tray host the GUI tests use.
 APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbcommon-x11-0 \
@@ -19,7 +27,7 @@ APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbc
   libxcb-xinerama0 libxcb-xkb1 libegl1 libgl1 libdbus-1-3 libfontconfig1 cmake build-essential \
   desktop-file-utils appstream
 
-.PHONY: run test bench package system-deps clean
+.PHONY: run test bench package system-deps clean llama-server
 
 # --no-cache-dir: pip's own wheel cache does not know CMAKE_ARGS and could hand back a
 # native build made elsewhere.
@@ -28,6 +36,19 @@ $(LLAMA_WHEEL):
 	CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PYTHON) -m pip wheel --no-deps \
 	  --no-cache-dir --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_VERSION) -w $(WHEELS)
 	touch $@
+
+# One static binary; the sources and the build folder are removed once it is there.
+$(LLAMA_SERVER):
+	rm -rf $(LLAMA_SERVER_DIR)/src $(LLAMA_SERVER_DIR)/build
+	mkdir -p $(LLAMA_SERVER_DIR)/src
+	$(PYTHON) -m pip download --quiet --no-deps --no-binary llama-cpp-python \
+	  llama-cpp-python==$(LLAMA_VERSION) -d $(LLAMA_SERVER_DIR)/src
+	tar -xzf $(LLAMA_SERVER_DIR)/src/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(LLAMA_SERVER_DIR)/src
+	cmake -S $(LLAMA_SERVER_DIR)/src/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp \
+	  -B $(LLAMA_SERVER_DIR)/build $(LLAMA_SERVER_CMAKE)
+	cmake --build $(LLAMA_SERVER_DIR)/build --target llama-server -j$$(nproc)
+	cp $(LLAMA_SERVER_DIR)/build/bin/llama-server $@.tmp && mv $@.tmp $@
+	rm -rf $(LLAMA_SERVER_DIR)/src $(LLAMA_SERVER_DIR)/build
 
 $(BIN)/.installed: pyproject.toml $(LLAMA_WHEEL)
 	$(PYTHON) -m venv $(VENV)
@@ -44,9 +65,10 @@ system-deps:
 run: system-deps $(BIN)/.installed
 	$(BIN)/lmsp-tray
 
-# tests/test_wheel.py installs the app's wheel in a fresh venv, with llama.cpp from $(WHEELS).
-test: system-deps $(BIN)/.installed
-	LMSP_WHEELS=$(WHEELS) $(BIN)/python -m pytest -q
+# tests/test_wheel.py installs the app's wheel in a fresh venv, with llama.cpp from $(WHEELS);
+# the remote-endpoint tests start $(LLAMA_SERVER) as one of their upstreams.
+test: system-deps $(BIN)/.installed $(LLAMA_SERVER)
+	LMSP_WHEELS=$(WHEELS) LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q
 
 bench: system-deps $(BIN)/.installed
 	$(BIN)/python -m pytest -q -s tests/bench
@@ -54,6 +76,8 @@ bench: system-deps $(BIN)/.installed
 # The one-folder desktop app in dist/lmsp-tray/ (PyInstaller; packaging/README.md).
 package: system-deps $(BIN)/.installed
 	packaging/build.sh
+
+llama-server: $(LLAMA_SERVER)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

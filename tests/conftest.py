@@ -11,11 +11,13 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
@@ -212,3 +214,91 @@ def wait_until(predicate: Any, timeout: float = 60.0, interval: float = 0.05) ->
             return value
         time.sleep(interval)
     raise TimeoutError("condition not met in time")
+
+
+# -- real OpenAI-compatible upstreams, for the remote-endpoint tests ---------------------------
+
+# llama.cpp's own server, built once by `make llama-server` (test-only) from the llama.cpp that
+# llama-cpp-python vendors; LMSP_LLAMA_SERVER (as `make test` sets it) says where.
+LLAMA_SERVER = Path(os.environ.get("LMSP_LLAMA_SERVER") or Path.home() / ".cache" / "lmsp-tray"
+                    / f"llama-server-{version('llama-cpp-python')}" / "llama-server")
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (the OS's pick; another could take it before use)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Upstream:
+    """One OpenAI-compatible server on loopback serving the default model as `alias`:
+    llama-cpp-python's (`kind="python"`, tests/upstream.py) or llama.cpp's `llama-server`.
+    One thread each: two of them share the machine's two cores. `interrupt` (python only, its
+    default): a new request ends the stream in progress; llama-server runs 4 slots at once."""
+
+    def __init__(self, procs: Processes, log: Path, kind: str = "python", alias: str = "smollm2",
+                 interrupt: bool = True, api_key: str | None = None) -> None:
+        from app.paths import default_model_file
+
+        self.procs, self.log, self.kind, self.alias, self.api_key = procs, log, kind, alias, api_key
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.proc: subprocess.Popen[bytes] | None = None
+        model = str(default_model_file())
+        if kind == "python":
+            self.command = [sys.executable, "-m", "tests.upstream", "--model", model, "--port", str(self.port),
+                            "--model-alias", alias, "--n-threads", "1",
+                            "--interrupt-requests" if interrupt else "--no-interrupt-requests"]
+        else:
+            assert LLAMA_SERVER.is_file(), f"no {LLAMA_SERVER}: `make llama-server` builds it"
+            self.command = [str(LLAMA_SERVER), "--model", model, "--alias", alias, "--host", "127.0.0.1",
+                            "--port", str(self.port), "--threads", "1", "--threads-batch", "1",
+                            "--ctx-size", "2048", "--no-ui"]
+        if api_key:  # then every request needs `Authorization: Bearer <api_key>`, else 401
+            self.command += ["--api-key", api_key]
+
+    def start(self) -> "Upstream":
+        """Start it (don't wait: `ready` does, so that several load at once)."""
+        with self.log.open("ab") as log:
+            self.proc = self.procs.popen(self.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def ready(self, timeout: float = 60.0) -> "Upstream":
+        """Wait until GET /v1/models answers 200."""
+        assert self.proc is not None
+        models = urllib.request.Request(self.base_url + "/models", headers={
+            "Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"upstream {self.base_url} exited: {self.log.read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(models, timeout=5) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:  # refused while it loads, or 503 (llama-server's "Loading model")
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"upstream {self.base_url} not ready in {timeout}s: {self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: a stream in progress ends short (its chunked body cut off), new
+        connections are refused."""
+        assert self.proc is not None
+        kill_group(self.proc)
+
+    def restart(self) -> "Upstream":
+        """The same server again, on the same port (under a second for the default model)."""
+        self.kill()
+        return self.start().ready()
+
+
+@pytest.fixture
+def upstreams(tmp_path: Path, procs: Processes) -> Any:
+    """upstreams(n=1, kind="python", alias="smollm2", interrupt=True, api_key=None) -> n ready Upstreams, each
+    killed (whole process group) with the test."""
+    def start(n: int = 1, **kwargs: Any) -> list[Upstream]:
+        count = len(list(tmp_path.glob("upstream-*.log")))
+        started = [Upstream(procs, tmp_path / f"upstream-{count + i}.log", **kwargs).start() for i in range(n)]
+        return [upstream.ready() for upstream in started]
+    return start
