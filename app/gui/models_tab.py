@@ -54,6 +54,15 @@ def endpoint_line(endpoint: dict[str, Any]) -> str:
     return f"{host} ✓" + (f" {endpoint['running']} running" if endpoint.get("running") else "")
 
 
+def state_text(model: dict[str, Any]) -> str:
+    """The State cell: a remote model that answers says so, and how many of its endpoints do not."""
+    down = sum(1 for e in model.get("endpoints") or [] if e["status"] != "available")
+    state = STATES.get(model["status"], model["status"])
+    if not down or model["status"] != "available":
+        return state
+    return f"{state}, {down} of {len(model['endpoints'])} unreachable"
+
+
 def endpoints_summary(model: dict[str, Any]) -> str:
     endpoints = model.get("endpoints") or []
     count = f"{len(endpoints)} endpoint{'s' if len(endpoints) != 1 else ''}"
@@ -65,7 +74,7 @@ class ModelsTab(QWidget):
         super().__init__(parent)
         self.session = session
         self.progress: QProgressDialog | None = None
-        self.table = list_table(COLUMNS, stretch=0, widths={1: 90, 2: 120, 3: 140, 4: 90})
+        self.table = list_table(COLUMNS, stretch=0, widths={1: 90, 2: 120, 3: 180, 4: 90})
         self.table.itemSelectionChanged.connect(self._update_buttons)
         self.table.itemDoubleClicked.connect(lambda _item: self.edit_remote())
         self.remote_dialog: RemoteModelDialog | None = None  # the one add/edit window open, if any
@@ -107,7 +116,7 @@ class ModelsTab(QWidget):
             engine = model.get("engine") or {}
             remote = is_remote(model)
             cells = (model["id"], human_size(model.get("size_bytes")), short_digest(model.get("digest")),
-                     STATES.get(model["status"], model["status"]),
+                     state_text(model),
                      "Remote" if remote else ENGINE_MODES.get(engine.get("mode"), "—"))
             where = ("\n".join(endpoint_line(e) for e in model["endpoints"]) if remote
                      else f"{model.get('path', '')}\n{model.get('digest', '')}")

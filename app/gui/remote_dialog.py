@@ -38,13 +38,19 @@ class EndpointBox(QGroupBox):
         self.key = QLineEdit(echoMode=QLineEdit.EchoMode.Password)
         self.clear_key = QCheckBox("Clear key")
         self.clear_key.setToolTip("Send no key to this server from now on")
+        keep_place = self.clear_key.sizePolicy()
+        keep_place.setRetainSizeWhenHidden(True)  # the key fields line up whether it shows or not
+        self.clear_key.setSizePolicy(keep_place)
         self.clear_key.setVisible(bool(saved and saved["has_api_key"]))
         self.test_button = QPushButton("Test connection")
         self.remove_button = QPushButton("Remove")
-        self.status = QLabel(wordWrap=True)
+        self.status = QLabel(wordWrap=True, visible=False)
         if saved:
             self.base_url.setText(saved["base_url"])
             self.model.setText(saved["model"])
+            self.say(f"✗ {saved['error']}" if saved["status"] != "available" else
+                     "✓ Answering" + (f", {saved['running']} running" if saved["running"] else ""),
+                     error=saved["status"] != "available")
         for changed in (self.base_url.textChanged, self.model.textChanged, self.clear_key.toggled):
             changed.connect(self._show_key_state)
         self._show_key_state()
@@ -92,8 +98,7 @@ class EndpointBox(QGroupBox):
         return body
 
     def say(self, text: str, error: bool = False) -> None:
-        self.status.setStyleSheet(style.ERROR if error else style.HINT)
-        self.status.setText(text)
+        say(self.status, text, error)
 
 
 class RemoteModelDialog(QDialog):
@@ -111,11 +116,13 @@ class RemoteModelDialog(QDialog):
                        "LMSP Tray). Its tasks are kept here; each goes to the least busy endpoint that answers.",
                        wordWrap=True)
         self.model_id = QLineEdit(objectName="remote-id", placeholderText="the name apps will ask for, e.g. big")
-        if model:
+        if model:  # an id is for good: it shows as text, not as a field
             self.model_id.setText(model["id"])
             self.model_id.setReadOnly(True)
-        self.id_error = QLabel(wordWrap=True)
-        self.id_error.setStyleSheet(style.ERROR)
+            self.model_id.setFrame(False)
+            self.model_id.setStyleSheet("background: transparent")
+            self.model_id.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+        self.id_error = QLabel(wordWrap=True, visible=False)
         id_row = QHBoxLayout()
         id_row.addWidget(QLabel("Model id"))
         id_row.addWidget(self.model_id, 1)
@@ -131,7 +138,7 @@ class RemoteModelDialog(QDialog):
         self.add_button = QPushButton("Add endpoint")
         self.add_button.clicked.connect(lambda: self.add_endpoint(None))
 
-        self.message = QLabel(wordWrap=True)
+        self.message = QLabel(wordWrap=True, visible=False)
         buttons = QDialogButtonBox()
         self.save_button = QPushButton("Save")
         self.save_button.setDefault(True)
@@ -212,7 +219,7 @@ class RemoteModelDialog(QDialog):
             return
         self.busy = True
         self.save_button.setEnabled(False)
-        self.id_error.clear()
+        say(self.id_error, "")
         for box in self.boxes:
             box.say("")
         self._say("Checking every endpoint…")
@@ -241,12 +248,22 @@ class RemoteModelDialog(QDialog):
         self._say("")
         named = ENDPOINT_PARAM.match(exc.param or "")
         if named and int(named.group(1)) < len(self.boxes):
-            self.boxes[int(named.group(1))].say(f"✗ {exc.message}", error=True)
+            box = self.boxes[int(named.group(1))]
+            box.say(f"✗ {exc.message}", error=True)
+            field = (exc.param or "").rpartition(".")[2]  # base_url, model, api_key, or the endpoint as a whole
+            {"model": box.model, "api_key": box.key}.get(field, box.base_url).setFocus()
         elif exc.param == "id" or exc.code == "model_exists":
-            self.id_error.setText(exc.message)
+            say(self.id_error, exc.message, error=True)
+            self.model_id.setFocus()
         else:
             self._say(exc.message, error=True)
 
     def _say(self, text: str, error: bool = False) -> None:
-        self.message.setStyleSheet(style.ERROR if error else style.HINT)
-        self.message.setText(text)
+        say(self.message, text, error)
+
+
+def say(label: QLabel, text: str, error: bool = False) -> None:
+    """A line of news under a field: red when something was refused; hidden when there is none."""
+    label.setStyleSheet(style.ERROR if error else style.HINT)
+    label.setText(text)
+    label.setVisible(bool(text))

@@ -12,13 +12,14 @@ from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QMenu, QWidget
 from shiboken6 import isValid
 
+from app.core.auth import Client
 from app.gui import models_tab
 from app.gui.dashboard import Dashboard
 from app.gui.models_tab import ModelsTab
 from app.gui.remote_dialog import KEPT, RemoteModelDialog
 from app.gui.session import Session
 from app.gui.tray import Tray
-from gui_helpers import Until
+from gui_helpers import Until, make_task
 
 pytestmark = pytest.mark.gui
 STATE, ENGINE = 3, 4
@@ -46,8 +47,8 @@ async def start_upstream(upstreams: Any, **kwargs: Any) -> Any:
     return upstream
 
 
-async def test_add_a_remote_model_and_see_its_endpoints_health(session: Session, upstreams: Any, until: Until,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_add_a_remote_model_and_see_its_endpoints_health(session: Session, owner: Client, upstreams: Any,
+                                                                until: Until, monkeypatch: pytest.MonkeyPatch) -> None:
     upstream = await start_upstream(upstreams)
     tab = Dashboard(session).models
     tab.buttons["add-remote"].click()
@@ -86,6 +87,12 @@ async def test_add_a_remote_model_and_see_its_endpoints_health(session: Session,
     assert not tab.buttons["unload"].isEnabled()
     entry = tray_entry(session, "big")
     assert entry.text() == "big — remote" and entry.isEnabled()
+
+    # A task on it counts as running on its endpoint, until it ends.
+    task = (await make_task(session.service, owner, tokens=200, model="big"))["task"]
+    await until(lambda: tab.details.text() == f"big — 1 endpoint: {host} ✓ 1 running", 30, "1 running")
+    await until(lambda: tab.details.text() == f"big — 1 endpoint: {host} ✓", 60, "none running")
+    assert (await session.service.task(owner, task["id"]))["status"] == "completed"
 
     # The server goes away: a re-check shows it unreachable, in the table and the tray.
     upstream.kill()
@@ -141,6 +148,7 @@ async def test_editing_keeps_the_key_unless_cleared(session: Session, upstreams:
     [box] = dialog.boxes
     assert box.base_url.text() == upstream.base_url and box.key.text() == ""  # the key is never shown
     assert box.key.placeholderText() == KEPT and box.clear_key.isVisible()
+    assert box.status.text() == "✓ Answering"  # its health as last checked
     box.test_button.click()  # with the saved key, which only the service has
     await until(lambda: box.status.text().startswith("✓"), 20, "the test's answer")
 
