@@ -287,6 +287,12 @@ class Upstream:
         assert self.proc is not None
         kill_group(self.proc)
 
+    def cpu_seconds(self) -> float:
+        """CPU time the server has used so far (user + system): whether it is generating."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def restart(self) -> "Upstream":
         """The same server again, on the same port (under a second for the default model)."""
         self.kill()

@@ -52,8 +52,9 @@ class Generation:
     seed: int | None = None
     stop: list[str] | None = None
     constraint: dict[str, Any] | None = None  # JSON the output must be (app/engine/grammar.py)
-    prefix_ids: list[int] | None = None
-    emitted_chars: int = 0
+    prefix_ids: list[int] | None = None  # the output so far: its token ids (local engines)
+    prefix_text: str = ""                # its text
+    prefix_tokens: int = 0               # and how many tokens it counted (a remote one has no ids)
 
 
 Waiting = Callable[[str], Awaitable[None]]  # told why a task waits for its engine, before each pause
@@ -240,11 +241,12 @@ class Engine:
             if file is None:
                 raise EngineError("model_not_loaded", "No model is loaded.")
             crashes: list[str] = []
-            ids, emitted = list(gen.prefix_ids or []), gen.emitted_chars
+            ids, emitted = list(gen.prefix_ids or []), len(gen.prefix_text)
+            fields = {k: v for k, v in gen.__dict__.items() if k not in ("prefix_text", "prefix_tokens")}
             while True:
                 job = f"job{next(self._ids)}"
                 self._job = job
-                self._send({"op": "generate", "job": job, **{**gen.__dict__, "prefix_ids": ids, "emitted_chars": emitted}})
+                self._send({"op": "generate", "job": job, **fields, "prefix_ids": ids, "emitted_chars": emitted})
                 while True:
                     msg = await self._next()
                     if msg is CRASHED:

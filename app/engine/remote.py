@@ -6,8 +6,9 @@ one task: it sends the request to the reachable endpoint with the fewest running
 on to the next when a connection fails before the stream starts, waits (the task stays
 `loading`) while none answers, and streams the upstream's deltas to the runner in the same
 messages a local engine sends. An upstream that breaks mid-stream hands the task to another
-endpoint, which starts the text again: OpenAI-compatible servers cannot be trusted to continue
-a half-written assistant message, so the runner resets the output (`resume_mode: retry`).
+endpoint, which continues the text where it can (llama.cpp's llama-server) and otherwise starts
+it again: OpenAI-compatible servers cannot be trusted to continue a half-written assistant
+message, so the runner resets the output (`resume_mode: retry`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import ssl
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import httpx2
@@ -48,6 +49,7 @@ class Endpoint:
     model: str
     api_key: str | None = field(default=None, repr=False)  # memory only
     key_ref: str | None = None  # the name of the secret holding `api_key`
+    continues: bool | None = None  # it can continue a half-written answer (llama-server); None: not probed
     status: str = "available"   # available | unreachable
     error: str | None = None    # why it is unreachable
     running: int = 0
@@ -136,6 +138,8 @@ async def probe(client: httpx2.AsyncClient, endpoint: Endpoint) -> list[str]:
         raise RemoteError("upstream_not_openai", f"{where}/models did not answer as an OpenAI-compatible server "
                           f"does (HTTP {response.status_code}; expected a JSON list of models). Is the base URL "
                           "the one that ends in /v1?")
+    # llama-server says it is one; it alone has the endpoints a continuation needs.
+    endpoint.continues = any(isinstance(m, dict) and m.get("owned_by") == "llamacpp" for m in listed)
     if names and endpoint.model not in names:
         raise RemoteError("upstream_model_not_found", f"{where} does not serve a model {endpoint.model!r}; it "
                           f"serves: {', '.join(names[:20])}.")
@@ -167,6 +171,7 @@ class Upstreams:
             old = known.get((new.base_url, new.model))
             if old is not None:
                 old.api_key, old.key_ref, old.status, old.error = new.api_key, new.key_ref, new.status, new.error
+                old.continues = new.continues
             kept.append(old or new)
         self.models[model_id] = kept
 
@@ -199,17 +204,22 @@ class Upstreams:
             self._client = None
 
 
-def request_body(endpoint: Endpoint, gen: Generation) -> dict[str, Any]:
-    """The chat completion request for `gen`, streamed, with the usage asked for at the end."""
-    body: dict[str, Any] = {"model": endpoint.model, "messages": gen.messages, "stream": True,
-                            "stream_options": {"include_usage": True},
-                            "temperature": gen.temperature, "top_p": gen.top_p}
+def sampling(gen: Generation) -> dict[str, Any]:
+    """The sampling fields of `gen` as both OpenAI's and llama-server's APIs name them."""
+    fields: dict[str, Any] = {"temperature": gen.temperature, "top_p": gen.top_p, "stream": True}
+    if gen.seed is not None:
+        fields["seed"] = gen.seed
+    if gen.stop:
+        fields["stop"] = gen.stop
+    return fields
+
+
+def chat_request(endpoint: Endpoint, gen: Generation) -> dict[str, Any]:
+    """The chat completion request for `gen` from its start, streamed, with the usage at the end."""
+    body: dict[str, Any] = {"model": endpoint.model, "messages": gen.messages,
+                            "stream_options": {"include_usage": True}, **sampling(gen)}
     if gen.max_tokens is not None:
         body["max_tokens"] = gen.max_tokens
-    if gen.seed is not None:
-        body["seed"] = gen.seed
-    if gen.stop:
-        body["stop"] = gen.stop
     if gen.constraint is not None:
         schema = gen.constraint.get("schema")
         body["response_format"] = ({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
@@ -217,30 +227,59 @@ def request_body(endpoint: Endpoint, gen: Generation) -> dict[str, Any]:
     return body
 
 
-END = {"ev": "end"}
+def read_chat(event: dict[str, Any]) -> tuple[str, str | None, dict[str, Any]]:
+    """Text, finish reason and usage of one chunk of an OpenAI chat completion stream."""
+    choices = event.get("choices") or [{}]
+    text = (choices[0].get("delta") or {}).get("content") or ""
+    reason = choices[0].get("finish_reason")
+    usage = event.get("usage") or {}
+    return text, reason and ("length" if reason == "length" else "stop"), {
+        "input_tokens": usage.get("prompt_tokens", 0)} if usage else {}
+
+
+def read_completion(event: dict[str, Any]) -> tuple[str, str | None, dict[str, Any]]:
+    """The same of one chunk of llama-server's own `/completion` stream."""
+    if not event.get("stop"):
+        return event.get("content") or "", None, {}
+    return event.get("content") or "", "length" if event.get("stop_type") == "limit" else "stop", {
+        "input_tokens": event.get("tokens_evaluated", 0)}
+
+
+Reader = Callable[[dict[str, Any]], tuple[str, str | None, dict[str, Any]]]
 
 
 class RemoteEngine:
-    """Runs one task on a remote model's endpoints (the runner makes one per task)."""
+    """Runs one task on a remote model's endpoints (the runner makes one per task).
+
+    A task that already has output (resumed after a restart, or moved off an endpoint that
+    broke) continues it where the endpoint can: llama.cpp's `llama-server` evaluates the chat
+    template's prompt followed by the text so far (`/apply-template`, then `/completion`), as if
+    it had written that text itself. Elsewhere the output starts again (`reset`)."""
 
     def __init__(self, upstreams: Upstreams) -> None:
         self.upstreams = upstreams
         self.model_id = ""
         self.name = "remote"
+        self.gen = Generation([], None)
+        self.text = ""          # the output so far, committed or streamed
+        self.tokens = 0
         self._endpoint: Endpoint | None = None
         self._response: httpx2.Response | None = None
+        self._reader: Reader = read_chat
+        self._restart = False   # the stream opened starts the output again
         self._pump: asyncio.Task[None] | None = None
         self._cancelled = asyncio.Event()
 
     async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
         """Start `gen` on a reachable endpoint; while none answers, tell `waiting` and try again,
         up to the setting remote_wait_seconds. Raises EngineError (`upstream_unavailable`, or
-        `upstream_error` when an upstream refused the request itself)."""
+        `upstream_error` when the upstreams refused the request itself)."""
         self.model_id, self.name = model["id"], f"remote:{model['id']}"
+        self.gen, self.text, self.tokens = gen, gen.prefix_text, gen.prefix_tokens
         deadline = time.monotonic() + self.upstreams.wait_seconds
         pause = WAIT_FIRST
         while not self._cancelled.is_set():
-            errors = await self._connect(gen)
+            errors = await self._connect()
             if self._response is not None:
                 break
             if time.monotonic() + pause > deadline:
@@ -253,68 +292,88 @@ class RemoteEngine:
             pause = min(pause * 2, WAIT_LAST)
         return False
 
-    async def _connect(self, gen: Generation) -> list[str]:
-        """Send `gen` to each endpoint in routing order until one starts a stream; the errors
-        of those that did not. An upstream's 4xx fails the task: another would refuse it too."""
-        errors = []
+    async def _request(self, endpoint: Endpoint) -> httpx2.Request:
+        """The request that carries on the task on `endpoint`: a continuation of the text so far
+        where it can, else the chat completion from the start."""
+        client = self.upstreams.client
+        if self.text and endpoint.continues is None:  # not probed since the service started
+            await probe(client, endpoint)
+        continuing = bool(self.text) and bool(endpoint.continues)
+        self._restart, self._reader = bool(self.text) and not continuing, read_completion if continuing else read_chat
+        if not continuing:
+            return client.build_request("POST", endpoint.url("/chat/completions"), headers=endpoint.headers(),
+                                        json=chat_request(endpoint, self.gen))
+        root = endpoint.base_url.removesuffix("/v1")
+        rendered = await client.post(root + "/apply-template", headers=endpoint.headers(), timeout=CONNECT_SECONDS,
+                                     json={"messages": self.gen.messages})
+        rendered.raise_for_status()
+        body = {"prompt": rendered.json()["prompt"] + self.text, "cache_prompt": True, **sampling(self.gen)}
+        if self.gen.max_tokens is not None:
+            body["n_predict"] = max(1, self.gen.max_tokens - self.tokens)
+        return client.build_request("POST", root + "/completion", headers=endpoint.headers(), json=body)
+
+    async def _connect(self) -> list[str]:
+        """Send the task to each endpoint in routing order until one starts a stream; the errors
+        of those that did not. An upstream's 4xx fails the task: another would refuse it too; so
+        does a 5xx from every endpoint (they answer: waiting for them would not help)."""
+        errors, answered = [], []
         for endpoint in self.upstreams.order(self.model_id):
-            client = self.upstreams.client
-            request = client.build_request("POST", endpoint.url("/chat/completions"), headers=endpoint.headers(),
-                                           json=request_body(endpoint, gen))
+            endpoint.running += 1  # counted from the start: tasks opening at once spread out
             try:
-                response = await client.send(request, stream=True)
-            except httpx2.TransportError as exc:
-                error = transport_error(endpoint, exc)
+                response = await self.upstreams.client.send(await self._request(endpoint), stream=True)
+            except (httpx2.TransportError, httpx2.HTTPStatusError, ValueError, KeyError, RemoteError) as exc:
+                endpoint.running -= 1
+                error = exc if isinstance(exc, RemoteError) else transport_error(endpoint, exc)
                 endpoint.mark(error)
                 errors.append(error.message)
                 continue
             if response.status_code == 200:
                 endpoint.mark(None)
-                endpoint.running += 1
                 self._endpoint, self._response = endpoint, response
-                log.info("%s: streaming from %s", self.name, endpoint.base_url)
+                log.info("%s: streaming from %s%s", self.name, endpoint.base_url,
+                         " (continuing its text)" if self.text and not self._restart else "")
                 return errors
+            endpoint.running -= 1
             await response.aread()
             await response.aclose()
             message = f"{endpoint.base_url} answered {response.status_code}: {upstream_message(response)}"
             if 400 <= response.status_code < 500:
                 raise EngineError("upstream_error", message)
-            endpoint.mark(RemoteError("upstream_unreachable", message))
             errors.append(message)
+            answered.append(message)
+        if answered and len(answered) == len(errors):
+            raise EngineError("upstream_error", " ".join(answered))
         if not errors:
             errors.append(f"The model {self.model_id!r} has no endpoints.")
         return errors
 
     async def generate(self, gen: Generation) -> AsyncIterator[Message]:
         """Yield `chunk` messages, then one `done`, like a local engine; a `reset` first when the
-        stream starts the text again (a resumed task, or another endpoint after one broke)."""
-        restart = gen.emitted_chars > 0
-        tokens = 0
+        stream starts the output again (an endpoint that cannot continue it)."""
         try:
             while True:
                 if self._cancelled.is_set() or self._response is None:  # cancelled before the stream
-                    yield {"ev": "done", "reason": "cancelled", "input_tokens": 0, "output_tokens": tokens}
+                    yield {"ev": "done", "reason": "cancelled", "input_tokens": 0}
                     return
-                if restart:
+                if self._restart:
                     yield {"ev": "reset", "resume_mode": "retry"}
-                    tokens = 0
+                    self.text, self.tokens = "", 0
                 queue: asyncio.Queue[Message] = asyncio.Queue()
-                assert self._response is not None
                 self._pump = asyncio.create_task(self._read(self._response, queue))
                 while (msg := await queue.get())["ev"] == "chunk":
-                    tokens += 1
+                    self.text += msg["text"]
+                    self.tokens += 1
                     yield msg
                 if msg["ev"] == "done":
-                    yield {**msg, "output_tokens": msg["output_tokens"] or tokens}
+                    yield msg
                     return
-                # The upstream broke: another endpoint starts again, or the task fails.
+                # The upstream broke: another endpoint carries on, or the task fails.
                 self._release()
                 if msg["ev"] == "error":
                     raise EngineError(msg["code"], msg["message"])
-                errors = [msg["message"], *await self._connect(gen)]
+                errors = [msg["message"], *await self._connect()]
                 if self._response is None:
                     raise EngineError("upstream_unavailable", " ".join(errors))
-                restart = True
         finally:
             self._release()
 
@@ -336,14 +395,12 @@ class RemoteEngine:
                     queue.put_nowait({"ev": "error", "code": "upstream_error",
                                       "message": f"{endpoint.base_url}: {upstream_message_of(event)}"})
                     return
-                usage = event.get("usage") or usage
-                for choice in event.get("choices") or ():
-                    text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        queue.put_nowait({"ev": "chunk", "ids": [], "text": text, "tokens": 1})
-                    reason = choice.get("finish_reason") or reason
+                text, finish, counted = self._reader(event)
+                if text:
+                    queue.put_nowait({"ev": "chunk", "ids": [], "text": text, "tokens": 1})
+                reason, usage = finish or reason, counted or usage
         except asyncio.CancelledError:
-            queue.put_nowait({"ev": "done", "reason": "cancelled", "input_tokens": 0, "output_tokens": 0})
+            queue.put_nowait({"ev": "done", "reason": "cancelled", "input_tokens": 0})
             raise
         except (httpx2.TransportError, ValueError) as exc:
             error = RemoteError("upstream_unreachable", f"{endpoint.base_url} broke off the stream "
@@ -356,9 +413,7 @@ class RemoteEngine:
         if reason is None:  # the stream ended without saying why: it was cut
             queue.put_nowait({"ev": "broken", "message": f"{endpoint.base_url} ended the stream early."})
             return
-        queue.put_nowait({"ev": "done", "reason": "length" if reason == "length" else "stop",
-                          "input_tokens": usage.get("prompt_tokens", 0), "cached_tokens": 0,
-                          "output_tokens": usage.get("completion_tokens", 0)})
+        queue.put_nowait({"ev": "done", "reason": reason, "cached_tokens": 0, **usage})
 
     def _release(self) -> None:
         if self._endpoint is not None:

@@ -247,7 +247,7 @@ class Runner:
         gen = Generation(messages=calls.prompt(request), max_tokens=row["max_output_tokens"],
                          temperature=request.get("temperature", 1.0), top_p=request.get("top_p", 1.0),
                          seed=request.get("seed"), stop=request.get("stop"), constraint=request.get("constraint"),
-                         prefix_ids=ids, emitted_chars=len(job.text))
+                         prefix_ids=ids, prefix_text=job.text, prefix_tokens=job.tokens)
 
         async def waiting(message: str) -> None:
             if await self.write(_waiting, job.task_id, message) is None:
