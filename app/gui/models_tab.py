@@ -145,8 +145,8 @@ class ModelsTab(QWidget):
         self.buttons["unload"].setEnabled(status == "loaded")
         for name in ("load", "unload"):
             self.buttons[name].setToolTip(REMOTE_HINT if remote else "")
-        self.details.setText("" if model is None else f"{model['id']} — {endpoints_summary(model)}" if remote
-                             else f"{model['id']} — {model.get('path', '')}")
+        where = endpoints_summary(model) if remote else model.get("path", "") if model else ""
+        self.details.setText(f"{model['id']} — {where}" if model else "")
 
     # -- actions ----------------------------------------------------------------------------
 
