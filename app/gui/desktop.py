@@ -64,6 +64,8 @@ class Desktop(QObject):
         self.tray.open_dashboard.connect(lambda: self.show_dashboard())
         self.tray.open_settings.connect(lambda: self.show_dashboard("Settings"))
         self.tray.add_model.connect(self.add_model)
+        self.tray.add_remote_model.connect(self.add_remote_model)
+        self.tray.open_models.connect(lambda: self.show_dashboard("Models"))
         self.tray.find_models.connect(self.find_models)
         self.tray.download_model.connect(lambda: self.session.phase == "ready" and show_download_dialog(self.session))
         self.tray.review_pairing.connect(self.open_pairing)
@@ -193,6 +195,10 @@ class Desktop(QObject):
     def add_model(self) -> None:
         if (dashboard := self.show_dashboard("Models")) is not None:
             dashboard.add_model()
+
+    def add_remote_model(self) -> None:
+        if (dashboard := self.show_dashboard("Models")) is not None:
+            dashboard.models.add_remote()
 
     def show_task(self, task_id: str) -> None:
         if (dashboard := self.show_dashboard()) is not None:

@@ -1,23 +1,28 @@
-"""Models: the registered model files, and Add / Remove / Load / Unload."""
+"""Models: the registered model files and remote models, and Add / Edit / Remove / Load / Unload."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Awaitable
+from urllib.parse import urlsplit
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QProgressDialog,
+from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QProgressDialog,
                                QPushButton, QTableWidgetItem, QWidget)
+from shiboken6 import isValid
 
 from app.errors import LmspError
 from app.gui.async_ui import confirm, show_error, spawn
+from app.gui.remote_dialog import RemoteModelDialog
 from app.gui.session import Session
 from app.gui.widgets import hashing_progress, list_page, list_table
 
 COLUMNS = ("Model", "Size", "Digest", "State", "Engine")
 ENGINE_MODES = {"fast": "Fast", "safe": "Safe mode"}
 ENGINE_HINT = "llama.cpp's fastest CPU paths for this processor."
-STATES = {"available": "Ready", "loaded": "Loaded", "missing": "File missing", "changed": "File changed on disk"}
+STATES = {"available": "Ready", "loaded": "Loaded", "missing": "File missing", "changed": "File changed on disk",
+          "unreachable": "Unreachable"}
+REMOTE_HINT = "Served by other OpenAI-compatible servers: nothing to load here."
 
 
 def human_size(size: int | None) -> str:
@@ -35,17 +40,50 @@ def short_digest(digest: str | None) -> str:
     return (digest or "").removeprefix("sha256:")[:12] or "—"
 
 
+def is_remote(model: dict[str, Any] | None) -> bool:
+    return model is not None and model.get("format") == "remote"
+
+
+def endpoint_line(endpoint: dict[str, Any]) -> str:
+    """"gpu-box:8080 ✓ 1 running" or "office:8080 ✗ refused the connection …" (the error
+    without the URL it starts with: the host already says which)."""
+    host = urlsplit(endpoint["base_url"]).netloc or endpoint["base_url"]
+    if endpoint["status"] != "available":
+        why = (endpoint.get("error") or "not answering").removeprefix(endpoint["base_url"]).lstrip(": ")
+        return f"{host} ✗ {why}"
+    return f"{host} ✓" + (f" {endpoint['running']} running" if endpoint.get("running") else "")
+
+
+def state_text(model: dict[str, Any]) -> str:
+    """The State cell: a remote model that answers says so, and how many of its endpoints do not."""
+    down = sum(1 for e in model.get("endpoints") or [] if e["status"] != "available")
+    state = STATES.get(model["status"], model["status"])
+    if not down or model["status"] != "available":
+        return state
+    return f"{state}, {down} of {len(model['endpoints'])} unreachable"
+
+
+def endpoints_summary(model: dict[str, Any]) -> str:
+    endpoints = model.get("endpoints") or []
+    count = f"{len(endpoints)} endpoint{'s' if len(endpoints) != 1 else ''}"
+    return f"{count}: " + ", ".join(endpoint_line(e) for e in endpoints)
+
+
 class ModelsTab(QWidget):
     def __init__(self, session: Session, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.session = session
         self.progress: QProgressDialog | None = None
-        self.table = list_table(COLUMNS, stretch=0, widths={1: 90, 2: 120, 3: 140, 4: 90})
+        self.table = list_table(COLUMNS, stretch=0, widths={1: 90, 2: 120, 3: 180, 4: 90})
         self.table.itemSelectionChanged.connect(self._update_buttons)
+        self.table.itemDoubleClicked.connect(lambda _item: self.edit_remote())
+        self.remote_dialog: RemoteModelDialog | None = None  # the one add/edit window open, if any
 
         self.buttons: dict[str, QPushButton] = {}
         row = QHBoxLayout()
-        for name, text, slot in (("add", "Add model file…", self.add_model_file), ("remove", "Remove", self.remove),
+        for name, text, slot in (("add", "Add model file…", self.add_model_file),
+                                 ("add-remote", "Add remote model…", self.add_remote),
+                                 ("edit", "Edit…", self.edit_remote), ("remove", "Remove", self.remove),
                                  ("load", "Load", self.load_selected), ("unload", "Unload", self.unload_selected)):
             button = self.buttons[name] = QPushButton(text)
             button.clicked.connect(slot)
@@ -59,8 +97,14 @@ class ModelsTab(QWidget):
         download.setToolTip("A GGUF file from Hugging Face, checked against its sha256 before it is added")
         download.clicked.connect(self.download_model)
         row.addWidget(download)
+        self.buttons["add-remote"].setToolTip("A model served by other OpenAI-compatible servers (llama.cpp, vLLM, "
+                                              "Ollama, another LMSP Tray); its tasks are kept here")
+        self.buttons["edit"].setToolTip("Change a remote model's endpoints")
         list_page(self, row, self.table, "Removing a model only forgets it here: the file itself is never deleted. "
                   "A loaded model stays in memory until it is unloaded or idle too long.")
+        self.details = QLabel(objectName="model-details", wordWrap=True)  # the selected model, in full
+        self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.layout().insertWidget(2, self.details)
         session.models_updated.connect(self.show_models)
         self.show_models()
 
@@ -70,13 +114,16 @@ class ModelsTab(QWidget):
         self.table.setRowCount(len(models))
         for row, model in enumerate(models):
             engine = model.get("engine") or {}
+            remote = is_remote(model)
             cells = (model["id"], human_size(model.get("size_bytes")), short_digest(model.get("digest")),
-                     STATES.get(model["status"], model["status"]), ENGINE_MODES.get(engine.get("mode"), "—"))
+                     state_text(model),
+                     "Remote" if remote else ENGINE_MODES.get(engine.get("mode"), "—"))
+            where = ("\n".join(endpoint_line(e) for e in model["endpoints"]) if remote
+                     else f"{model.get('path', '')}\n{model.get('digest', '')}")
             for col, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 item.setData(Qt.ItemDataRole.UserRole, model)
-                item.setToolTip(engine.get("reason") or ENGINE_HINT if col == 4 else
-                                f"{model.get('path', '')}\n{model.get('digest', '')}")
+                item.setToolTip(where if col != 4 else REMOTE_HINT if remote else engine.get("reason") or ENGINE_HINT)
                 if col == 1:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 self.table.setItem(row, col, item)
@@ -90,10 +137,16 @@ class ModelsTab(QWidget):
 
     def _update_buttons(self) -> None:
         model = self.selected()
-        status = model["status"] if model else None
+        remote = is_remote(model)
+        status = model["status"] if model and not remote else None  # a remote model is never loaded here
         self.buttons["remove"].setEnabled(model is not None)
+        self.buttons["edit"].setEnabled(remote)
         self.buttons["load"].setEnabled(status == "available")
         self.buttons["unload"].setEnabled(status == "loaded")
+        for name in ("load", "unload"):
+            self.buttons[name].setToolTip(REMOTE_HINT if remote else "")
+        where = endpoints_summary(model) if remote else model.get("path", "") if model else ""
+        self.details.setText(f"{model['id']} — {where}" if model else "")
 
     # -- actions ----------------------------------------------------------------------------
 
@@ -110,6 +163,21 @@ class ModelsTab(QWidget):
     def download_model(self) -> None:
         from app.gui.download_dialog import show_download_dialog  # that module uses human_size from this one
         show_download_dialog(self.session)
+
+    def add_remote(self) -> None:
+        self._open_remote_dialog(None)
+
+    def edit_remote(self) -> None:
+        if is_remote(model := self.selected()):
+            self._open_remote_dialog(model)
+
+    def _open_remote_dialog(self, model: dict[str, Any] | None) -> None:
+        """One add/edit window at a time: asking again brings it forward."""
+        if self.remote_dialog is None or not isValid(self.remote_dialog) or not self.remote_dialog.isVisible():
+            self.remote_dialog = RemoteModelDialog(self.session, model, self)
+        self.remote_dialog.show()
+        self.remote_dialog.raise_()
+        self.remote_dialog.activateWindow()
 
     def register(self, path: str) -> None:
         """Validate and hash the file (long for big models), showing progress meanwhile."""
@@ -135,8 +203,11 @@ class ModelsTab(QWidget):
 
     def remove(self) -> None:
         model = self.selected()
-        if model and confirm(self, "Remove model", f"Forget the model {model['id']}? The file stays on disk.",
-                             "Remove"):
+        if model is None:
+            return
+        question = (f"Forget the remote model {model['id']} and its API keys? Its servers are not affected."
+                    if is_remote(model) else f"Forget the model {model['id']}? The file stays on disk.")
+        if confirm(self, "Remove model", question, "Remove"):
             spawn(self._then_refresh(self.session.service.remove_model(model["id"])), self)
 
     def load_selected(self) -> None:

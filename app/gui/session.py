@@ -154,8 +154,10 @@ class Session(QObject):
             self.active.pop(task_id, None)
         elif kind in EVENT_STATUS:
             self.active[task_id] = EVENT_STATUS[kind]
-        if kind == "response.in_progress":
-            self.refresh_models()  # the engine may just have loaded a model for this task
+        if kind == "response.in_progress" or kind in TERMINAL_EVENTS:
+            # The engine may just have loaded a model for this task; a remote endpoint's count of
+            # running tasks went up or down.
+            self.refresh_models()
         if self.active.get(task_id) != before:
             self.changed.emit()
 

@@ -13,6 +13,7 @@ from PySide6.QtWidgets import QMenu, QSystemTrayIcon
 from app.gui import autostart
 from app.gui.async_ui import show_error, spawn
 from app.gui.icons import tray_icon
+from app.gui.models_tab import endpoints_summary, is_remote
 from app.gui.session import Session
 
 
@@ -20,6 +21,8 @@ class Tray(QObject):
     open_dashboard = Signal()
     open_settings = Signal()
     add_model = Signal()
+    add_remote_model = Signal()
+    open_models = Signal()
     find_models = Signal()
     download_model = Signal()
     review_pairing = Signal(str)   # pairing id
@@ -127,6 +130,9 @@ class Tray(QObject):
     def _build_models(self, menu: QMenu) -> None:
         service = self.session.service
         for model in self.session.models:
+            if is_remote(model):
+                self._remote_entry(menu, model)
+                continue
             usable = model["status"] in ("available", "loaded")
             label = model["id"] if usable else f"{model['id']} (file {model['status']})"
             action = self._action(menu, f"model:{model['id']}", label, enabled=usable)
@@ -140,8 +146,16 @@ class Tray(QObject):
             self._action(menu, "no-models", "No models yet", enabled=False)
         menu.addSeparator()
         self._action(menu, "add-model", "Add model file…", self.add_model.emit)
+        self._action(menu, "add-remote-model", "Add remote model…", self.add_remote_model.emit)
         self._action(menu, "find-models", "Find models on this computer…", self.find_models.emit)
         self._action(menu, "download-model", "Download a model…", self.download_model.emit)
+
+    def _remote_entry(self, menu: QMenu, model: dict[str, Any]) -> None:
+        """Nothing to load: the entry says whether its servers answer and leads to the Models tab."""
+        reachable = model["status"] == "available"
+        label = f"{model['id']} — remote" + ("" if reachable else ", unreachable")
+        action = self._action(menu, f"model:{model['id']}", label, self.open_models.emit, enabled=reachable)
+        action.setToolTip(endpoints_summary(model))
 
     def _build_pairings(self, menu: QMenu) -> None:
         service = self.session.service
