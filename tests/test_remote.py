@@ -286,6 +286,12 @@ async def test_editing_endpoints_keeps_the_key_unless_replaced(api: Any, upstrea
     await expect_error(bad, 400, "upstream_unreachable")
     model = await (await api.get("/v1/models/big")).json()
     assert [e["base_url"] for e in model["endpoints"]] == [second.base_url]  # a refused edit changed nothing
+    # An endpoint kept as it was is not probed again: with it down, the model can still be edited.
+    second.kill()
+    resp = await api.patch("/v1/models/big", json={"remote": {"endpoints": [
+        {"base_url": second.base_url, "model": second.alias}, {"base_url": first.base_url, "model": first.alias}]}})
+    assert resp.status == 200, await resp.text()
+    assert [e["base_url"] for e in (await resp.json())["endpoints"]] == [second.base_url, first.base_url]
 
 
 @pytest.mark.parametrize("kind", ["python", "llama-server"])

@@ -110,7 +110,8 @@ class RemoteFacade:
             self.bus.publish([{"type": "models.changed"}])
 
     async def _checked_endpoints(self, remote: Any, before: list[Endpoint]) -> list[Endpoint]:
-        """The endpoints of a `remote` object, each valid and probed; a 400 naming the first that is not."""
+        """The endpoints of a `remote` object, each valid and probed (unless kept from `before`); a 400
+        naming the first that is not."""
         if not isinstance(remote, dict) or set(remote) != {"endpoints"}:
             raise InvalidRequest("`remote` must be {\"endpoints\": [{\"base_url\", \"model\", \"api_key\"}]}.",
                                  param="remote")
@@ -125,7 +126,11 @@ class RemoteFacade:
                 raise InvalidRequest(f"{e.base_url} with model {e.model!r} is listed twice.",
                                      param=f"remote.endpoints[{i}]")
             seen.add((e.base_url, e.model))
-        await asyncio.gather(*(_probe(self.upstreams, e, f"remote.endpoints[{i}]") for i, e in enumerate(endpoints)))
+        # An endpoint kept as it was (URL, model and key) was accepted before: an edit that removes
+        # a dead endpoint or adds one must not be refused because another is down right now.
+        kept = {(e.base_url, e.model, e.api_key) for e in before}
+        await asyncio.gather(*(_probe(self.upstreams, e, f"remote.endpoints[{i}]") for i, e in enumerate(endpoints)
+                               if (e.base_url, e.model, e.api_key) not in kept))
         return endpoints
 
     async def _keep_keys(self, endpoints: list[Endpoint]) -> None:
