@@ -4,6 +4,7 @@ service may open, or keep a connection forever with a request that never complet
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import resource
@@ -331,3 +332,72 @@ async def test_space_that_retention_frees_goes_back_to_the_disk(tmp_path: Path) 
     after = db_file.stat().st_size
     print(f"\n40 MiB of requests purged: the database went from {full / 2**20:.1f} MiB to {after / 2**20:.2f} MiB")
     assert counts["responses"] == 40 and after < full / 10
+
+
+def _recount(conn: Any) -> dict[str, tuple[int, int]]:
+    """Each client's unfinished tasks and stored request bytes, counted from every row."""
+    rows = conn.execute("SELECT r.client_id, COALESCE(SUM(t.status IN ('queued', 'loading', 'running', "
+                        "'cancelling')), 0), SUM(r.request_bytes) FROM responses r "
+                        "LEFT JOIN tasks t ON t.response_id = r.id GROUP BY r.client_id").fetchall()
+    return {row[0]: (row[1], row[2]) for row in rows}
+
+
+def _kept(conn: Any) -> dict[str, tuple[int, int]]:
+    """What the limits read: the counters, leaving out clients with nothing left."""
+    return {row[0]: (row[1], row[2]) for row in conn.execute(
+        "SELECT client_id, unfinished, request_bytes FROM client_usage WHERE unfinished OR request_bytes")}
+
+
+def test_what_the_limits_count_stays_exact_through_every_change_of_a_task(tmp_path: Path) -> None:
+    """The limits read per-client counters (one row each, not a count over every task: request ->
+    202 stays fast with thousands queued). Through creation, every move of the state machine,
+    recovery's re-queue, and deletion, they equal a recount; a file from before them is counted
+    when it is migrated."""
+    from app.store import config, db
+    from app.tasks import limits, machine, runner
+    from tests.test_store import plain
+
+    old = tmp_path / "old.sqlite3"
+    with plain(old) as conn:  # schema 8, with requests of two clients, one of them finished
+        for version, sql in db.migrations()[:8]:
+            for statement in db._statements(sql):
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {version}")
+        for n, (client, status) in enumerate([("a", "queued"), ("a", "completed"), ("b", "running")]):
+            conn.execute("INSERT INTO responses(id, client_id, model_id, request, background, created_at, "
+                         "request_bytes) VALUES (?, ?, 'm', '{}', 1, 0, ?)", (f"resp_{n}", client, 10 * (n + 1)))
+            conn.execute("INSERT INTO tasks(id, response_id, status, on_restart, created_at) "
+                         "VALUES (?, ?, ?, 'fail', 0)", (f"task_{n}", f"resp_{n}", status))
+    conn = db.open_database(old).conn
+    assert _kept(conn) == _recount(conn) == {"a": (1, 30), "b": (1, 30)}
+
+    settings, made = dict(config.DEFAULTS), itertools.count()
+
+    def create(client: str, size: int) -> str:
+        n = next(made)
+        request = json.dumps({"input": "y" * size})
+        limits.store_request(conn, settings, f"resp_new{n}", client, "m", request, True, "{}", time.time())
+        machine.create(conn, f"task_new{n}", f"resp_new{n}", "fail", None)
+        return f"task_new{n}"
+
+    steps = [
+        lambda: create("c", 100),
+        lambda: machine.transition(conn, "task_new0", "loading"),
+        lambda: machine.transition(conn, "task_new0", "running"),
+        lambda: machine.record(conn, "task_new0", ("running",), [], output_tokens=3),  # a token: no move
+        lambda: runner.request_cancel(conn, "task_new0"),  # running -> cancelling, still unfinished
+        lambda: machine.transition(conn, "task_new0", "cancelled"),
+        lambda: machine.transition(conn, "task_2", "queued"),  # recovery re-queues: unfinished to unfinished
+        lambda: machine.transition(conn, "task_2", "failed"),
+        lambda: runner.request_cancel(conn, "task_0"),  # queued -> cancelled at once
+        lambda: create("a", 7),
+        lambda: conn.execute("DELETE FROM responses WHERE id = 'resp_new1'"),  # an unfinished one, cascading
+        lambda: conn.execute("DELETE FROM responses WHERE id = 'resp_1'"),
+    ]
+    for step in steps:
+        conn.execute("BEGIN")
+        step()
+        conn.execute("COMMIT")
+        assert _kept(conn) == _recount(conn), step
+    assert _kept(conn) == {"a": (0, 10), "b": (0, 30), "c": (0, 113)}
+    conn.close()

@@ -13,7 +13,6 @@ from typing import Any
 
 from app.errors import TooManyRequests
 from app.store.config import MIB
-from app.tasks.states import UNFINISHED
 
 QUEUE_RETRY_SECONDS = 30    # a place in the queue frees when a task ends: soon, usually
 PURGE_INTERVAL_SECONDS = 600  # how often retention runs (AppService._housekeeping)
@@ -32,11 +31,16 @@ def store_request(conn: sqlite3.Connection, settings: dict[str, Any], request_id
                  tuple(columns.values()))
 
 
+def _usage(conn: sqlite3.Connection, column: str, client_id: str) -> tuple[int, int]:
+    """(this client's, everyone's) count from `client_usage`, which triggers keep exact in every
+    transaction that changes it (migration 0009): one row per client, whatever is stored."""
+    mine, everyone = conn.execute(f"SELECT COALESCE(SUM({column} * (client_id = ?)), 0), COALESCE(SUM({column}), 0) "
+                                  "FROM client_usage", (client_id,)).fetchone()
+    return int(mine), int(everyone)
+
+
 def _check_queue(conn: sqlite3.Connection, settings: dict[str, Any], client_id: str) -> None:
-    marks = ",".join("?" * len(UNFINISHED))
-    mine, everyone = conn.execute(
-        f"SELECT COALESCE(SUM(r.client_id = ?), 0), COUNT(*) FROM tasks t JOIN responses r ON r.id = t.response_id "
-        f"WHERE t.status IN ({marks})", (client_id, *UNFINISHED)).fetchone()
+    mine, everyone = _usage(conn, "unfinished", client_id)
     if mine >= settings["max_queued_tasks_per_client"]:
         raise TooManyRequests("too_many_queued_tasks", f"This client already has {mine} unfinished tasks, its limit "
                               f"(setting max_queued_tasks_per_client = {settings['max_queued_tasks_per_client']}). "
@@ -48,10 +52,7 @@ def _check_queue(conn: sqlite3.Connection, settings: dict[str, Any], client_id: 
 
 
 def _check_bytes(conn: sqlite3.Connection, settings: dict[str, Any], client_id: str, size: int, now: float) -> None:
-    # Both sums come from the index responses_bytes_by_client, never from the requests themselves.
-    mine = conn.execute("SELECT COALESCE(SUM(request_bytes), 0) FROM responses WHERE client_id = ?",
-                        (client_id,)).fetchone()[0]
-    everyone = conn.execute("SELECT COALESCE(SUM(request_bytes), 0) FROM responses").fetchone()[0]
+    mine, everyone = _usage(conn, "request_bytes", client_id)
     for used, limit, whose, setting in ((mine, settings["max_request_bytes_per_client"], client_id,
                                          "max_request_bytes_per_client"),
                                         (everyone, settings["max_request_bytes"], None, "max_request_bytes")):
