@@ -36,11 +36,18 @@ def ms(seconds: float) -> str:
 class Stream:
     """When text arrived, measured from the request: first text, gaps, decode tokens/s."""
 
-    def __init__(self, start: float, arrivals: list[float], tokens: int) -> None:
+    def __init__(self, start: float, arrivals: list[float], tokens: int, cpu: float | None = None) -> None:
         self.first = arrivals[0] - start
         self.gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
         self.tokens = tokens
         self.decode = (tokens - 1) / (arrivals[-1] - arrivals[0])
+        self.cpu = cpu  # CPU seconds the service process (not its engine child) used per token
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (its threads, not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bare_stream(llm: Any) -> Stream:
@@ -57,6 +64,8 @@ def service_stream(svc: Headless) -> Stream:
     body = json.dumps({"input": PROMPT, "max_output_tokens": TOKENS, "temperature": 0, "stream": True}).encode()
     req = urllib.request.Request(svc.url + "/v1/responses", data=body, method="POST", headers={
         "Content-Type": "application/json", "Authorization": f"Bearer {svc.token}"})
+    assert svc.proc is not None
+    used = cpu_seconds(svc.proc.pid)
     start = time.perf_counter()
     arrivals, tokens = [], 0
     with urllib.request.urlopen(req, timeout=120) as resp:
@@ -68,7 +77,7 @@ def service_stream(svc: Headless) -> Stream:
                 arrivals.append(time.perf_counter())
             elif "response" in event and event["type"] in ("response.completed", "response.incomplete"):
                 tokens = event["response"]["usage"]["output_tokens"]
-    return Stream(start, arrivals, tokens)
+    return Stream(start, arrivals, tokens, (cpu_seconds(svc.proc.pid) - used) / tokens)
 
 
 def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless) -> None:
@@ -92,7 +101,9 @@ def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless) -> N
           f"\n  gap median    {ms(b[1])} | {ms(s[1])}"
           f"\n  gap p99       {ms(b[2])} | {ms(s[2])}  (p99 / bare median {s[2] / b[1]:.2f})"
           f"\n  decode        {b[3]:.1f} | {s[3]:.1f} tokens/s  (ratio {s[3] / b[3]:.3f}); "
-          f"{b[4]} | {s[4]} tokens, {deltas:.0f} deltas")
+          f"{b[4]} | {s[4]} tokens, {deltas:.0f} deltas"
+          f"\n  service process CPU per token (decoding's cores are shared with it): "
+          f"{statistics.median(r.cpu or 0.0 for r in served) * 1000:.2f} ms")
 
     def bare_short() -> None:
         llm.create_chat_completion([{"role": "user", "content": "Say hi"}], max_tokens=2, temperature=0)
