@@ -39,13 +39,14 @@ class _Write:
     outcome: tuple[bool, Any] = field(default=(False, None))  # (succeeded, value or exception)
 
 
-def _resolve(future: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
-    if future.done():  # the caller stopped waiting; its write happened (or not) all the same
-        return
-    if outcome[0]:
-        future.set_result(outcome[1])
-    else:
-        future.set_exception(outcome[1])
+def _resolve(answers: list[tuple[asyncio.Future[Any], tuple[bool, Any]]]) -> None:
+    for future, (succeeded, value) in answers:
+        if future.done():  # the caller stopped waiting; its write happened (or not) all the same
+            continue
+        if succeeded:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
 
 
 def _translated(exc: Exception) -> Exception:
@@ -157,8 +158,12 @@ class Store:
 
     @staticmethod
     def _settle(writes: list[_Write], outcome: tuple[bool, Any] | None = None) -> None:
+        """Answer the callers of a commit with one wake-up of their event loop, not one each."""
+        answers: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], tuple[bool, Any]]]] = {}
         for write in writes:
-            write.future.get_loop().call_soon_threadsafe(_resolve, write.future, outcome or write.outcome)
+            answers.setdefault(write.future.get_loop(), []).append((write.future, outcome or write.outcome))
+        for loop, batch in answers.items():
+            loop.call_soon_threadsafe(_resolve, batch)
 
     # -- readers -----------------------------------------------------------------------------
 
