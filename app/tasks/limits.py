@@ -33,7 +33,7 @@ def store_request(conn: sqlite3.Connection, settings: dict[str, Any], request_id
 
 def _usage(conn: sqlite3.Connection, column: str, client_id: str) -> tuple[int, int]:
     """(this client's, everyone's) count from `client_usage`, which triggers keep exact in every
-    transaction that changes it (migration 0009): one row per client, whatever is stored."""
+    transaction that changes it (migration 0010): one row per client, whatever is stored."""
     mine, everyone = conn.execute(f"SELECT COALESCE(SUM({column} * (client_id = ?)), 0), COALESCE(SUM({column}), 0) "
                                   "FROM client_usage", (client_id,)).fetchone()
     return int(mine), int(everyone)
