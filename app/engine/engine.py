@@ -15,9 +15,7 @@ import itertools
 import logging
 import multiprocessing
 import os
-import pickle
 import signal
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -33,7 +31,6 @@ Message = dict[str, Any]
 CRASHED: Message = {"ev": "error", "code": "engine_crashed", "message": "The inference process stopped unexpectedly."}
 # Deaths that point at llama.cpp's own code (a CPU kernel), not at someone killing the process.
 CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
-READ_SIZE = 1 << 16  # bytes taken from the pipe per readiness
 SAFE_CRASH_BUDGET = 2  # crashes in safe mode that end one load or generation
 
 
@@ -76,52 +73,6 @@ class Runs(Protocol):
 
     def cancel(self) -> None:
         """Stop what runs: `generate` ends with a `done` of reason `cancelled`."""
-
-
-class _Frames:
-    """Reads the child's messages on the event loop itself, as the pipe becomes readable: a
-    message a token, and a reader thread handing each one over would cost the parent a thread
-    wake-up and a loop wake-up per token, CPU that decoding on a busy machine misses. One read
-    per readiness never blocks; messages are taken whole, in multiprocessing's framing (a
-    4-byte big-endian length, or -1 and an 8-byte one), as `Connection.send` writes them."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, conn: Connection, inbox: asyncio.Queue[Message]) -> None:
-        self.loop, self.conn, self.inbox = loop, conn, inbox  # the loop's reference keeps conn open
-        self.buf = bytearray()
-
-    def on_readable(self) -> None:
-        try:
-            data = os.read(self.conn.fileno(), READ_SIZE)
-        except OSError:
-            data = b""
-        if not data:  # the child is gone
-            self.loop.remove_reader(self.conn.fileno())
-            self.conn.close()
-            self.inbox.put_nowait(CRASHED)
-            return
-        self.buf += data
-        while len(self.buf) >= 4:
-            (size,), start = struct.unpack_from("!i", self.buf), 4
-            if size == -1:
-                if len(self.buf) < 12:
-                    return
-                (size,), start = struct.unpack_from("!Q", self.buf, 4), 12
-            if len(self.buf) < start + size:
-                return
-            self.inbox.put_nowait(pickle.loads(self.buf[start:start + size]))
-            del self.buf[:start + size]
-
-
-def _pump(loop: asyncio.AbstractEventLoop, conn: Connection, inbox: asyncio.Queue[Message]) -> None:
-    """Where the loop cannot watch the pipe: a thread receives and hands each message over."""
-    try:
-        while True:
-            msg = conn.recv()
-            loop.call_soon_threadsafe(inbox.put_nowait, msg)
-    except (EOFError, OSError):
-        pass
-    if not loop.is_closed():
-        loop.call_soon_threadsafe(inbox.put_nowait, CRASHED)
 
 
 class Engine:
@@ -169,11 +120,18 @@ class Engine:
         log.info("%s: started inference process %s", self.name, proc.pid)
         inbox: asyncio.Queue[Message] = asyncio.Queue()
         self._proc, self._conn, self._inbox, self.file = proc, parent, inbox, None
-        try:
-            loop.add_reader(parent.fileno(), _Frames(loop, parent, inbox).on_readable)
-        except NotImplementedError:  # an event loop that cannot watch a pipe (Windows): a thread reads it
-            threading.Thread(target=_pump, args=(loop, parent, inbox), name=f"lmsp-{self.name}-pipe",
-                             daemon=True).start()
+
+        def pump() -> None:
+            try:
+                while True:
+                    msg = parent.recv()
+                    loop.call_soon_threadsafe(inbox.put_nowait, msg)
+            except (EOFError, OSError):
+                pass
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(inbox.put_nowait, CRASHED)
+
+        threading.Thread(target=pump, name=f"lmsp-{self.name}-pipe", daemon=True).start()
 
     def _send(self, msg: Message) -> None:
         if not self.alive or self._conn is None:
