@@ -361,21 +361,27 @@ class RemoteEngine:
                 endpoint.mark(None)
                 queue.put_nowait({"ev": "opened"})
                 opened = True
+                sent_error: str | None = None
+                # Read to the end, never left early: an async generator of the HTTP stack left
+                # suspended would be closed later, outside this task, and break its locks.
                 async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
+                    if sent_error is not None or not line.startswith("data:") or line[5:].strip() == "[DONE]":
                         continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    event = json.loads(data)
-                    if "error" in event:
-                        queue.put_nowait({"ev": "error", "code": "upstream_error",
-                                          "message": f"{endpoint.base_url}: {upstream_message_of(event)}"})
-                        return
+                    try:
+                        event = json.loads(line[5:])
+                    except ValueError:
+                        sent_error = f"{endpoint.base_url} streamed something that is not JSON: {line[:100]!r}"
+                        continue
+                    if not isinstance(event, dict) or "error" in event:
+                        sent_error = f"{endpoint.base_url}: {upstream_message_of(event)}"
+                        continue
                     text, finish, counted = reader(event)
                     if text:
                         queue.put_nowait({"ev": "chunk", "ids": [], "text": text, "tokens": 1})
                     reason, usage = finish or reason, counted or usage
+                if sent_error is not None:
+                    queue.put_nowait({"ev": "error", "code": "upstream_error", "message": sent_error})
+                    return
         except asyncio.CancelledError:  # leaving the `async with` closed the connection: the upstream stops
             queue.put_nowait({"ev": "done", "reason": "cancelled", "input_tokens": 0})
             raise
@@ -433,6 +439,7 @@ class RemoteEngine:
             self._pump.cancel()
 
 
-def upstream_message_of(event: dict[str, Any]) -> str:
-    error = event["error"]
+def upstream_message_of(event: Any) -> str:
+    """The message of an error event in a stream (or what was sent instead of an event)."""
+    error = event["error"] if isinstance(event, dict) else event
     return error.get("message", json.dumps(error)) if isinstance(error, dict) else str(error)
