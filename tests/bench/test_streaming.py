@@ -60,8 +60,10 @@ def bare_stream(llm: Any) -> Stream:
     return Stream(start, arrivals, len(arrivals))
 
 
-def service_stream(svc: Headless) -> Stream:
-    body = json.dumps({"input": PROMPT, "max_output_tokens": TOKENS, "temperature": 0, "stream": True}).encode()
+def service_stream(svc: Headless, **more: Any) -> Stream:
+    """`more`: other request fields (e.g. the `model`)."""
+    body = json.dumps({"input": PROMPT, "max_output_tokens": TOKENS, "temperature": 0, "stream": True,
+                       **more}).encode()
     req = urllib.request.Request(svc.url + "/v1/responses", data=body, method="POST", headers={
         "Content-Type": "application/json", "Authorization": f"Bearer {svc.token}"})
     assert svc.proc is not None
