@@ -174,7 +174,8 @@ def test_failover_time_when_the_streaming_upstream_is_killed(headless: Headless,
           f"\n  client got the next delta         {ms(median('next_delta'))}  (all: "
           f"{', '.join(ms(f.next_delta) for f in failovers)})"
           f"\n  baseline, the same request straight to the upstream that took over: first text {ms(first)}, "
-          f"gap {ms(gap)}; failover / first text {median('next_delta') / first:.2f} (+{ms(median('next_delta') - first)})")
+          f"gap {ms(gap)}; failover / first text {median('next_delta') / first:.2f} "
+          f"(+{ms(median('next_delta') - first)})")
 
 
 def aggregate(svc: Headless, model: str) -> tuple[float, int]:
