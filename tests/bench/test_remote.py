@@ -47,17 +47,17 @@ def sse(url: str, body: dict[str, Any], token: str | None = None) -> Iterator[tu
                 yield time.perf_counter(), json.loads(line[6:])
 
 
-def direct_stream(up: Upstream) -> Stream:
+def direct_stream(up: Upstream, tokens: int = TOKENS) -> Stream:
     """The chat completion the service would send for PROMPT (app/engine/remote.py's own body),
     streamed straight to the upstream."""
-    gen = Generation(messages=[{"role": "user", "content": PROMPT}], max_tokens=TOKENS, temperature=0)
+    gen = Generation(messages=[{"role": "user", "content": PROMPT}], max_tokens=tokens, temperature=0)
     start = time.perf_counter()
-    arrivals, tokens = [], 0
+    arrivals, made = [], 0
     for at, event in sse(up.base_url + "/chat/completions", request_body(Endpoint(up.base_url, up.alias), gen)):
         if any((choice.get("delta") or {}).get("content") for choice in event.get("choices") or ()):
             arrivals.append(at)
-        tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
-    return Stream(start, arrivals, tokens or len(arrivals))
+        made = (event.get("usage") or {}).get("completion_tokens", made)
+    return Stream(start, arrivals, made or len(arrivals))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -154,7 +154,7 @@ def test_failover_time_when_the_streaming_upstream_is_killed(headless: Headless,
     for _ in range(KILLS):
         # Each upstream warm (weights paged in, the prompt cached), as one that has been serving is;
         # the baseline: the same request straight to the one that will take over, just before.
-        before = {up: direct_stream(up) for up in ups}
+        before = {up: [direct_stream(up, 20) for _ in range(2)][-1] for up in ups}
         failover = Failover(headless, ups)
         failovers.append(failover)
         baseline.append(next(stream for up, stream in before.items() if up is not failover.victim))
@@ -178,7 +178,7 @@ def test_failover_time_when_the_streaming_upstream_is_killed(headless: Headless,
           f"(+{ms(median('next_delta') - first)})")
 
 
-def aggregate(svc: Headless, model: str) -> tuple[float, int]:
+def served_aggregate(svc: Headless, model: str) -> tuple[float, int]:
     """Tokens/s of CONCURRENT background tasks sent at once, from the first created to the last
     finished (the service's own timestamps), and the tokens they made."""
     ids = []
@@ -197,6 +197,23 @@ def aggregate(svc: Headless, model: str) -> tuple[float, int]:
     return tokens / (max(t["finished_at"] for t in tasks) - min(t["created_at"] for t in tasks)), tokens
 
 
+def direct_aggregate(ups: list[Upstream]) -> tuple[float, int]:
+    """The same CONCURRENT requests streamed straight to the upstreams, spread evenly."""
+    streams: list[Stream] = []
+
+    def one(up: Upstream) -> None:
+        streams.append(direct_stream(up))
+
+    threads = [threading.Thread(target=one, args=(ups[i % len(ups)],)) for i in range(CONCURRENT)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    tokens = sum(s.tokens for s in streams)
+    return tokens / (time.perf_counter() - start), tokens
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_aggregate_throughput_two_upstreams_vs_one(headless: Headless, upstreams: Any, kind: str) -> None:
     # llama_cpp.server queues concurrent requests (no interrupting); llama-server runs them in its slots.
@@ -204,13 +221,24 @@ def test_aggregate_throughput_two_upstreams_vs_one(headless: Headless, upstreams
     headless.start()
     register(headless, "one", ups[0])
     register(headless, "two", *ups)
-    runs: dict[str, list[float]] = {"one": [], "two": []}
+    ways = {("served", 1): lambda: served_aggregate(headless, "one"),
+            ("served", 2): lambda: served_aggregate(headless, "two"),
+            ("direct", 1): lambda: direct_aggregate(ups[:1]), ("direct", 2): lambda: direct_aggregate(ups)}
+    runs: dict[tuple[str, int], list[float]] = {way: [] for way in ways}
     tokens = 0
     for i in range(2):  # alternating
-        for model in ("one", "two") if i % 2 == 0 else ("two", "one"):
-            rate, tokens = aggregate(headless, model)
-            runs[model].append(rate)
-    one, two = max(runs["one"]), max(runs["two"])
-    print(f"\n[bench] {CONCURRENT} concurrent {TOKENS}-token tasks ({tokens} tokens), {NAMES[kind]} upstreams, "
-          f"1 thread each, 2 cores, best of 2: one upstream {one:.1f} tokens/s | two upstreams {two:.1f} tokens/s "
-          f"(ratio {two / one:.2f})")
+        for way in list(ways) if i % 2 == 0 else list(ways)[::-1]:
+            rate, tokens = ways[way]()
+            runs[way].append(rate)
+    best = {way: max(rates) for way, rates in runs.items()}
+
+    def line(how: str) -> str:
+        one, two = best[(how, 1)], best[(how, 2)]
+        return f"one upstream {one:.1f} | two upstreams {two:.1f} tokens/s (two / one {two / one:.2f})"
+
+    print(f"\n[bench] {CONCURRENT} concurrent {TOKENS}-token requests ({tokens} tokens), {NAMES[kind]} upstreams, "
+          f"1 thread each, 2 cores, best of 2:"
+          f"\n  background tasks through the service: {line('served')}"
+          f"\n  streamed straight to the upstreams:   {line('direct')}"
+          f"\n  service / straight, two upstreams {best[('served', 2)] / best[('direct', 2)]:.3f}, "
+          f"one upstream {best[('served', 1)] / best[('direct', 1)]:.3f}")
