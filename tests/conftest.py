@@ -225,7 +225,7 @@ LLAMA_SERVER = Path(os.environ.get("LMSP_LLAMA_SERVER") or Path.home() / ".cache
 
 
 def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) process `pid` has used so far."""
+    """User + system CPU time of one process so far (its threads, not its children)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

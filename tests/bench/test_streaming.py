@@ -16,7 +16,7 @@ from typing import Any
 
 from app.core.service import AppService
 from tests.bench.test_throughput import PROMPT, bare_llama
-from tests.conftest import Headless, wait_until
+from tests.conftest import Headless, cpu_seconds, wait_until
 from tests.helpers import COUNT
 
 TOKENS = 200
@@ -42,12 +42,6 @@ class Stream:
         self.tokens = tokens
         self.decode = (tokens - 1) / (arrivals[-1] - arrivals[0])
         self.cpu = cpu  # CPU seconds the service process (not its engine child) used per token
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process so far (its threads, not its children)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bare_stream(llm: Any) -> Stream:
