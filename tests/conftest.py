@@ -224,6 +224,12 @@ LLAMA_SERVER = Path(os.environ.get("LMSP_LLAMA_SERVER") or Path.home() / ".cache
                     / f"llama-server-{version('llama-cpp-python')}" / "llama-server")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (its threads, not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     """A loopback port nothing listens on now (the OS's pick; another could take it before use)."""
     with socket.socket() as sock:
@@ -290,8 +296,7 @@ class Upstream:
     def cpu_seconds(self) -> float:
         """CPU time the server has used so far (user + system): whether it is generating."""
         assert self.proc is not None
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
 
     def restart(self) -> "Upstream":
         """The same server again, on the same port (under a second for the default model)."""

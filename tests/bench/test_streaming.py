@@ -16,7 +16,7 @@ from typing import Any
 
 from app.core.service import AppService
 from tests.bench.test_throughput import PROMPT, bare_llama
-from tests.conftest import Headless, wait_until
+from tests.conftest import Headless, cpu_seconds, wait_until
 from tests.helpers import COUNT
 
 TOKENS = 200
@@ -44,12 +44,6 @@ class Stream:
         self.cpu = cpu  # CPU seconds the service process (not its engine child) used per token
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process so far (its threads, not its children)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def bare_stream(llm: Any) -> Stream:
     start = time.perf_counter()
     arrivals = []
@@ -60,8 +54,10 @@ def bare_stream(llm: Any) -> Stream:
     return Stream(start, arrivals, len(arrivals))
 
 
-def service_stream(svc: Headless) -> Stream:
-    body = json.dumps({"input": PROMPT, "max_output_tokens": TOKENS, "temperature": 0, "stream": True}).encode()
+def service_stream(svc: Headless, **more: Any) -> Stream:
+    """`more`: other request fields (e.g. the `model`)."""
+    body = json.dumps({"input": PROMPT, "max_output_tokens": TOKENS, "temperature": 0, "stream": True,
+                       **more}).encode()
     req = urllib.request.Request(svc.url + "/v1/responses", data=body, method="POST", headers={
         "Content-Type": "application/json", "Authorization": f"Bearer {svc.token}"})
     assert svc.proc is not None
