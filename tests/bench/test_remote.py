@@ -6,6 +6,7 @@ run: the same request streamed straight to the same upstream, or the same tasks 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import threading
 import time
@@ -60,11 +61,39 @@ def direct_stream(up: Upstream, tokens: int = TOKENS) -> Stream:
     return Stream(start, arrivals, made or len(arrivals))
 
 
+def pin(pid: int, cpu: int) -> None:
+    """Keep every thread of process `pid` on one CPU."""
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(thread), {cpu})
+
+
+@pytest.fixture
+def own_cpu() -> Iterator[Any]:
+    """`own_cpu(upstream_pid, service_pid)`: the upstream on CPU 0, the service and this client on
+    CPU 1, as if the upstream ran on another machine; this thread gets all CPUs back after."""
+    before = os.sched_getaffinity(0)
+
+    def split(upstream: int, service: int) -> None:
+        pin(upstream, 0)
+        pin(service, 1)
+        os.sched_setaffinity(0, {1})
+    yield split
+    os.sched_setaffinity(0, before)
+
+
+@pytest.mark.parametrize("cpus", ["shared", "own"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_remote_streaming_overhead_vs_the_upstream_direct(headless: Headless, upstreams: Any, kind: str) -> None:
+def test_remote_streaming_overhead_vs_the_upstream_direct(headless: Headless, upstreams: Any, own_cpu: Any,
+                                                          kind: str, cpus: str) -> None:
+    """`shared`: upstream, service and client share this machine's cores, so the service's CPU per
+    token is taken from the upstream's decoding. `own`: the upstream has a core of its own, as a
+    remote server has its machine: what the remote path itself adds."""
     up, = upstreams(1, kind=kind)
     headless.start()
     register(headless, "big", up)
+    if cpus == "own":
+        assert up.proc is not None and headless.proc is not None and (os.cpu_count() or 1) >= 2
+        own_cpu(up.proc.pid, headless.proc.pid)
     ways = [("direct", lambda: direct_stream(up)), ("served", lambda: service_stream(headless, model="big"))]
     for _, stream in ways:  # warm: connections, the upstream's prompt cache
         stream()
@@ -83,7 +112,8 @@ def test_remote_streaming_overhead_vs_the_upstream_direct(headless: Headless, up
         return [g for r in runs[name] for g in r.gaps]
 
     ratio, extra = decode("served") / decode("direct"), first("served") - first("direct")
-    print(f"\n[bench] remote model on {NAMES[kind]} (1 thread), {TOKENS}-token stream, median of {ROUNDS} "
+    where = "sharing the cores with the service" if cpus == "shared" else "on a core of its own"
+    print(f"\n[bench] remote model on {NAMES[kind]} (1 thread, {where}), {TOKENS}-token stream, median of {ROUNDS} "
           f"(straight to the upstream /v1/chat/completions | through the service /v1/responses):"
           f"\n  first text  {ms(first('direct'))} | {ms(first('served'))}  (+{ms(extra)}; goal <= +15 ms: "
           f"{'met' if extra <= 0.015 else 'MISSED'})"
