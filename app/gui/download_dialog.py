@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QHBoxLayout, QLabel, QLineEdit, QPushButton,
+from PySide6.QtWidgets import (QDialog, QHBoxLayout, QLabel, QLineEdit, QPushButton,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 from shiboken6 import isValid
 
@@ -20,7 +20,7 @@ from app.gui.async_ui import spawn
 from app.gui.icons import app_icon
 from app.gui.models_tab import human_size
 from app.gui.session import Session
-from app.gui.widgets import list_table
+from app.gui.widgets import act_or_close, list_table
 
 COLUMNS = ("File", "Size")
 _dialog: "DownloadDialog | None" = None
@@ -53,14 +53,7 @@ class DownloadDialog(QDialog):
         self.summary.setStyleSheet(style.HINT)
         self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
-        buttons = QDialogButtonBox()
-        self.download_button = QPushButton("Download")
-        self.download_button.setDefault(True)
-        close = QPushButton("Close")
-        buttons.addButton(self.download_button, QDialogButtonBox.ButtonRole.AcceptRole)
-        buttons.addButton(close, QDialogButtonBox.ButtonRole.RejectRole)
-        self.download_button.clicked.connect(self.download)
-        close.clicked.connect(self.close)
+        buttons, self.download_button = act_or_close("Download", self.download, "Close", self.close)
 
         layout = QVBoxLayout(self)
         layout.setSpacing(10)

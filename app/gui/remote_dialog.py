@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QGridLayout, QGroupBox, QHBoxLayout, QLabel,
+from PySide6.QtWidgets import (QCheckBox, QDialog, QGridLayout, QGroupBox, QHBoxLayout, QLabel,
                                QLineEdit, QPushButton, QScrollArea, QVBoxLayout, QWidget)
 
 from app.errors import LmspError
@@ -20,6 +20,7 @@ from app.gui import style
 from app.gui.async_ui import spawn
 from app.gui.icons import app_icon
 from app.gui.session import Session
+from app.gui.widgets import act_or_close
 
 MAX_ENDPOINTS = 16
 KEPT = "•••••• (unchanged)"
@@ -139,14 +140,7 @@ class RemoteModelDialog(QDialog):
         self.add_button.clicked.connect(lambda: self.add_endpoint(None))
 
         self.message = QLabel(wordWrap=True, visible=False)
-        buttons = QDialogButtonBox()
-        self.save_button = QPushButton("Save")
-        self.save_button.setDefault(True)
-        cancel = QPushButton("Cancel")
-        buttons.addButton(self.save_button, QDialogButtonBox.ButtonRole.AcceptRole)
-        buttons.addButton(cancel, QDialogButtonBox.ButtonRole.RejectRole)
-        self.save_button.clicked.connect(self.save)
-        cancel.clicked.connect(self.close)
+        buttons, self.save_button = act_or_close("Save", self.save, "Cancel", self.close)
 
         layout = QVBoxLayout(self)
         layout.addWidget(intro)

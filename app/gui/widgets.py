@@ -1,11 +1,13 @@
 """Widgets set up the same way in several places: a list tab (buttons, table, note), a hashing
-progress dialog."""
+progress dialog, a window's act / close buttons."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QProgressDialog, QTableWidget,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QAbstractItemView, QDialogButtonBox, QHBoxLayout, QHeaderView, QLabel, QProgressDialog,
+                               QPushButton, QTableWidget, QVBoxLayout, QWidget)
 
 from app.gui import style
 
@@ -38,6 +40,20 @@ def hashing_progress(parent: QWidget, title: str, label: str, width: int) -> QPr
     dialog.setValue(0)
     dialog.show()
     return dialog
+
+
+def act_or_close(act_text: str, act: Callable[[], Any], close_text: str, close: Callable[[], Any]
+                 ) -> tuple[QDialogButtonBox, QPushButton]:
+    """A window's buttons: the one that acts (the default, what Enter does) and the one that closes
+    it; the acting button is returned too, to be enabled or disabled."""
+    buttons = QDialogButtonBox()
+    act_button, close_button = QPushButton(act_text), QPushButton(close_text)
+    act_button.setDefault(True)
+    buttons.addButton(act_button, QDialogButtonBox.ButtonRole.AcceptRole)
+    buttons.addButton(close_button, QDialogButtonBox.ButtonRole.RejectRole)
+    act_button.clicked.connect(act)
+    close_button.clicked.connect(close)
+    return buttons, act_button
 
 
 def list_page(page: QWidget, buttons: QHBoxLayout, table: QTableWidget, note: str) -> None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
-from PySide6.QtWidgets import QApplication
+from PySide6.QtGui import QAction
+from PySide6.QtWidgets import QApplication, QMenu
 
 from app.core.auth import Client
 from app.core.service import AppService
@@ -46,6 +48,24 @@ async def make_task(service: AppService, owner: Client, tokens: int = 30, text: 
     body = {"input": text, "background": True, "max_output_tokens": tokens, "temperature": 0, **extra}
     created = await service.create_response(owner, body)
     return getattr(created, "body", created)  # the facade returns a Created(status, body, replayed)
+
+
+@contextlib.asynccontextmanager
+async def desktop_menu(service: AppService, until: Until) -> AsyncIterator[tuple[Any, dict[str, QAction]]]:
+    """The whole desktop app on `service`, ready: (the desktop, its tray's Models menu entries by
+    object name). It quits when the block ends."""
+    from app.gui.desktop import Desktop
+
+    shell = Desktop(Life(service))
+    run = asyncio.ensure_future(shell.run())
+    try:
+        await until(lambda: shell.session.phase == "ready", 20, "desktop ready")
+        shell.tray.build_menu()
+        models = shell.tray.menu.findChild(QMenu, "models")
+        yield shell, {a.objectName(): a for a in models.actions() if isinstance(a, QAction)}
+    finally:
+        shell.request_quit()
+        await run
 
 
 class Life:

@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from PySide6.QtGui import QAction
-from PySide6.QtWidgets import QMenu
 
 from app import paths
 from app.core.service import AppService
@@ -20,7 +18,7 @@ from app.gui.desktop import Desktop
 from app.gui.download_dialog import DownloadDialog
 from app.gui.models_tab import human_size
 from app.gui.task_table import PROGRESS, SPEED
-from gui_helpers import Life, Until, visible
+from gui_helpers import Life, Until, desktop_menu, visible
 from tests.hub_server import FakeHub, HubFile
 
 pytestmark = pytest.mark.gui
@@ -120,17 +118,10 @@ async def test_cancel_a_download_from_the_tasks_tab(service: AppService, fake_hu
 
 
 async def test_the_tray_menu_opens_the_window(service: AppService, fake_hub: FakeHub, until: Until) -> None:
-    shell = Desktop(Life(service))
-    run = asyncio.ensure_future(shell.run())
-    try:
-        await until(lambda: shell.session.phase == "ready", 20, "desktop ready")
-        shell.tray.build_menu()
-        models = shell.tray.menu.findChild(QMenu, "models")
-        [entry] = [a for a in models.actions() if isinstance(a, QAction) and a.objectName() == "download-model"]
-        entry.trigger()
-        assert visible(DownloadDialog)
-    finally:
-        for dialog in visible(DownloadDialog):
-            dialog.close()
-        shell.request_quit()
-        await run
+    async with desktop_menu(service, until) as (_, entries):
+        entries["download-model"].trigger()
+        try:
+            assert visible(DownloadDialog)
+        finally:
+            for dialog in visible(DownloadDialog):
+                dialog.close()

@@ -16,12 +16,11 @@ from app.core.auth import Client
 from app.gui import models_tab
 from app.core.service import AppService
 from app.gui.dashboard import Dashboard
-from app.gui.desktop import Desktop
 from app.gui.models_tab import ModelsTab
 from app.gui.remote_dialog import KEPT, RemoteModelDialog
 from app.gui.session import Session
 from app.gui.tray import Tray
-from gui_helpers import Life, Until, make_task, visible
+from gui_helpers import Until, desktop_menu, make_task, visible
 
 pytestmark = pytest.mark.gui
 STATE, ENGINE = 3, 4
@@ -182,13 +181,7 @@ async def test_the_tray_adds_a_remote_model_and_leads_to_it(service: AppService,
     upstream = await start_upstream(upstreams)
     await service.register_model({"id": "big", "remote": {"endpoints": [
         {"base_url": upstream.base_url, "model": "smollm2"}]}})
-    shell = Desktop(Life(service))
-    run = asyncio.ensure_future(shell.run())
-    try:
-        await until(lambda: shell.session.phase == "ready", 20, "desktop ready")
-        shell.tray.build_menu()
-        models = shell.tray.menu.findChild(QMenu, "models")
-        entries = {a.objectName(): a for a in models.actions()}
+    async with desktop_menu(service, until) as (shell, entries):
         assert entries["model:big"].text() == "big — remote"
         assert entries["model:big"].toolTip() == f"1 endpoint: {upstream.base_url.split('/')[2]} ✓"
         entries["model:big"].trigger()  # nothing to load: the Models tab, where it is shown
@@ -197,6 +190,3 @@ async def test_the_tray_adds_a_remote_model_and_leads_to_it(service: AppService,
         entries["add-remote-model"].trigger()
         [dialog] = visible(RemoteModelDialog)
         assert dialog.windowTitle() == "Add a remote model" and not dialog.model_id.isReadOnly()
-    finally:
-        shell.request_quit()
-        await run
