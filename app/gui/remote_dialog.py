@@ -1,7 +1,7 @@
 """Add or edit a remote model (LMSP §11): its id and the OpenAI-compatible servers that serve it.
 
-Saving probes every endpoint (the facade refuses one that does not answer as it should);
-"Test connection" probes one beforehand. A refusal is shown beside the endpoint it names and
+Saving probes every endpoint that is new or changed (the facade refuses one that does not
+answer as it should); "Test connection" probes one beforehand. A refusal is shown beside the endpoint it names and
 the window stays open. Saved API keys are never shown again: editing keeps a key unless a new
 one is typed or "Clear key" is ticked.
 """
