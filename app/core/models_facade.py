@@ -104,10 +104,14 @@ class ModelsFacade:
                     item.name.replace("/", "-") if item.source == "ollama" else Path(item.name).name),
                  "registered": item.path in registered} for item in found]
 
+    def _holding(self, row: Any) -> list[Engine]:
+        """The engines that have this model loaded (none for a remote model: it has no path)."""
+        return [e for e in self.engines if e.model_path is not None and e.model_path == row["path"]]
+
     async def remove_model(self, model_id: str) -> None:
         row = await self.store.read(models.get, model_id)
-        for engine in self.engines:
-            if engine.model_path == row["path"] and not self.runner.busy(engine):
+        for engine in self._holding(row):
+            if not self.runner.busy(engine):
                 await engine.unload()
         await self.store.write(lambda c: c.execute("DELETE FROM models WHERE id = ?", (model_id,)))
         await self.forget_remote_model(model_id)
@@ -132,12 +136,9 @@ class ModelsFacade:
 
     async def unload_model(self, model_id: str) -> dict[str, Any]:
         row = await self.store.read(models.get, model_id)
-        if row["format"] == "remote":  # nothing loaded here
-            return self.remote_object(row)
-        for engine in self.engines:
-            if engine.model_path == row["path"]:
-                if self.runner.busy(engine):
-                    raise Conflict("model_in_use", "A task is running on this model; cancel it first.")
-                await engine.unload()
+        for engine in self._holding(row):
+            if self.runner.busy(engine):
+                raise Conflict("model_in_use", "A task is running on this model; cancel it first.")
+            await engine.unload()
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)

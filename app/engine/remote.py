@@ -103,18 +103,21 @@ def transport_error(endpoint: Endpoint, exc: Exception) -> RemoteError:
     return RemoteError("upstream_unreachable", f"{where}: the connection failed ({exc.__class__.__name__}: {exc}).")
 
 
+def error_text(body: Any) -> str:
+    """The message of an error an upstream sent, in an answer or inside its stream (OpenAI's
+    `{"error": {"message"}}`, FastAPI's `detail`), or what it sent instead."""
+    error = body.get("error", body.get("detail", body)) if isinstance(body, dict) else body
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return error["message"]
+    return error if isinstance(error, str) else json.dumps(error)[:300]
+
+
 def upstream_message(response: httpx2.Response) -> str:
-    """The error message an upstream sent (OpenAI's `{"error": {"message"}}` or FastAPI's `detail`)."""
+    """The error message of an upstream's answer."""
     try:
-        body = response.json()
+        return error_text(response.json())
     except ValueError:
         return response.text[:300] or response.reason_phrase
-    if isinstance(body, dict):
-        error = body.get("error", body.get("detail", body))
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return error["message"]
-        return json.dumps(error)[:300] if not isinstance(error, str) else error
-    return json.dumps(body)[:300]
 
 
 async def probe(client: httpx2.AsyncClient, endpoint: Endpoint) -> list[str]:
@@ -208,7 +211,7 @@ class Upstreams:
 
 
 def sampling(gen: Generation) -> dict[str, Any]:
-    """The sampling fields of `gen` as both OpenAI's and llama-server's APIs name them."""
+    """The sampling fields of `gen`, and `stream`, as both OpenAI's and llama-server's APIs name them."""
     fields: dict[str, Any] = {"temperature": gen.temperature, "top_p": gen.top_p, "stream": True}
     if gen.seed is not None:
         fields["seed"] = gen.seed
@@ -373,7 +376,7 @@ class RemoteEngine:
                         sent_error = f"{endpoint.base_url} streamed something that is not JSON: {line[:100]!r}"
                         continue
                     if not isinstance(event, dict) or "error" in event:
-                        sent_error = f"{endpoint.base_url}: {upstream_message_of(event)}"
+                        sent_error = f"{endpoint.base_url}: {error_text(event)}"
                         continue
                     text, finish, counted = reader(event)
                     if text:
@@ -438,8 +441,3 @@ class RemoteEngine:
         if self._pump is not None:
             self._pump.cancel()
 
-
-def upstream_message_of(event: Any) -> str:
-    """The message of an error event in a stream (or what was sent instead of an event)."""
-    error = event["error"] if isinstance(event, dict) else event
-    return error.get("message", json.dumps(error)) if isinstance(error, dict) else str(error)
