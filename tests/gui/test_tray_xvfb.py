@@ -79,6 +79,26 @@ class Screen:
                 return x + w // 2, y + h // 2
         return None
 
+    def settled_window(self, title: str, timeout: float) -> tuple[int, int, int, int]:
+        """The window's box once two readings half a second apart agree: a window that just
+        mapped may still be laid out (word-wrapped labels), moving the buttons a test clicks."""
+        def settled() -> tuple[int, int, int, int] | None:
+            first = self.window(title)
+            time.sleep(0.5)
+            return first if first is not None and first == self.window(title) else None
+        return wait_for(settled, timeout, f"window {title!r} shown and settled")
+
+    def click_until(self, x: int, y: int, done: Callable[[], Any], what: str, tries: int = 3) -> Any:
+        """Click, and again if nothing came of it within 5 s: a click that lands while the app
+        is still starting can be lost, and a person would click again. Each miss is a screenshot."""
+        for attempt in range(1, tries + 1):
+            self.click(x, y)
+            try:
+                return wait_for(done, 5, what)
+            except TimeoutError:
+                self.shot(f"missed-click-{attempt}-" + re.sub(r"\W+", "-", what))
+        raise TimeoutError(f"{what}: not after {tries} clicks at ({x}, {y})")
+
     def window(self, title: str) -> tuple[int, int, int, int] | None:
         """x, y, width, height of a mapped top-level window with this exact title."""
         for line in self.tree().splitlines():
@@ -161,11 +181,10 @@ def test_tray_menu_dashboard_and_pairing_on_a_real_screen(screen: Screen, tmp_pa
 
     # A fresh data folder is a first start: the welcome window, closed here with its Close
     # button ("Don't show this again" left unticked).
-    wx, wy, ww, wh = wait_for(lambda: screen.window("Welcome to LMSP Tray"), 30, "welcome window")
-    time.sleep(0.5)
+    wx, wy, ww, wh = screen.settled_window("Welcome to LMSP Tray", 30)
     screen.shot("welcome", (wx, wy, ww, wh))
-    screen.click(wx + ww - 60, wy + wh - 26)  # Close, at the bottom right
-    wait_for(lambda: screen.window("Welcome to LMSP Tray") is None, 10, "welcome closed")
+    screen.click_until(wx + ww - 60, wy + wh - 26,  # Close, at the bottom right
+                       lambda: screen.window("Welcome to LMSP Tray") is None, "welcome closed")
 
     # Work to show: a short task that completes, a long one that keeps the engine busy.
     def submit(tokens: int, text: str, token: str | None = None) -> str:
@@ -189,12 +208,11 @@ def test_tray_menu_dashboard_and_pairing_on_a_real_screen(screen: Screen, tmp_pa
     time.sleep(1.5)
     screen.shot("tray-notification", (SCREEN[0] - 560, 0, 560, 160))
     screen.click(icon[0] - 150, icon[1] + 55)  # the message balloon, just below the icon
-    dx, dy, dw, dh = wait_for(lambda: screen.window("Allow an app to use your models?"), 20, "pairing dialog")
-    time.sleep(0.5)
+    dx, dy, dw, dh = screen.settled_window("Allow an app to use your models?", 20)
     screen.shot("pairing-dialog", (dx, dy, dw, dh))
     assert app.call("GET", f"/v1/pairings/{pairing['id']}")["status"] == "pending"
-    screen.click(dx + dw - 137, dy + dh - 24)  # Allow (Deny, the default button, is to its right)
-    granted = wait_for(lambda: app.call("GET", f"/v1/pairings/{pairing['id']}").get("token"), 20, "approved")
+    granted = screen.click_until(dx + dw - 137, dy + dh - 24,  # Allow (Deny, the default, is to its right)
+                                 lambda: app.call("GET", f"/v1/pairings/{pairing['id']}").get("token"), "approved")
     submit(8, "Say hello.", granted)  # the paired app's task waits behind the long one
 
     # A second launch does not start a second service: it brings the dashboard forward.
@@ -202,7 +220,7 @@ def test_tray_menu_dashboard_and_pairing_on_a_real_screen(screen: Screen, tmp_pa
     wait_for(lambda: app.task(long)["progress"]["output_tokens"] >= 4, 60, "long task under way")
     second = app.launch()
     assert second.wait(30) == 0
-    box = wait_for(lambda: screen.window("LMSP Tray"), 20, "dashboard shown")
+    box = screen.settled_window("LMSP Tray", 20)
     x, y, w, h = box
     screen.click(x + 300, y + 125)  # the second row: the long task, running
     time.sleep(1.5)
