@@ -49,8 +49,10 @@ async def follow(service: AppService, task_id: str, after: int,
             return
         while True:  # live
             try:
-                event = await asyncio.wait_for(feed.queue.get(), heartbeat)
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: no task is made for each event.
+                async with asyncio.timeout(heartbeat):
+                    event = await feed.queue.get()
+            except TimeoutError:
                 yield None
                 continue
             if event["type"] == "service.stopping":

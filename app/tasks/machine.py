@@ -57,7 +57,8 @@ def _update(conn: sqlite3.Connection, task_id: str, sources: tuple[str, ...],
     marks = ",".join("?" * len(sources))
     sets = ", ".join(f"{name} = ?" for name in columns)
     sets = (sets + ", " if sets else "") + "last_sequence_number = last_sequence_number + ?"
-    cur = conn.execute(f"UPDATE tasks SET {sets} WHERE id = ? AND status IN ({marks}) RETURNING *",
+    cur = conn.execute(f"UPDATE tasks SET {sets} WHERE id = ? AND status IN ({marks}) "
+                       "RETURNING id, kind, response_id, attempt, last_sequence_number",
                        (*columns.values(), len(events), task_id, *sources))
     task = cur.fetchone()
     cur.close()
