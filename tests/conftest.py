@@ -240,11 +240,12 @@ def free_port() -> int:
 class Upstream:
     """One OpenAI-compatible server on loopback serving the default model as `alias`:
     llama-cpp-python's (`kind="python"`, tests/upstream.py) or llama.cpp's `llama-server`.
-    One thread each: two of them share the machine's two cores. `interrupt` (python only, its
-    default): a new request ends the stream in progress; llama-server runs 4 slots at once."""
+    One thread each by default: two of them share the machine's two cores. `interrupt` (python
+    only, its default): a new request ends the stream in progress; llama-server runs 4 slots at
+    once. `fast` (python only): llama.cpp's fast mode, as a benchmark's peer of the engine."""
 
     def __init__(self, procs: Processes, log: Path, kind: str = "python", alias: str = "smollm2",
-                 interrupt: bool = True, api_key: str | None = None) -> None:
+                 interrupt: bool = True, api_key: str | None = None, threads: int = 1, fast: bool = False) -> None:
         from app.paths import default_model_file
 
         self.procs, self.log, self.kind, self.alias, self.api_key = procs, log, kind, alias, api_key
@@ -254,12 +255,13 @@ class Upstream:
         model = str(default_model_file())
         if kind == "python":
             self.command = [sys.executable, "-m", "tests.upstream", "--model", model, "--port", str(self.port),
-                            "--model-alias", alias, "--n-threads", "1",
-                            "--interrupt-requests" if interrupt else "--no-interrupt-requests"]
+                            "--model-alias", alias, "--n-threads", str(threads),
+                            "--interrupt-requests" if interrupt else "--no-interrupt-requests",
+                            *(["--fast"] if fast else [])]
         else:
             assert LLAMA_SERVER.is_file(), f"no {LLAMA_SERVER}: `make llama-server` builds it"
             self.command = [str(LLAMA_SERVER), "--model", model, "--alias", alias, "--host", "127.0.0.1",
-                            "--port", str(self.port), "--threads", "1", "--threads-batch", "1",
+                            "--port", str(self.port), "--threads", str(threads), "--threads-batch", str(threads),
                             "--ctx-size", "2048", "--no-ui"]
         if api_key:  # then every request needs `Authorization: Bearer <api_key>`, else 401
             self.command += ["--api-key", api_key]
@@ -306,8 +308,8 @@ class Upstream:
 
 @pytest.fixture
 def upstreams(tmp_path: Path, procs: Processes) -> Any:
-    """upstreams(n=1, kind="python", alias="smollm2", interrupt=True, api_key=None) -> n ready Upstreams, each
-    killed (whole process group) with the test."""
+    """upstreams(n=1, kind="python", alias="smollm2", interrupt=True, api_key=None, threads=1, fast=False)
+    -> n ready Upstreams, each killed (whole process group) with the test."""
     def start(n: int = 1, **kwargs: Any) -> list[Upstream]:
         count = len(list(tmp_path.glob("upstream-*.log")))
         started = [Upstream(procs, tmp_path / f"upstream-{count + i}.log", **kwargs).start() for i in range(n)]

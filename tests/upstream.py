@@ -1,7 +1,7 @@
 """A real OpenAI-compatible upstream for the remote-endpoint tests: llama-cpp-python's own
-server (llama_cpp.server), with the model loaded in llama.cpp's safe mode.
+server (llama_cpp.server), with the model loaded in llama.cpp's safe mode (`--fast`: fast).
 
-    python -m tests.upstream --model PATH --port N [--model-alias NAME] [--n-threads 1]
+    python -m tests.upstream --model PATH --port N [--model-alias NAME] [--n-threads 1] [--fast]
 
 Why not `python -m llama_cpp.server`: with our portable wheel (GGML_BACKEND_DL) nothing loads
 the CPU backend ("no backends are loaded"), and it has no setting for llama.cpp's
@@ -32,11 +32,13 @@ def main() -> None:
     parser.add_argument("--interrupt-requests", action=argparse.BooleanOptionalAction, default=True,
                         help="the server's default: a new request ends the stream in progress")
     parser.add_argument("--api-key", help="then every request needs `Authorization: Bearer <it>` (else 401)")
+    parser.add_argument("--fast", action="store_true",
+                        help="llama.cpp's extra buffer types on, as the engine's fast mode (a benchmark's peer)")
     args = parser.parse_args()
     model = ModelSettings(model=args.model, model_alias=args.model_alias, n_ctx=args.n_ctx,
                           n_threads=args.n_threads, n_threads_batch=args.n_threads, verbose=False)
     backend.load()
-    with extra_bufts(False):
+    with extra_bufts(args.fast):
         app = create_app(server_settings=ServerSettings(host="127.0.0.1", port=args.port,
                                                         interrupt_requests=args.interrupt_requests,
                                                         api_key=args.api_key),

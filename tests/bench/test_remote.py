@@ -5,20 +5,16 @@ run: the same request streamed straight to the same upstream, or the same tasks 
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import threading
 import time
-import urllib.request
 from datetime import datetime
 from typing import Any, Iterator
 
 import pytest
 
-from app.engine.engine import Generation
-from app.engine.remote import Endpoint, chat_request
-from tests.bench.test_streaming import TOKENS, Stream, ms, pct, service_stream
+from tests.bench.test_streaming import TOKENS, Stream, direct_stream, ms, pct, service_stream, sse
 from tests.bench.test_throughput import PROMPT
 from tests.conftest import LLAMA_SERVER, Headless, Upstream, wait_until
 from tests.test_remote import remote
@@ -36,29 +32,6 @@ KINDS = [pytest.param("python", id="llama_cpp.server"),
 def register(svc: Headless, model_id: str, *ups: Upstream) -> None:
     status, body = svc.post("/v1/models", {"id": model_id, "remote": remote(*ups)})
     assert status == 201, body
-
-
-def sse(url: str, body: dict[str, Any], token: str | None = None) -> Iterator[tuple[float, dict[str, Any]]]:
-    """(arrival time, event) for each `data:` line of a streamed POST."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={
-        "Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        for line in resp:
-            if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
-                yield time.perf_counter(), json.loads(line[6:])
-
-
-def direct_stream(up: Upstream, tokens: int = TOKENS) -> Stream:
-    """The chat completion the service would send for PROMPT (app/engine/remote.py's own body),
-    streamed straight to the upstream."""
-    gen = Generation(messages=[{"role": "user", "content": PROMPT}], max_tokens=tokens, temperature=0)
-    start = time.perf_counter()
-    arrivals, made = [], 0
-    for at, event in sse(up.base_url + "/chat/completions", chat_request(Endpoint(up.base_url, up.alias), gen)):
-        if any((choice.get("delta") or {}).get("content") for choice in event.get("choices") or ()):
-            arrivals.append(at)
-        made = (event.get("usage") or {}).get("completion_tokens", made)
-    return Stream(start, arrivals, made or len(arrivals))
 
 
 def pin(pid: int, cpu: int) -> None:

@@ -12,11 +12,13 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from app.core.service import AppService
-from tests.bench.test_throughput import PROMPT, bare_llama
-from tests.conftest import Headless, cpu_seconds, wait_until
+from app.engine.engine import Generation
+from app.engine.remote import Endpoint, chat_request
+from tests.bench.test_throughput import PROMPT, bare_llama, fast_works
+from tests.conftest import Headless, Upstream, cpu_seconds, wait_until
 from tests.helpers import COUNT
 
 TOKENS = 200
@@ -54,6 +56,29 @@ def bare_stream(llm: Any) -> Stream:
     return Stream(start, arrivals, len(arrivals))
 
 
+def sse(url: str, body: dict[str, Any], token: str | None = None) -> Iterator[tuple[float, dict[str, Any]]]:
+    """(arrival time, event) for each `data:` line of a streamed POST."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={
+        "Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for line in resp:
+            if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
+                yield time.perf_counter(), json.loads(line[6:])
+
+
+def direct_stream(up: Upstream, tokens: int = TOKENS) -> Stream:
+    """The chat completion the service would send for PROMPT (app/engine/remote.py's own body),
+    streamed straight to the upstream."""
+    gen = Generation(messages=[{"role": "user", "content": PROMPT}], max_tokens=tokens, temperature=0)
+    start = time.perf_counter()
+    arrivals, made = [], 0
+    for at, event in sse(up.base_url + "/chat/completions", chat_request(Endpoint(up.base_url, up.alias), gen)):
+        if any((choice.get("delta") or {}).get("content") for choice in event.get("choices") or ()):
+            arrivals.append(at)
+        made = (event.get("usage") or {}).get("completion_tokens", made)
+    return Stream(start, arrivals, made or len(arrivals))
+
+
 def service_stream(svc: Headless, **more: Any) -> Stream:
     """`more`: other request fields (e.g. the `model`)."""
     body = json.dumps({"input": PROMPT, "max_output_tokens": TOKENS, "temperature": 0, "stream": True,
@@ -76,21 +101,27 @@ def service_stream(svc: Headless, **more: Any) -> Stream:
     return Stream(start, arrivals, tokens, (cpu_seconds(svc.proc.pid) - used) / tokens)
 
 
-def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless) -> None:
-    llm = bare_llama()
+def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless, upstreams: Any) -> None:
+    """With a peer for scale: llama-cpp-python's own server, same model, threads and mode,
+    streamed straight (a server with no durability at all: what serving over HTTP costs here)."""
+    fast = fast_works()
+    llm = bare_llama(fast)
+    peer, = upstreams(1, threads=os.cpu_count() or 1, fast=fast)
     headless.start()
     headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 4})  # the model loaded
-    bare, served = [], []
-    for _ in range(ROUNDS):  # interleaved, so that both see the same machine
+    direct_stream(peer)  # warm
+    bare, served, peered = [], [], []
+    for _ in range(ROUNDS):  # interleaved, so that all three see the same machine
         bare.append(bare_stream(llm))
         served.append(service_stream(headless))
+        peered.append(direct_stream(peer))
 
     def summary(runs: list[Stream]) -> tuple[float, float, float, float, int]:
         gaps = [g for r in runs for g in r.gaps]
         return (statistics.median(r.first for r in runs), statistics.median(gaps), pct(gaps, 0.99),
                 statistics.median(r.decode for r in runs), runs[0].tokens)
 
-    b, s = summary(bare), summary(served)
+    b, s, p = summary(bare), summary(served), summary(peered)
     deltas = statistics.median(len(r.gaps) + 1 for r in served)
     print(f"\n[bench] {TOKENS}-token stream, median of {ROUNDS} (bare llama-cpp-python | through the service, SSE):"
           f"\n  first text    {ms(b[0])} | {ms(s[0])}  (service - bare {ms(s[0] - b[0])})"
@@ -99,7 +130,10 @@ def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless) -> N
           f"\n  decode        {b[3]:.1f} | {s[3]:.1f} tokens/s  (ratio {s[3] / b[3]:.3f}); "
           f"{b[4]} | {s[4]} tokens, {deltas:.0f} deltas"
           f"\n  service process CPU per token (decoding's cores are shared with it): "
-          f"{statistics.median(r.cpu or 0.0 for r in served) * 1000:.2f} ms")
+          f"{statistics.median(r.cpu or 0.0 for r in served) * 1000:.2f} ms"
+          f"\n  peer, llama-cpp-python's own server ({'fast' if fast else 'safe'} mode, straight): first text "
+          f"{ms(p[0])} (- bare {ms(p[0] - b[0])}), gap median {ms(p[1])}, p99 {ms(p[2])}, decode {p[3]:.1f} "
+          f"tokens/s (ratio to bare {p[3] / b[3]:.3f})")
 
     def bare_short() -> None:
         llm.create_chat_completion([{"role": "user", "content": "Say hi"}], max_tokens=2, temperature=0)
@@ -108,14 +142,24 @@ def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless) -> N
         status, _ = headless.post("/v1/responses", {"input": "Say hi", "max_output_tokens": 2, "temperature": 0})
         assert status == 200
 
+    def peer_short() -> None:
+        body = {"model": peer.alias, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 2,
+                "temperature": 0}
+        req = urllib.request.Request(peer.base_url + "/chat/completions", data=json.dumps(body).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.status == 200
+
     per_request = {}
-    for name, call in (("bare", bare_short), ("service", served_short)):
+    for name, call in (("bare", bare_short), ("service", served_short), ("peer", peer_short)):
         start = time.perf_counter()
         for _ in range(SHORT):
             call()
         per_request[name] = (time.perf_counter() - start) / SHORT
     print(f"[bench] {SHORT} sequential 2-token foreground requests: bare {ms(per_request['bare'])} | service "
-          f"{ms(per_request['service'])} per request (+{ms(per_request['service'] - per_request['bare'])})")
+          f"{ms(per_request['service'])} per request (+{ms(per_request['service'] - per_request['bare'])}); "
+          f"peer, llama-cpp-python's own server: {ms(per_request['peer'])} "
+          f"(+{ms(per_request['peer'] - per_request['bare'])})")
 
 
 def metric(svc: Headless, name: str) -> float | None:
