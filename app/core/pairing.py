@@ -11,7 +11,7 @@ import unicodedata
 from typing import Any
 
 from app.core.auth import SCOPES, new_token, token_hash
-from app.errors import Conflict, InvalidRequest, LmspError, NotFound, TooManyRequests
+from app.errors import Conflict, InvalidRequest, NotFound, TooManyRequests
 
 LIFETIME_SECONDS = 300
 # Waiting requests: in all (the owner looks at each), and per requester (app/server/peer.py), so

@@ -57,6 +57,17 @@ class Claimed:
     events: list[machine.Event]
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What a task needs to start, read in one go: its row, its output so far, and its model's
+    row (or why the model cannot be used)."""
+    row: dict[str, Any]
+    ids: list[int]
+    text: str
+    model: sqlite3.Row | None
+    refused: LmspError | None
+
+
 @dataclass
 class Job:
     """A task on an engine, with its output so far."""
@@ -233,14 +244,14 @@ class Runner:
                 await backoff.wait(f"task {task_id}: cannot record that it stopped ({exc})")
 
     async def _execute(self, job: Job) -> None:
-        row = await self.store.read(records.one_task, job.task_id)
-        assert row is not None
+        task = await self.store.read(_prepare, job.task_id)
+        row = task.row
         job.item_id = records.message_id(row["response_id"])
         log.info("task %s: %s on %s (attempt %d, %d tokens so far)", job.task_id,
                  "resuming" if row["status"] == RUNNING else "starting", job.engine.name, row["attempt"],
                  row["output_tokens"])
         request = json.loads(row["request"])
-        ids, job.text = await self.store.read(output.read, job.task_id)
+        ids, job.text = task.ids, task.text
         job.tokens = row["output_tokens"]  # a remote task's output has a count but no token ids
         if request.get("call"):
             job.call = calls.CallStream(row["response_id"], job.text)
@@ -254,8 +265,9 @@ class Runner:
                 job.engine.cancel()  # a cancel was accepted while it waited
 
         try:
-            model = await self.store.read(models.usable, row["model_id"])
-            if await job.engine.open(model, gen, waiting):  # a fresh load: tell the GUI
+            if task.refused is not None:
+                raise task.refused
+            if await job.engine.open(task.model, gen, waiting):  # a fresh load: tell the GUI
                 self.bus.publish([{"type": "models.changed"}])
         except (LmspError, EngineError) as exc:
             code = exc.code if isinstance(exc, LmspError) or exc.code in OWN_CODES else "model_load_failed"
@@ -351,6 +363,17 @@ class Runner:
 def _tokens_per_second(job: Job) -> float | None:
     elapsed = time.monotonic() - job.started
     return round(job.new_tokens / elapsed, 2) if job.new_tokens and elapsed > 0 else None
+
+
+def _prepare(conn: sqlite3.Connection, task_id: str) -> Prepared:
+    """One read for all of it: each trip to a reader thread adds a wake-up to the task's start."""
+    row = records.one_task(conn, task_id)
+    assert row is not None
+    ids, text = output.read(conn, task_id)
+    try:
+        return Prepared(row, ids, text, models.usable(conn, row["model_id"]), None)
+    except LmspError as exc:
+        return Prepared(row, ids, text, None, exc)
 
 
 # Transactions: each runs on the writer thread and returns the events it wrote.
