@@ -88,16 +88,27 @@ class Screen:
             return first if first is not None and first == self.window(title) else None
         return wait_for(settled, timeout, f"window {title!r} shown and settled")
 
-    def click_until(self, x: int, y: int, done: Callable[[], Any], what: str, tries: int = 3) -> Any:
+    def click_until(self, x: int, y: int, done: Callable[[], Any], what: str, tries: int = 3,
+                    button: int = 1) -> Any:
         """Click, and again if nothing came of it within 5 s: a click that lands while the app
         is still starting can be lost, and a person would click again. Each miss is a screenshot."""
         for attempt in range(1, tries + 1):
-            self.click(x, y)
+            self.click(x, y, button)
             try:
                 return wait_for(done, 5, what)
             except TimeoutError:
                 self.shot(f"missed-click-{attempt}-" + re.sub(r"\W+", "-", what))
         raise TimeoutError(f"{what}: not after {tries} clicks at ({x}, {y})")
+
+    def open_menu(self, icon: tuple[int, int]) -> tuple[int, int, int, int]:
+        """Right-click the tray icon until its menu shows: a window of the app's at the top of the
+        screen, narrower than any of its other windows. The menu's box."""
+        def menu() -> tuple[int, int, int, int] | None:
+            box = self.window("LMSP Tray")
+            return box if box is not None and box[1] < 60 and box[2] < 400 else None
+        box: tuple[int, int, int, int] = self.click_until(*icon, menu, "tray menu shown", button=3)
+        time.sleep(0.3)  # drawn
+        return box
 
     def window(self, title: str) -> tuple[int, int, int, int] | None:
         """x, y, width, height of a mapped top-level window with this exact title."""
@@ -194,8 +205,7 @@ def test_tray_menu_dashboard_and_pairing_on_a_real_screen(screen: Screen, tmp_pa
     long = submit(400, "Tell a long story about a lighthouse keeper.")
 
     # The tray menu, opened as a person does: right-click on the icon.
-    screen.click(*icon, button=3)
-    time.sleep(1.0)
+    screen.open_menu(icon)
     screen.shot("tray-menu", menu_box)
     screen.key("Down", "Down", "Right")  # Open dashboard, Models, into the submenu
     time.sleep(0.5)
@@ -207,7 +217,8 @@ def test_tray_menu_dashboard_and_pairing_on_a_real_screen(screen: Screen, tmp_pa
                                                  "scopes": ["responses:write", "models:read", "tasks:read"]})
     time.sleep(1.5)
     screen.shot("tray-notification", (SCREEN[0] - 560, 0, 560, 160))
-    screen.click(icon[0] - 150, icon[1] + 55)  # the message balloon, just below the icon
+    screen.click_until(icon[0] - 150, icon[1] + 55,  # the message balloon, just below the icon
+                       lambda: screen.window("Allow an app to use your models?"), "pairing dialog shown")
     dx, dy, dw, dh = screen.settled_window("Allow an app to use your models?", 20)
     screen.shot("pairing-dialog", (dx, dy, dw, dh))
     assert app.call("GET", f"/v1/pairings/{pairing['id']}")["status"] == "pending"
@@ -230,8 +241,7 @@ def test_tray_menu_dashboard_and_pairing_on_a_real_screen(screen: Screen, tmp_pa
         time.sleep(0.5)
 
     # Quit from the tray menu: the service stops in order and the app exits 0.
-    screen.click(*icon, button=3)
-    time.sleep(1.0)
+    screen.open_menu(icon)
     screen.key("Up", "Return")  # from the top, Up wraps to the last entry: Quit
     assert app.proc.wait(60) == 0, app.log.read_text()[-3000:]
     assert not (app.data_dir / "service.json").exists()
