@@ -133,7 +133,7 @@ def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless, upst
           f"{statistics.median(r.cpu or 0.0 for r in served) * 1000:.2f} ms"
           f"\n  peer, llama-cpp-python's own server ({'fast' if fast else 'safe'} mode, straight): first text "
           f"{ms(p[0])} (- bare {ms(p[0] - b[0])}), gap median {ms(p[1])}, p99 {ms(p[2])}, decode {p[3]:.1f} "
-          f"tokens/s (ratio to bare {p[3] / b[3]:.3f})")
+          f"tokens/s (ratio to bare {p[3] / b[3]:.3f}; the service's decode / the peer's {s[3] / p[3]:.3f})")
 
     def bare_short() -> None:
         llm.create_chat_completion([{"role": "user", "content": "Say hi"}], max_tokens=2, temperature=0)
