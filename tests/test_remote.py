@@ -262,11 +262,15 @@ async def test_remote_and_local_work_are_bounded_separately(api: Any, upstreams:
     first = (await background(api, "big", 1500, prompt=COUNT))["task"]["id"]  # within the upstream's context
     second = (await background(api, "big", 8))["task"]["id"]
     local = (await background(api, "smollm2-135m-instruct", 8))["task"]["id"]
-    assert (await finished(api, local))["status"] == "completed"  # ran beside the remote one
-    assert (await (await api.get(f"/v1/tasks/{first}")).json())["status"] == "running"
-    assert (await (await api.get(f"/v1/tasks/{second}")).json())["status"] == "queued"  # waits its turn
+    local_task = await finished(api, local)
+    assert local_task["status"] == "completed"
+    # Read from the tasks' own times, not from how far the long one got: the upstream shares this
+    # machine's two cores with the local engine, so how fast each runs is not the test's to know.
     await api.post(f"/v1/tasks/{first}/cancel")
-    assert (await finished(api, second))["status"] == "completed"
+    first_task, second_task = await finished(api, first), await finished(api, second)
+    assert second_task["status"] == "completed"
+    assert local_task["started_at"] < first_task["finished_at"]  # ran beside the remote one
+    assert second_task["started_at"] >= first_task["finished_at"]  # waited its turn
 
 
 async def test_editing_endpoints_keeps_the_key_unless_replaced(api: Any, upstreams: Any, tmp_path: Path) -> None:
