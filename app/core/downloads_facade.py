@@ -54,10 +54,11 @@ class DownloadsFacade:
             if free < remote.size and not await asyncio.to_thread(hub.blob_path(remote).exists):
                 raise LmspError("insufficient_storage", f"{file} needs {remote.size / 1e6:,.0f} MB and the disk "
                                 f"holding {hub.storage(repo).parent} has {free / 1e6:,.0f} MB free.", param="file")
-            task_id = new_id("task")
-            await self.store.write(downloads.create, self.settings, client.id, remote, task_id, new_id("dl"))
+            row = await self.store.write(downloads.create, self.settings, client.id, remote, new_id("task"),
+                                         new_id("dl"))
             self.downloads.wake()
-        row = await self.store.read(records.one_task, task_id)
+        else:
+            row = await self.store.read(records.one_task, task_id)
         return records.task_object(row)
 
     async def hub_files(self, repo: Any, revision: Any = "main") -> list[dict[str, Any]]:

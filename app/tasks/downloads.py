@@ -36,7 +36,7 @@ from typing import Any, Callable
 from app.engine import hub, models
 from app.errors import LmspError
 from app.store.store import Store
-from app.tasks import limits, machine
+from app.tasks import limits, machine, records
 from app.tasks.bus import EventBus
 from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING, TERMINAL
 
@@ -224,9 +224,10 @@ def _download(conn: sqlite3.Connection, task_id: str) -> sqlite3.Row:
 
 
 def create(conn: sqlite3.Connection, settings: dict[str, Any], client_id: str, remote: hub.Remote, task_id: str,
-           request_id: str) -> list[machine.Event]:
+           request_id: str) -> dict[str, Any] | None:
     """A new queued download, within the limits on queued work. Its request row in `responses`
-    carries who asked and when."""
+    carries who asked and when. The task as committed: the 202 says `queued` even when the
+    downloader has already taken it by the time the answer is written."""
     now = time.time()
     limits.store_request(conn, settings, request_id, client_id, f"{remote.repo}/{remote.file}",
                          json.dumps({"repo": remote.repo, "file": remote.file, "revision": remote.revision}),
@@ -237,7 +238,7 @@ def create(conn: sqlite3.Connection, settings: dict[str, Any], client_id: str, r
                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                  (task_id, remote.repo, remote.file, remote.revision, remote.commit, remote.sha256, remote.size,
                   str(hub.partial_path(remote, task_id))))
-    return []
+    return records.one_task(conn, task_id)
 
 
 def unfinished(conn: sqlite3.Connection, client_id: str, repo: str, file: str, revision: str) -> str | None:
