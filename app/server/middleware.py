@@ -154,6 +154,10 @@ async def read_json(request: web.Request) -> Any:
         request.protocol.close()  # its unread rest must not be taken for the next request
         raise LmspError("request_timeout", f"The request body did not arrive within {BODY_SECONDS:.0f} s.",
                         status=408) from None
+    except RuntimeError:
+        # aiohttp's "Connection closed.": the gate closed this connection to make room (or the
+        # client left) between two parts of the body. Nobody to answer, nothing to log.
+        raise ConnectionResetError("the connection closed before its body arrived") from None
     finally:
         busy.add(request.protocol)
     try:
