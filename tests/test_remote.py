@@ -12,8 +12,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from app.tasks.states import LOADING, RUNNING, TERMINAL
 from tests.conftest import Headless, wait_until
 from tests.helpers import COUNT, expect_error, http, pair, poll
+from tests.test_api import wait_status
 
 KEY = "sk-upstream-secret-4242"
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -38,10 +40,7 @@ async def background(api: Any, model: str, tokens: int, prompt: str = PROMPT, **
 
 
 async def finished(api: Any, task_id: str, timeout: float = 120) -> dict[str, Any]:
-    async def done() -> Any:
-        task = await (await api.get(f"/v1/tasks/{task_id}")).json()
-        return task if task["status"] in ("completed", "failed", "cancelled") else None
-    return await poll(done, timeout, what=f"task {task_id} to finish")
+    return await wait_status(api, task_id, set(TERMINAL), timeout)
 
 
 async def events(api: Any, task_id: str) -> list[dict[str, Any]]:
@@ -262,11 +261,7 @@ async def test_remote_and_local_work_are_bounded_separately(api: Any, upstreams:
     first = (await background(api, "big", 1500, prompt=COUNT))["task"]["id"]  # within the upstream's context
     second = (await background(api, "big", 8))["task"]["id"]
     local = (await background(api, "smollm2-135m-instruct", 8))["task"]["id"]
-
-    async def local_started() -> Any:
-        task = await (await api.get(f"/v1/tasks/{local}")).json()
-        return task if task["status"] != "queued" else None
-    await poll(local_started, 30, what="the local task to leave the queue")
+    await wait_status(api, local, {LOADING, RUNNING, *TERMINAL}, 30)  # it left the queue
     # Seen the moment the local task starts (the 1500 tokens take far longer), not after it
     # ends: the upstream shares this machine's two cores with the local engine, so how far the
     # long task gets meanwhile is not the test's to know.
