@@ -75,6 +75,29 @@ class Runs(Protocol):
         """Stop what runs: `generate` ends with a `done` of reason `cancelled`."""
 
 
+def _drain(loop: asyncio.AbstractEventLoop, conn: Connection, inbox: asyncio.Queue[Message]) -> None:
+    """On the loop, when the child's pipe is readable: take one message (the loop calls again
+    while more wait; `recv` waits at most for the rest of one the child is writing). At the end
+    of the pipe (the child gone) the engine hears CRASHED, as from the thread."""
+    try:
+        inbox.put_nowait(conn.recv())  # not `conn.poll()` first: it builds a selector each call
+    except (EOFError, OSError):
+        loop.remove_reader(conn.fileno())
+        inbox.put_nowait(CRASHED)
+
+
+def _pump(loop: asyncio.AbstractEventLoop, conn: Connection, inbox: asyncio.Queue[Message]) -> None:
+    """On a thread: hand each message of the child to the loop, then CRASHED when the pipe ends."""
+    try:
+        while True:
+            msg = conn.recv()
+            loop.call_soon_threadsafe(inbox.put_nowait, msg)
+    except (EOFError, OSError):
+        pass
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(inbox.put_nowait, CRASHED)
+
+
 class Engine:
     """A local engine: one llama.cpp child process."""
     _ids = itertools.count(1)
@@ -121,17 +144,11 @@ class Engine:
         inbox: asyncio.Queue[Message] = asyncio.Queue()
         self._proc, self._conn, self._inbox, self.file = proc, parent, inbox, None
 
-        def pump() -> None:
-            try:
-                while True:
-                    msg = parent.recv()
-                    loop.call_soon_threadsafe(inbox.put_nowait, msg)
-            except (EOFError, OSError):
-                pass
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(inbox.put_nowait, CRASHED)
-
-        threading.Thread(target=pump, name=f"lmsp-{self.name}-pipe", daemon=True).start()
+        if os.name == "posix":  # the pipe is a socket the loop watches: no thread to wake it per token
+            loop.add_reader(parent.fileno(), _drain, loop, parent, inbox)
+        else:  # Windows' named pipes are no selectable sockets: a thread reads them
+            threading.Thread(target=_pump, args=(loop, parent, inbox), name=f"lmsp-{self.name}-pipe",
+                             daemon=True).start()
 
     def _send(self, msg: Message) -> None:
         if not self.alive or self._conn is None:
