@@ -14,15 +14,15 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from app.core.service import TERMINAL_EVENTS, AppService
-from app.tasks import machine
+from app.tasks import machine, records
 from app.tasks.states import TERMINAL
 
 HEARTBEAT_SECONDS = 15.0
 
 
 def frame(event: dict[str, Any]) -> bytes:
-    return (f"id: {event['sequence_number']}\nevent: {event['type']}\n"
-            f"data: {json.dumps(event, ensure_ascii=False)}\n\n").encode()
+    data = event.text if isinstance(event, records.Stored) else json.dumps(event, ensure_ascii=False)
+    return f"id: {event['sequence_number']}\nevent: {event['type']}\ndata: {data}\n\n".encode()
 
 
 async def follow(service: AppService, task_id: str, after: int,

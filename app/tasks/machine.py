@@ -25,10 +25,11 @@ Event = dict[str, Any]
 def _append(conn: sqlite3.Connection, task: sqlite3.Row, seq: int, etype: str,
              fields: dict[str, Any], now: float, attempt: int) -> Event:
     response_id = task["response_id"] if task["kind"] == "response" else None  # a download's request is no response
-    event = {"type": etype, "sequence_number": seq, "task_id": task["id"],
-             "response_id": response_id, "created_at": now, "attempt": attempt, **fields}
+    event = records.Stored({"type": etype, "sequence_number": seq, "task_id": task["id"],
+                            "response_id": response_id, "created_at": now, "attempt": attempt, **fields})
+    event.text = json.dumps(event, ensure_ascii=False)
     conn.execute("INSERT INTO task_events(task_id, sequence_number, type, data, created_at) VALUES (?, ?, ?, ?, ?)",
-                 (task["id"], seq, etype, json.dumps(event, ensure_ascii=False), now))
+                 (task["id"], seq, etype, event.text, now))
     return event
 
 

@@ -116,7 +116,19 @@ def response_object(row: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def events_after(conn: sqlite3.Connection, task_id: str, after: int, limit: int = 1000) -> list[dict[str, Any]]:
+class Stored(dict[str, Any]):
+    """An event as written in the log, with the JSON text it was written as: a stream sends that
+    text as it is, instead of encoding the event again for each reader and each token."""
+    text: str
+
+    @classmethod
+    def parse(cls, text: str) -> "Stored":
+        event = cls(json.loads(text))
+        event.text = text
+        return event
+
+
+def events_after(conn: sqlite3.Connection, task_id: str, after: int, limit: int = 1000) -> list[Stored]:
     rows = conn.execute("SELECT data FROM task_events WHERE task_id = ? AND sequence_number > ? "
                         "ORDER BY sequence_number LIMIT ?", (task_id, after, limit)).fetchall()
-    return [json.loads(r["data"]) for r in rows]
+    return [Stored.parse(r["data"]) for r in rows]
