@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sqlite3
 import statistics
 import threading
 import time
@@ -44,6 +45,31 @@ class Stream:
         self.tokens = tokens
         self.decode = (tokens - 1) / (arrivals[-1] - arrivals[0])
         self.cpu = cpu  # CPU seconds the service process (not its engine child) used per token
+
+
+def disk_commits(directory: Path, count: int = 300, pace: float = 0.012) -> str:
+    """The disk's own share of a delta's wait: bare SQLite commits (WAL, synchronous=FULL, one
+    small row each, at about the pace of tokens) in the service's data directory. Every delta
+    waits for one before anyone sees it, so the service's gap tail cannot beat this one's."""
+    path = directory / "bench-commits.sqlite3"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = FULL")
+    conn.execute("CREATE TABLE t (x TEXT)")
+    took = []
+    try:
+        for _ in range(count):
+            start = time.perf_counter()
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("INSERT INTO t VALUES (?)", ("token " * 20,))
+            conn.execute("COMMIT")
+            took.append(time.perf_counter() - start)
+            time.sleep(pace)
+    finally:
+        conn.close()
+        for leftover in directory.glob("bench-commits.sqlite3*"):
+            leftover.unlink()
+    return f"p50 {ms(pct(took, 0.5))}, p99 {ms(pct(took, 0.99))}, max {ms(max(took))}"
 
 
 def bare_stream(llm: Any) -> Stream:
@@ -133,7 +159,9 @@ def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless, upst
           f"{statistics.median(r.cpu or 0.0 for r in served) * 1000:.2f} ms"
           f"\n  peer, llama-cpp-python's own server ({'fast' if fast else 'safe'} mode, straight): first text "
           f"{ms(p[0])} (- bare {ms(p[0] - b[0])}), gap median {ms(p[1])}, p99 {ms(p[2])}, decode {p[3]:.1f} "
-          f"tokens/s (ratio to bare {p[3] / b[3]:.3f}; the service's decode / the peer's {s[3] / p[3]:.3f})")
+          f"tokens/s (ratio to bare {p[3] / b[3]:.3f}; the service's decode / the peer's {s[3] / p[3]:.3f})"
+          f"\n  the disk alone, one SQLite commit (synchronous=FULL) in the data directory: "
+          f"{disk_commits(headless.data_dir)}")
 
     def bare_short() -> None:
         llm.create_chat_completion([{"role": "user", "content": "Say hi"}], max_tokens=2, temperature=0)
@@ -219,7 +247,7 @@ def test_time_to_202_alone_and_under_20_concurrent_clients(headless: Headless) -
     headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 4})  # the model loaded
     alone = [accept(headless) for _ in range(200)]
     print(f"\n[bench] request -> 202, one client alone (200 requests): p50 {ms(pct(alone, 0.5))}, "
-          f"p99 {ms(pct(alone, 0.99))}")
+          f"p99 {ms(pct(alone, 0.99))}; the disk alone, one SQLite commit: {disk_commits(headless.data_dir, 200, 0)}")
     clear_queue(headless)
     burst(headless, "idle")
     clear_queue(headless)
