@@ -81,7 +81,8 @@ class Lifecycle:
         self._write_service_file(url)
         # What start-up made (modules, the app's objects) lives as long as the process: out of the
         # collector's sight, a full collection no longer pauses the loop for tens of milliseconds
-        # (a stall in every stream and a 202 that waits).
+        # (a stall in every stream and a 202 that waits). Collected first: no garbage is kept.
+        gc.collect()
         gc.freeze()
         log.info("serving LMSP on %s (data in %s)", url, self.data_dir)
         return url
