@@ -730,6 +730,30 @@ async def test_cancel_a_queued_task_is_immediate(api, service):
     assert (await task(api, second_id))["status"] == "cancelled"
 
 
+async def test_cancel_while_the_model_loads_ends_the_task_before_any_output(api, service):
+    """A cancel accepted while the engine loads the model (the first task of a fresh service):
+    the task ends `cancelled` with nothing generated, the engine (which starts on the prompt as
+    soon as the model is in) is stopped, and the next task runs."""
+    assert all(engine.model_path is None for engine in service.runner.engines)  # nothing loaded yet
+    created = await start_background(api, {"input": "Summarise this. " + "The river runs. " * 600,
+                                           "max_output_tokens": 500, "temperature": 0})
+    task_id = created["task"]["id"]
+    with service.feed(task_id) as feed:
+        while (await asyncio.wait_for(feed.queue.get(), 30))["type"] != "response.loading":
+            pass
+        resp = await api.post(f"/v1/tasks/{task_id}/cancel")
+    assert resp.status == 200 and (await resp.json())["status"] == "cancelling"
+    done = await wait_status(api, task_id, {"cancelled", "completed", "failed"}, timeout=30.0)
+    assert done["status"] == "cancelled" and done["started_at"] is None, done
+    evs = await events(api, task_id)
+    check_sequence(evs)
+    assert [e["type"] for e in evs] == ["response.created", "response.queued", "response.loading",
+                                        "response.cancelling", "response.cancelled"]
+    assert (await (await api.get(f"/v1/responses/{created['id']}")).json())["output_text"] == ""
+    after = await start_background(api, {**SAY_HI, "max_output_tokens": 3})
+    assert (await wait_status(api, after["task"]["id"], {"completed", "failed"}))["status"] == "completed"
+
+
 async def test_foreground_request_dropped_by_client_cancels_its_task(api, service):
     """On the production server (`Server`, not the test server, which cancels handlers on
     disconnect by itself): a client that gives up on a foreground request frees the engine."""

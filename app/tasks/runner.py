@@ -83,6 +83,8 @@ class Job:
     call: calls.CallStream | None = None  # a forced function call's output, instead of a message
     saving: asyncio.Task[bool] | None = None  # the write in flight, if any
     error: Exception | None = None  # a write of the output that failed: the task stops
+    starting: asyncio.Future[list[machine.Event] | None] | None = None  # the write to `running`, in flight
+    live: bool = True  # False once that write found a cancel first: nothing more is written
 
     def add(self, ids: list[int], text: str, tokens: int) -> None:
         self.ids += ids
@@ -275,18 +277,22 @@ class Runner:
                 await self.write(_cancelled, job.task_id)
             return
         if row["status"] == LOADING:
-            started = await self.write(_start_running, job.task_id, job.item_id, bool(request.get("call")))
-            if started is None:  # cancelled while the model loaded
-                job.engine.cancel()  # a remote stream that opened is closed
-                await self.write(_cancelled, job.task_id)
-                return
+            # `running` commits while the engine reads the prompt, so its fsync is not added to
+            # the wait for the first token; nothing else of the task is written before it has.
+            job.starting = asyncio.ensure_future(self.write(
+                _start_running, job.task_id, job.item_id, bool(request.get("call"))))
+            job.starting.add_done_callback(lambda _: _settle_start(job))
         reason, usage = "cancelled", {}
         job.started = time.monotonic()  # tokens/s counts generation, not the model load
+        failure: EngineError | None = None
         try:
             async for msg in job.engine.generate(gen):
+                live = await _until_running(job)
                 if msg["ev"] == "done":
                     reason, usage = msg["reason"], msg
                     break
+                if not live:
+                    continue  # the engine was told to stop; it does within a token
                 if msg["ev"] == "reset":
                     await self._restart_output(job, msg["resume_mode"])
                     continue
@@ -298,8 +304,15 @@ class Runner:
                         job.engine.cancel()  # the task left `running` (a cancel), or a write failed
                     job.saving = asyncio.create_task(self._save(job))
         except EngineError as exc:
+            failure = exc
+        if not await _until_running(job):  # a cancel came first, while the model loaded (or the write failed)
+            if job.error is not None:
+                raise job.error
+            await self.write(_cancelled, job.task_id)
+            return
+        if failure is not None:
             await self._flush(job)
-            if await self.write(_fail, job.task_id, exc.code, exc.message) is None:
+            if await self.write(_fail, job.task_id, failure.code, failure.message) is None:
                 await self.write(_cancelled, job.task_id)
             return
         self.last_tokens_per_second = _tokens_per_second(job) or self.last_tokens_per_second
@@ -363,6 +376,29 @@ class Runner:
 def _tokens_per_second(job: Job) -> float | None:
     elapsed = time.monotonic() - job.started
     return round(job.new_tokens / elapsed, 2) if job.new_tokens and elapsed > 0 else None
+
+
+def _settle_start(job: Job) -> None:
+    """Once the write to `running` is done (the first of its done callback and `_until_running`
+    to see it): unless it committed, nothing more of the task is written and the engine stops,
+    at once, mid-prompt if need be: a cancel came first, while the model loaded, or it failed."""
+    if job.starting is None or not job.starting.done():
+        return
+    try:
+        job.live = job.starting.result() is not None
+    except WRITE_ERRORS as exc:
+        job.live, job.error = False, exc
+    job.starting = None
+    if not job.live:
+        job.engine.cancel()  # a remote stream that opened is closed too
+
+
+async def _until_running(job: Job) -> bool:
+    """Whether the task's output may be written: waits for the write to `running` if in flight."""
+    if job.starting is not None:
+        await asyncio.wait([job.starting])
+        _settle_start(job)
+    return job.live
 
 
 def _prepare(conn: sqlite3.Connection, task_id: str) -> Prepared:
