@@ -1,7 +1,7 @@
 """The parent's side of one engine child: start it, load a model, stream a generation.
 
-A reader thread turns the child's messages into items on an asyncio queue, so the event loop
-never blocks on the pipe. If the child dies from a crash signal in fast mode and the setting
+The child's messages become items on an asyncio queue, read by the event loop when the pipe
+is readable (on Windows, by a thread), so the loop never waits on the pipe. If the child dies from a crash signal in fast mode and the setting
 is `auto`, the engine starts a fresh child in safe mode and carries on with the same load or
 generation from the tokens already produced (LMSP §11): the caller sees no failure. Other
 deaths, and a second crash in safe mode, are an `engine_crashed` error; the next request
@@ -78,7 +78,7 @@ class Runs(Protocol):
 def _drain(loop: asyncio.AbstractEventLoop, conn: Connection, inbox: asyncio.Queue[Message]) -> None:
     """On the loop, when the child's pipe is readable: take one message (the loop calls again
     while more wait; `recv` waits at most for the rest of one the child is writing). At the end
-    of the pipe (the child gone) the engine hears CRASHED, as from the thread."""
+    of the pipe (the child gone) the engine hears CRASHED."""
     try:
         inbox.put_nowait(conn.recv())  # not `conn.poll()` first: it builds a selector each call
     except (EOFError, OSError):
