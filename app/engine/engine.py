@@ -1,11 +1,11 @@
 """The parent's side of one engine child: start it, load a model, stream a generation.
 
 The child's messages become items on an asyncio queue, read by the event loop when the pipe
-is readable (on Windows, by a thread), so the loop never waits on the pipe. If the child dies from a crash signal in fast mode and the setting
-is `auto`, the engine starts a fresh child in safe mode and carries on with the same load or
-generation from the tokens already produced (LMSP §11): the caller sees no failure. Other
-deaths, and a second crash in safe mode, are an `engine_crashed` error; the next request
-starts a fresh child.
+is readable (on Windows, by a thread), so the loop never waits on the pipe. If the child dies
+from a crash signal in fast mode and the setting is `auto`, the engine starts a fresh child in
+safe mode and carries on with the same load or generation from the tokens already produced
+(LMSP §11): the caller sees no failure. Other deaths, and a second crash in safe mode, are an
+`engine_crashed` error; the next request starts a fresh child.
 """
 
 from __future__ import annotations
