@@ -736,22 +736,31 @@ async def test_cancel_while_the_model_loads_ends_the_task_before_any_output(api,
     soon as the model is in) is stopped, and the next task runs."""
     assert all(engine.model_path is None for engine in service.runner.engines)  # nothing loaded yet
     created = await start_background(api, {"input": "Summarise this. " + "The river runs. " * 600,
-                                           "max_output_tokens": 500, "temperature": 0})
+                                           "max_output_tokens": 2000, "temperature": 0})
     task_id = created["task"]["id"]
     with service.feed(task_id) as feed:
         while (await asyncio.wait_for(feed.queue.get(), 30))["type"] != "response.loading":
             pass
         resp = await api.post(f"/v1/tasks/{task_id}/cancel")
+        asked = time.monotonic()
     assert resp.status == 200 and (await resp.json())["status"] == "cancelling"
     done = await wait_status(api, task_id, {"cancelled", "completed", "failed"}, timeout=30.0)
     assert done["status"] == "cancelled" and done["started_at"] is None, done
+    # The load, then at most the prompt: not the 2000 tokens (about 25 s here).
+    assert time.monotonic() - asked < 8.0
     evs = await events(api, task_id)
     check_sequence(evs)
     assert [e["type"] for e in evs] == ["response.created", "response.queued", "response.loading",
                                         "response.cancelling", "response.cancelled"]
     assert (await (await api.get(f"/v1/responses/{created['id']}")).json())["output_text"] == ""
-    after = await start_background(api, {**SAY_HI, "max_output_tokens": 3})
-    assert (await wait_status(api, after["task"]["id"], {"completed", "failed"}))["status"] == "completed"
+    # The engine is free, and what it answers next is the next task's own: the same text twice.
+    answers = []
+    for _ in range(2):
+        after = await start_background(api, {**SAY_HI, "max_output_tokens": 3, "temperature": 0})
+        ended = await wait_status(api, after["task"]["id"], {"completed", "failed"})
+        assert ended["status"] == "completed" and ended["progress"]["output_tokens"] <= 3, ended
+        answers.append((await (await api.get(f"/v1/responses/{after['id']}")).json())["output_text"])
+    assert answers[0] == answers[1] != ""
 
 
 async def test_foreground_request_dropped_by_client_cancels_its_task(api, service):

@@ -228,6 +228,7 @@ class Runner:
             await self._fail_when_possible(job.task_id, code, message)
         finally:
             log.info("task %s: left the engine", job.task_id)
+            job.starting = None  # a write to `running` still in flight must not stop the engine's next task
             self.jobs.pop(job.task_id, None)
             self.wake()
 
@@ -292,7 +293,8 @@ class Runner:
                     reason, usage = msg["reason"], msg
                     break
                 if not live:
-                    continue  # the engine was told to stop; it does within a token
+                    job.engine.cancel()  # again: the first could come before the engine had the job
+                    continue
                 if msg["ev"] == "reset":
                     await self._restart_output(job, msg["resume_mode"])
                     continue
@@ -386,7 +388,7 @@ def _settle_start(job: Job) -> None:
         return
     try:
         job.live = job.starting.result() is not None
-    except WRITE_ERRORS as exc:
+    except Exception as exc:  # raised once the generation has ended (a write error, or a bug)
         job.live, job.error = False, exc
     job.starting = None
     if not job.live:
