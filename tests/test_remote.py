@@ -355,11 +355,13 @@ def test_the_openai_sdk_uses_a_remote_model_as_any_other(headless: Headless, ups
     client = openai.OpenAI(base_url=f"{svc.url}/v1", api_key=svc.token, max_retries=0, timeout=60)
     try:
         assert client.models.retrieve("big").owned_by == "remote"
+        # 48 tokens: while a commit waits on a slow disk, the tokens that come meanwhile share the
+        # next delta (LMSP §6 allows it); CI saw 11 of 16 in one. The stream still comes in pieces.
         pieces = [c.choices[0].delta.content for c in client.chat.completions.create(
-            model="big", messages=[{"role": "user", "content": "Name three colours."}], max_tokens=16,
+            model="big", messages=[{"role": "user", "content": "Name three colours."}], max_tokens=48,
             temperature=0, stream=True) if c.choices and c.choices[0].delta.content]
         assert len(pieces) > 5
-        made = client.responses.create(model="big", input="Name three colours.", max_output_tokens=16, temperature=0)
+        made = client.responses.create(model="big", input="Name three colours.", max_output_tokens=48, temperature=0)
         assert made.output_text == "".join(pieces) and made.usage.input_tokens > 0
         with pytest.raises(openai.BadRequestError) as refused:
             client.embeddings.create(model="big", input="hello")
