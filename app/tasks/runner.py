@@ -82,7 +82,7 @@ class Job:
     item_id: str = ""       # the id of the response's one output message
     call: calls.CallStream | None = None  # a forced function call's output, instead of a message
     saving: asyncio.Task[bool] | None = None  # the write in flight, if any
-    error: Exception | None = None  # a write of the output that failed: the task stops
+    error: Exception | None = None  # a write of the task that failed (its output, `running`): it stops
     starting: asyncio.Future[list[machine.Event] | None] | None = None  # the write to `running`, in flight
     live: bool = True  # False once that write found a cancel first: nothing more is written
 
