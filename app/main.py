@@ -69,6 +69,12 @@ class Lifecycle:
     async def _serve(self) -> str:
         # Recovery (inside service.start) finishes before the port is even open.
         await self.service.start()
+        # What start-up made (modules, the app's objects) lives as long as the process: out of the
+        # collector's sight, a full collection no longer pauses the loop for tens of milliseconds
+        # (a stall in every stream and a 202 that waits). Collected first (no garbage is kept),
+        # before the port opens: no request waits for that one collection.
+        gc.collect()
+        gc.freeze()
         settings = self.service.settings
         host = self.host or settings["host"]
         port = settings["port"] if self.port is None else self.port
@@ -79,11 +85,6 @@ class Lifecycle:
             raise LmspError("cannot_listen", f"Cannot serve on {host}:{port}: {exc.strerror or exc}.",
                             status=503, title="The port is not available") from None
         self._write_service_file(url)
-        # What start-up made (modules, the app's objects) lives as long as the process: out of the
-        # collector's sight, a full collection no longer pauses the loop for tens of milliseconds
-        # (a stall in every stream and a 202 that waits). Collected first: no garbage is kept.
-        gc.collect()
-        gc.freeze()
         log.info("serving LMSP on %s (data in %s)", url, self.data_dir)
         return url
 
