@@ -3,6 +3,7 @@ before anything loads them), changed and missing files, forgetting, load/unload,
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -140,6 +141,30 @@ async def test_register_a_copy_and_use_it(api, service, copy_of_default):
     assert (await model(api, "copy"))["status"] == "changed"
     resp = await api.post("/v1/responses", json={**SAY_HI, "model": "copy"})
     await expect_error(resp, 409, "model_changed")
+
+
+async def test_an_embedding_between_a_tasks_load_and_its_generation_leaves_the_task_its_model(
+        api, service, copy_of_default):
+    """The one engine loads the default model for a task; an embedding with another model waits
+    for the engine meanwhile and runs first when the load ends. The task still generates with its
+    own model: the engine loads it again, and it is the one loaded when the task ends."""
+    await register(api, {"path": str(copy_of_default), "id": "copy"})
+    assert engine_paths(service) == set() and service.runner.capacity == 1
+    resp = await api.post("/v1/responses", json={**SAY_HI, "background": True})
+    assert resp.status == 202, await resp.text()
+    task_id = (await resp.json())["task"]["id"]
+    with service.feed(task_id) as feed:
+        while (await asyncio.wait_for(feed.queue.get(), 30))["type"] != "response.loading":
+            pass
+        embedded = asyncio.create_task(api.post("/v1/embeddings", json={"model": "copy", "input": "hi"}))
+        kinds = []
+        while not kinds or kinds[-1] not in ("response.completed", "response.incomplete", "response.failed"):
+            kinds.append((await asyncio.wait_for(feed.queue.get(), 60))["type"])
+    assert (await embedded).status == 200
+    assert "response.output_text.delta" in kinds, kinds
+    assert engine_paths(service) == {str(DEFAULT_FILE)}
+    listed = await models(api)
+    assert (listed[DEFAULT_MODEL_ID]["status"], listed["copy"]["status"]) == ("loaded", "available")
 
 
 @pytest.mark.parametrize("body, code, param", [

@@ -108,6 +108,7 @@ class Engine:
         self.n_ctx = n_ctx
         self.n_threads = n_threads or os.cpu_count() or 1
         self.file: Registered | None = None  # the model file loaded, to reload after a crash
+        self._task_file: Registered | None = None  # the model `open` loaded for the next generation
         self.refused: set[Registered] = set()  # files the child found not to be what was registered
         self.mode: str | None = None          # the mode the loaded model runs in
         self.cpu_variant: str | None = None   # which libggml-cpu-<variant> the child picked
@@ -234,7 +235,8 @@ class Engine:
             return msg
 
     async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
-        return not (await self.load(models.registered(model))).get("cached")
+        self._task_file = models.registered(model)
+        return not (await self.load(self._task_file)).get("cached")
 
     async def load(self, file: Registered) -> Message:
         """Load `file` unless it is already loaded. Raises EngineError on failure (`model_changed`
@@ -254,10 +256,13 @@ class Engine:
         A crash that `_survive` forgives is invisible here: the model is loaded again and
         the generation continues from the tokens already yielded."""
         async with self._lock:
-            file = self.file
+            file = self._task_file
             if file is None:
                 raise EngineError("model_not_loaded", "No model is loaded.")
             crashes: list[str] = []
+            # An embedding may have had the lock since `open` and loaded its own model: the task's
+            # comes back first (nothing to do when it is still loaded).
+            await self._load(file, crashes)
             ids, emitted = list(gen.prefix_ids or []), len(gen.prefix_text)
             fields = {k: v for k, v in gen.__dict__.items() if k not in ("prefix_text", "prefix_tokens")}
             while True:
