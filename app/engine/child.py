@@ -5,7 +5,8 @@ the app down. It speaks plain dicts over a multiprocessing pipe:
 
   parent -> child  {"op": "load", "file", "n_ctx", "n_threads", "safe"} | {"op": "generate", "job", ...}
                    {"op": "embed", "texts", "dimensions"} | {"op": "cancel", "job"} | {"op": "shutdown"}
-  child -> parent  {"ev": "backend", "cpu_variant"} then {"ev": "loaded", ...} | {"ev": "chunk", "job", "ids", "text"}
+  child -> parent  {"ev": "backend", "cpu_variant"} then {"ev": "loaded", ...}
+                   {"ev": "chunk", "job", "ids", "text", "last"?} (`last`: no token follows, `done` does)
                    {"ev": "done", "job", "reason", "input_tokens", "cached_tokens", "output_tokens"}
                    {"ev": "embedded", "vectors", "dims", "tokens"}
                    {"ev": "error", "job"?, "code", "message", "param"?}
@@ -333,18 +334,19 @@ class Child:
                 history.append(tok)
                 cut = min((i for i in (text.find(s, max(0, emitted - hold)) for s in stops) if i >= 0), default=-1)
                 if cut >= 0:
-                    self.conn.send({"ev": "chunk", "job": job, "ids": [tok], "text": text[emitted:cut]})
+                    self.conn.send({"ev": "chunk", "job": job, "ids": [tok], "text": text[emitted:cut], "last": True})
                     text, emitted, reason = text[:cut], cut, "stop"
                     break
                 safe = max(emitted, len(text) - hold)
-                self.conn.send({"ev": "chunk", "job": job, "ids": [tok], "text": text[emitted:safe]})
+                self.conn.send({"ev": "chunk", "job": job, "ids": [tok], "text": text[emitted:safe],
+                                "last": count >= limit})
                 emitted = safe
                 if count >= limit:
                     break
                 llm.eval([tok])
         text += decoder.decode(b"", final=True)
         if len(text) > emitted:
-            self.conn.send({"ev": "chunk", "job": job, "ids": [], "text": text[emitted:]})
+            self.conn.send({"ev": "chunk", "job": job, "ids": [], "text": text[emitted:], "last": True})
         self.conn.send({"ev": "done", "job": job, "reason": reason, "input_tokens": len(prompt), "cached_tokens": reuse,
                         "output_tokens": count})
 

@@ -4,7 +4,8 @@ Output is written as it comes: each token's text is committed as a delta event (
 token ids, appended to the task's output) as soon as the previous write of the task has
 committed, then published. A reader sees each token within milliseconds of its decoding;
 when commits are slower than decoding, the tokens that came during one commit share the next
-delta, so the write rate is bounded by the commit pipeline itself. Whatever a crash loses
+delta, so the write rate is bounded by the commit pipeline itself. The last token's text is
+committed with the task's end, in the same transaction. Whatever a crash loses
 after the last commit, `resume` regenerates.
 """
 
@@ -48,16 +49,6 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class Claimed:
-    """A task the runner took, whose client it was, its model's format (`gguf` runs on a local
-    engine, `remote` on its endpoints), and the events taking it wrote."""
-    task_id: str
-    client_id: str
-    format: str
-    events: list[machine.Event]
-
-
-@dataclass(frozen=True)
 class Prepared:
     """What a task needs to start, read in one go: its row, its output so far, and its model's
     row (or why the model cannot be used)."""
@@ -66,6 +57,17 @@ class Prepared:
     text: str
     model: sqlite3.Row | None
     refused: LmspError | None
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A task the runner took, whose client it was, its model's format (`gguf` runs on a local
+    engine, `remote` on its endpoints), the events taking it wrote, and what it needs to start."""
+    task_id: str
+    client_id: str
+    format: str
+    events: list[machine.Event]
+    task: Prepared
 
 
 @dataclass
@@ -85,6 +87,7 @@ class Job:
     error: Exception | None = None  # a write of the task that failed (its output, `running`): it stops
     starting: asyncio.Future[list[machine.Event] | None] | None = None  # the write to `running`, in flight
     live: bool = True  # False once that write found a cancel first: nothing more is written
+    ending: bool = False  # the engine sent its last output: the task's end writes what is left
 
     def add(self, ids: list[int], text: str, tokens: int) -> None:
         self.ids += ids
@@ -211,13 +214,13 @@ class Runner:
             runs: Runs | None = RemoteEngine(self.upstreams) if claimed.format == "remote" else engine
             assert runs is not None
             job = self.jobs[claimed.task_id] = Job(claimed.task_id, runs)
-            worker = asyncio.create_task(self._run(job), name=f"lmsp-task-{claimed.task_id}")
+            worker = asyncio.create_task(self._run(job, claimed.task), name=f"lmsp-task-{claimed.task_id}")
             self._workers.add(worker)
             worker.add_done_callback(self._workers.discard)
 
-    async def _run(self, job: Job) -> None:
+    async def _run(self, job: Job, task: Prepared) -> None:
         try:
-            await self._execute(job)
+            await self._execute(job, task)
         except Exception as exc:
             if isinstance(exc, StoreError) and exc.code == "disk_full":
                 code, message = "disk_full", ("The disk filled up while this task ran, so it stopped; its output "
@@ -246,8 +249,7 @@ class Runner:
                     return  # the next start's recovery settles it, by its on_restart
                 await backoff.wait(f"task {task_id}: cannot record that it stopped ({exc})")
 
-    async def _execute(self, job: Job) -> None:
-        task = await self.store.read(_prepare, job.task_id)
+    async def _execute(self, job: Job, task: Prepared) -> None:
         row = task.row
         job.item_id = records.message_id(row["response_id"])
         log.info("task %s: %s on %s (attempt %d, %d tokens so far)", job.task_id,
@@ -301,7 +303,9 @@ class Runner:
                 tokens = msg.get("tokens", len(msg["ids"]))
                 job.add(msg["ids"], msg["text"], tokens)
                 self.tokens_generated += tokens
-                if job.saving is None or job.saving.done():
+                if msg.get("last"):  # `done` follows at once: this is written with the end, in one commit
+                    job.ending = True
+                elif job.saving is None or job.saving.done():
                     if job.saving is not None and not job.saving.result():
                         job.engine.cancel()  # the task left `running` (a cancel), or a write failed
                     job.saving = asyncio.create_task(self._save(job))
@@ -344,10 +348,10 @@ class Runner:
             job.engine.cancel()
 
     async def _save(self, job: Job) -> bool:
-        """Write the output produced so far, again and again while more comes during a commit.
-        False once the task is no longer running (a cancel was accepted) or a write failed
+        """Write the output produced so far, again and again while more comes during a commit,
+        until the engine's last output came (the task's end writes that). False once the task is no longer running (a cancel was accepted) or a write failed
         (kept in `job.error`: the generation is stopped, then the task fails)."""
-        while job.unwritten():
+        while job.unwritten() and not job.ending:
             try:
                 if await self.write(_save_output, job.task_id, job.take()) is None:
                     return False
@@ -404,7 +408,7 @@ async def _until_running(job: Job) -> bool:
 
 
 def _prepare(conn: sqlite3.Connection, task_id: str) -> Prepared:
-    """One read for all of it: each trip to a reader thread adds a wake-up to the task's start."""
+    """Read in the claim's transaction: a trip to a reader thread would add a wake-up to the start."""
     row = records.one_task(conn, task_id)
     assert row is not None
     ids, text = output.read(conn, task_id)
@@ -430,14 +434,14 @@ def _claim(conn: sqlite3.Connection, busy: list[str], last_client: str, formats:
     row = conn.execute(f"{tasks} AND t.status = 'running'{exclude} ORDER BY t.created_at LIMIT 1",
                        (*formats, *busy)).fetchone()
     if row is not None:
-        return Claimed(row["id"], row["client_id"], row["format"], [])
+        return Claimed(row["id"], row["client_id"], row["format"], [], _prepare(conn, row["id"]))
     row = conn.execute(f"{tasks} AND t.status = 'queued' ORDER BY r.client_id <= ?, r.client_id, t.created_at LIMIT 1",
                        (*formats, last_client)).fetchone()
     if row is None:
         return None
     events = machine.transition(conn, row["id"], LOADING, [("response.loading", {"progress": 0.0})])
     assert events is not None
-    return Claimed(row["id"], row["client_id"], row["format"], events)
+    return Claimed(row["id"], row["client_id"], row["format"], events, _prepare(conn, row["id"]))
 
 
 def _waiting(conn: sqlite3.Connection, task_id: str, message: str) -> list[machine.Event] | None:
