@@ -9,6 +9,7 @@ import random
 from app.core.service import TERMINAL_EVENTS, AppService
 from app.errors import Conflict
 from app.tasks.states import TERMINAL
+from tests.helpers import poll
 
 
 async def test_cancel_and_completion_never_both_win(service: AppService) -> None:
@@ -56,3 +57,27 @@ async def test_cancel_and_completion_never_both_win(service: AppService) -> None
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
         seen.add(outcomes[task_id])
     assert seen == {"accepted", "refused"}, "the random moments should hit both sides of the race"
+
+
+async def test_a_request_given_up_while_its_task_is_written_still_runs_that_task(service: AppService) -> None:
+    """A task arriving at a free engine is taken by the runner in the commit that creates it. A
+    request cancelled while that commit is on its way (its client gone) still starts what it
+    committed: the task runs to its end instead of staying `loading` for good."""
+    owner = await service.authenticate(await service.owner_token())
+    assert owner is not None
+    call = asyncio.create_task(service.create_response(owner, {
+        "input": "Say hi", "background": True, "temperature": 0, "max_output_tokens": 4}))
+    await asyncio.sleep(0)  # the request is under way: its write is queued
+    call.cancel()
+    try:
+        await call
+    except asyncio.CancelledError:
+        pass
+    rows = await poll(lambda: service.store.read(lambda c: c.execute("SELECT id FROM tasks").fetchall()),
+                      timeout=10, what="the task to be committed")
+    assert len(rows) == 1
+    task_id = rows[0]["id"]
+    final = await asyncio.wait_for(service.wait(task_id), 60)
+    assert final["status"] == "completed", final
+    types = [e["type"] for e in await service.events(owner, task_id, -1)]
+    assert types[:4] == ["response.created", "response.queued", "response.loading", "response.loading"], types

@@ -3,7 +3,6 @@ before anything loads them), changed and missing files, forgetting, load/unload,
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -47,6 +46,11 @@ async def model_rows(service: Any) -> int:
 
 async def task_rows(service: Any) -> int:
     return await service.store.read(lambda c: c.execute("SELECT count(*) FROM tasks").fetchone()[0])
+
+
+async def task_status(api: Any, task_id: str, status: str) -> bool:
+    resp = await api.get(f"/v1/tasks/{task_id}")
+    return bool((await resp.json())["status"] == status)
 
 
 def engine_paths(service: Any) -> set[str]:
@@ -153,15 +157,12 @@ async def test_an_embedding_between_a_tasks_load_and_its_generation_leaves_the_t
     resp = await api.post("/v1/responses", json={**SAY_HI, "background": True})
     assert resp.status == 202, await resp.text()
     task_id = (await resp.json())["task"]["id"]
-    with service.feed(task_id) as feed:
-        while (await asyncio.wait_for(feed.queue.get(), 30))["type"] != "response.loading":
-            pass
-        embedded = asyncio.create_task(api.post("/v1/embeddings", json={"model": "copy", "input": "hi"}))
-        kinds = []
-        while not kinds or kinds[-1] not in ("response.completed", "response.incomplete", "response.failed"):
-            kinds.append((await asyncio.wait_for(feed.queue.get(), 60))["type"])
-    assert (await embedded).status == 200
-    assert "response.output_text.delta" in kinds, kinds
+    await poll(lambda: task_status(api, task_id, "loading"), 30, what="the task to load its model")
+    embedded = await api.post("/v1/embeddings", json={"model": "copy", "input": "hi"})  # waits for the load
+    assert embedded.status == 200
+    await poll(lambda: task_status(api, task_id, "completed"), 60, what="the task to end")
+    events = await (await api.get(f"/v1/tasks/{task_id}/events")).json()
+    assert "response.output_text.delta" in [e["type"] for e in events["data"]], events
     assert engine_paths(service) == {str(DEFAULT_FILE)}
     listed = await models(api)
     assert (listed[DEFAULT_MODEL_ID]["status"], listed["copy"]["status"]) == ("loaded", "available")

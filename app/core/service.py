@@ -8,6 +8,7 @@ recovery (§11.3), retention, and only then the runner. `ready` turns true at th
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import sqlite3
@@ -36,10 +37,13 @@ from app.store import config
 from app.store.store import Store
 from app.tasks import downloads, limits, machine, records, recovery, retention
 from app.tasks.bus import EventBus, Feed
-from app.tasks.runner import Runner, request_cancel
+from app.tasks.runner import Claimed, Offer, Runner, claim, request_cancel
 from app.tasks.states import TERMINAL
 
 log = logging.getLogger(__name__)
+# A new response: the stored answer (an idempotent repeat) or its task's row and events, and what
+# the runner's claim in the same transaction took.
+Inserted = tuple[idempotency.Stored | None, dict[str, Any] | None, list[machine.Event], Claimed | None]
 RESTART_KEY, RESTART_REQUIRED = "restart_required_for", ["host", "port"]  # settings read at start only
 VERIFIED_SECONDS = 60.0  # a verified token is trusted from memory this long, unless revoked
 UPSTREAM_CHECK_SECONDS = 30.0  # how often idle remote endpoints are probed, for the health shown
@@ -212,13 +216,24 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         if idempotency_key is not None:
             key = (idempotency.check_key(idempotency_key), idempotency.digest("POST", path, client.id, body),
                    self.settings["idempotency_ttl_seconds"])
-        stored, row, events = await self.store.write(_insert_response, self.settings, client.id, model_id, req,
-                                                     on_restart, key)
+        offer = self.runner.offer()  # room on an engine: the task is taken in the same commit
+        write = asyncio.ensure_future(self.store.write(_insert_response, self.settings, client.id, model_id, req,
+                                                       on_restart, key, offer))
+        write.add_done_callback(functools.partial(self._inserted, offer))
+        stored, row, _, _ = await asyncio.shield(write)  # a request given up still starts what it committed
         if stored is not None:
             return Created(stored.status, stored.body, True)
-        self.bus.publish(events)
-        self.runner.wake()
         return Created(202 if req.background else 200, records.response_object(row), False)
+
+    def _inserted(self, offer: Offer | None, write: asyncio.Future[Inserted]) -> None:
+        """Once a new task's transaction has ended: publish its events, then start what it claimed."""
+        claimed = None
+        if not write.cancelled() and write.exception() is None:
+            _, _, events, claimed = write.result()
+            self.bus.publish(events)
+        if offer is not None:
+            self.runner.settle(offer, claimed)
+        self.runner.wake()
 
     async def claim_key(self, owner: str, idempotency_key: str, method: str, path: str,
                         body: Any) -> idempotency.Stored | None:
@@ -381,12 +396,14 @@ def _service_id(conn: sqlite3.Connection) -> str:
 
 
 def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_id: str, model_id: str,
-                     req: requests.ResponseRequest, on_restart: str, key: tuple[str, str, int] | None
-                     ) -> tuple[idempotency.Stored | None, dict[str, Any] | None, list[machine.Event]]:
+                     req: requests.ResponseRequest, on_restart: str, key: tuple[str, str, int] | None,
+                     offer: Offer | None) -> Inserted:
+    """The response and its queued task (what the answer shows), then, with room `offer`ed, the
+    runner's claim: this task, or one that was there first."""
     if key is not None:
         stored = idempotency.claim(conn, client_id, key[0], key[1], key[2])
         if stored is not None:
-            return stored, None, []
+            return stored, None, [], None
     try:
         models.usable(conn, model_id)
     except NotFound as exc:
@@ -405,4 +422,4 @@ def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_
     assert row is not None
     if key is not None and req.background:  # the key and the task it created commit together
         idempotency.finish(conn, client_id, key[0], 202, records.response_object(row))
-    return None, row, events
+    return None, row, events, claim(conn, offer) if offer is not None else None

@@ -70,6 +70,16 @@ class Claimed:
     task: Prepared
 
 
+@dataclass(frozen=True)
+class Offer:
+    """Room for one more task, held for one claim (`claim`): a free engine if there is one, the
+    formats it allows, and what the claim must know of the runner at that moment."""
+    engine: Engine | None
+    formats: list[str]
+    busy: list[str]    # tasks with a job: a resumed one among them is not taken again
+    last_client: str   # whose task was taken last
+
+
 @dataclass
 class Job:
     """A task on an engine, with its output so far."""
@@ -148,6 +158,7 @@ class Runner:
         self.paused = False
         self._wake = asyncio.Event()
         self._last_client = ""  # whose task was taken last: the next queued one is another's
+        self._offer: Offer | None = None  # held by a claim in flight: one at a time
         self._stopping = False
         self._main: asyncio.Task[None] | None = None
         self._workers: set[asyncio.Task[None]] = set()
@@ -172,6 +183,38 @@ class Runner:
     def idle_engine(self) -> Engine | None:
         return next((e for e in self.engines[:self.capacity] if not self.busy(e)), None)
 
+    def offer(self) -> Offer | None:
+        """Room for the next task, held until `settle`; None while paused, full, or while another
+        claim is in flight (two claims at once could both take the same resumed task)."""
+        if self._offer is not None or self.paused or self._stopping:
+            return None
+        engine = self.idle_engine()
+        formats = [name for name, free in (("gguf", engine is not None),
+                                           ("remote", self.remote_running() < self.remote_capacity)) if free]
+        if not formats:
+            return None
+        self._offer = Offer(engine, formats, list(self.jobs), self._last_client)
+        return self._offer
+
+    def settle(self, offer: Offer, claimed: Claimed | None) -> None:
+        """After the claim on `offer` committed (or failed: `claimed` None): start the task it
+        took, publish the events taking it wrote, and let the next claim go (whoever settles an
+        offer the scheduler did not make wakes it)."""
+        assert self._offer is offer
+        self._offer = None
+        if claimed is None:
+            return
+        self._last_client = claimed.client_id
+        self.bus.publish(claimed.events)
+        if self._stopping:
+            return  # taken as the service stops: the next start's recovery settles it
+        runs: Runs | None = RemoteEngine(self.upstreams) if claimed.format == "remote" else offer.engine
+        assert runs is not None
+        job = self.jobs[claimed.task_id] = Job(claimed.task_id, runs)
+        worker = asyncio.create_task(self._run(job, claimed.task), name=f"lmsp-task-{claimed.task_id}")
+        self._workers.add(worker)
+        worker.add_done_callback(self._workers.discard)
+
     def remote_running(self) -> int:
         return sum(isinstance(job.engine, RemoteEngine) for job in self.jobs.values())
 
@@ -195,28 +238,20 @@ class Runner:
         backoff = Backoff()
         while not self._stopping:
             self._wake.clear()
-            engine = self.idle_engine()
-            formats = [name for name, free in (("gguf", engine is not None),
-                                               ("remote", self.remote_running() < self.remote_capacity)) if free]
-            claimed = None
-            if formats and not self.paused:
-                try:
-                    claimed = await self.store.write(_claim, list(self.jobs), self._last_client, formats)
-                except WRITE_ERRORS as exc:  # a full disk: no task can start until a write succeeds
-                    await backoff.wait(f"cannot take the next task ({exc})")
-                    continue
-                backoff.reset()
-            if claimed is None:
+            offer = self.offer()
+            if offer is None:
                 await self._wake.wait()
                 continue
-            self._last_client = claimed.client_id
-            self.bus.publish(claimed.events)
-            runs: Runs | None = RemoteEngine(self.upstreams) if claimed.format == "remote" else engine
-            assert runs is not None
-            job = self.jobs[claimed.task_id] = Job(claimed.task_id, runs)
-            worker = asyncio.create_task(self._run(job, claimed.task), name=f"lmsp-task-{claimed.task_id}")
-            self._workers.add(worker)
-            worker.add_done_callback(self._workers.discard)
+            try:
+                claimed = await self.store.write(claim, offer)
+            except WRITE_ERRORS as exc:  # a full disk: no task can start until a write succeeds
+                self.settle(offer, None)
+                await backoff.wait(f"cannot take the next task ({exc})")
+                continue
+            backoff.reset()
+            self.settle(offer, claimed)
+            if claimed is None:
+                await self._wake.wait()
 
     async def _run(self, job: Job, task: Prepared) -> None:
         try:
@@ -420,11 +455,14 @@ def _prepare(conn: sqlite3.Connection, task_id: str) -> Prepared:
 
 # Transactions: each runs on the writer thread and returns the events it wrote.
 
-def _claim(conn: sqlite3.Connection, busy: list[str], last_client: str, formats: list[str]) -> Claimed | None:
-    """The next task to run on an engine that is free (`formats`: local `gguf`, `remote`): a
-    resumed `running` task first, else a queued one, round-robin by client: the oldest of the
-    first client after `last_client` (in id order, wrapping around) that has one. A client with
-    50 queued tasks delays another's single task by one task, not 50."""
+def claim(conn: sqlite3.Connection, offer: Offer) -> Claimed | None:
+    """The next task to run in the room offered (`formats`: local `gguf`, `remote`): a resumed
+    `running` task first, else a queued one, round-robin by client: the oldest of the first
+    client after the last one served (in id order, wrapping around) that has one. A client with
+    50 queued tasks delays another's single task by one task, not 50. Also run in the transaction
+    that creates a task (app/core/service.py), so that a task arriving at a free engine starts
+    without a commit of its own to wait for."""
+    busy, formats = offer.busy, offer.formats
     # Downloads are tasks too, but no engine work: app/tasks/downloads.py runs them. A task whose
     # model was deleted is taken as a local one, and fails as such.
     tasks = ("SELECT t.id, r.client_id, COALESCE(m.format, 'gguf') AS format FROM tasks t "
@@ -436,7 +474,7 @@ def _claim(conn: sqlite3.Connection, busy: list[str], last_client: str, formats:
     if row is not None:
         return Claimed(row["id"], row["client_id"], row["format"], [], _prepare(conn, row["id"]))
     row = conn.execute(f"{tasks} AND t.status = 'queued' ORDER BY r.client_id <= ?, r.client_id, t.created_at LIMIT 1",
-                       (*formats, last_client)).fetchone()
+                       (*formats, offer.last_client)).fetchone()
     if row is None:
         return None
     events = machine.transition(conn, row["id"], LOADING, [("response.loading", {"progress": 0.0})])
