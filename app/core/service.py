@@ -8,7 +8,6 @@ recovery (§11.3), retention, and only then the runner. `ready` turns true at th
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import sqlite3
@@ -41,8 +40,8 @@ from app.tasks.runner import Claimed, Offer, Runner, claim, request_cancel
 from app.tasks.states import TERMINAL
 
 log = logging.getLogger(__name__)
-# A new response: the stored answer (an idempotent repeat) or its task's row and events, and what
-# the runner's claim in the same transaction took.
+# A new response: the stored answer (an idempotent repeat), or the response as queued and its
+# task's events; and what the runner's claim in the same transaction took.
 Inserted = tuple[idempotency.Stored | None, dict[str, Any] | None, list[machine.Event], Claimed | None]
 RESTART_KEY, RESTART_REQUIRED = "restart_required_for", ["host", "port"]  # settings read at start only
 VERIFIED_SECONDS = 60.0  # a verified token is trusted from memory this long, unless revoked
@@ -207,8 +206,9 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
 
     async def create_response(self, client: Client, body: Any, idempotency_key: str | None = None,
                               path: str = "/v1/responses") -> Created:
-        """Validate, then commit the response and its queued task before returning (rule 11.2).
-        With an idempotency key, a repeat gets the first request's answer instead."""
+        """Validate, then commit the response and its queued task before returning (rule 11.2); with
+        an engine free, the same commit takes the task to `loading`. The answer shows the response
+        as it was queued. With an idempotency key, a repeat gets the first request's answer instead."""
         req = requests.parse(body)
         model_id = req.model or models.DEFAULT_MODEL_ID
         on_restart = req.on_restart or (self.settings["default_on_restart"] if req.background else "fail")
@@ -217,23 +217,26 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
             key = (idempotency.check_key(idempotency_key), idempotency.digest("POST", path, client.id, body),
                    self.settings["idempotency_ttl_seconds"])
         offer = self.runner.offer()  # room on an engine: the task is taken in the same commit
-        write = asyncio.ensure_future(self.store.write(_insert_response, self.settings, client.id, model_id, req,
-                                                       on_restart, key, offer))
-        write.add_done_callback(functools.partial(self._inserted, offer))
-        stored, row, _, _ = await asyncio.shield(write)  # a request given up still starts what it committed
+        # Shielded: a request given up while its write is on its way still starts what it committed.
+        stored, response = await asyncio.shield(asyncio.ensure_future(self._insert(
+            offer, self.settings, client.id, model_id, req, on_restart, key)))
         if stored is not None:
             return Created(stored.status, stored.body, True)
-        return Created(202 if req.background else 200, records.response_object(row), False)
+        assert response is not None
+        return Created(202 if req.background else 200, response, False)
 
-    def _inserted(self, offer: Offer | None, write: asyncio.Future[Inserted]) -> None:
-        """Once a new task's transaction has ended: publish its events, then start what it claimed."""
+    async def _insert(self, offer: Offer | None, *args: Any) -> tuple[idempotency.Stored | None, dict[str, Any] | None]:
+        """Commit a new response with its task, publish its events, then start what the claim in the
+        same transaction took. Awaiting the writer as the scheduler does keeps events in commit order."""
         claimed = None
-        if not write.cancelled() and write.exception() is None:
-            _, _, events, claimed = write.result()
+        try:
+            stored, response, events, claimed = await self.store.write(_insert_response, *args, offer)
             self.bus.publish(events)
-        if offer is not None:
-            self.runner.settle(offer, claimed)
-        self.runner.wake()
+            return stored, response
+        finally:
+            if offer is not None:
+                self.runner.settle(offer, claimed)
+            self.runner.wake()
 
     async def claim_key(self, owner: str, idempotency_key: str, method: str, path: str,
                         body: Any) -> idempotency.Stored | None:
@@ -418,8 +421,7 @@ def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_
                          json.dumps(req.metadata), time.time(), previous_response_id=req.previous_response_id,
                          store=int(req.store))
     events = machine.create(conn, task_id, response_id, on_restart, req.max_output_tokens)
-    row = records.one_task(conn, task_id)
-    assert row is not None
+    response = events[-1]["response"]  # `queued` carries the response as it now stands
     if key is not None and req.background:  # the key and the task it created commit together
-        idempotency.finish(conn, client_id, key[0], 202, records.response_object(row))
-    return None, row, events, claim(conn, offer) if offer is not None else None
+        idempotency.finish(conn, client_id, key[0], 202, response)
+    return None, response, events, claim(conn, offer) if offer is not None else None

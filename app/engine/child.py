@@ -336,6 +336,7 @@ class Child:
                 if cut >= 0:
                     self.conn.send({"ev": "chunk", "job": job, "ids": [tok], "text": text[emitted:cut], "last": True})
                     text, emitted, reason = text[:cut], cut, "stop"
+                    decoder.reset()  # bytes of a character after the stop are not output either
                     break
                 safe = max(emitted, len(text) - hold)
                 self.conn.send({"ev": "chunk", "job": job, "ids": [tok], "text": text[emitted:safe],

@@ -107,8 +107,9 @@ class Engine:
         self.modes = modes
         self.n_ctx = n_ctx
         self.n_threads = n_threads or os.cpu_count() or 1
-        self.file: Registered | None = None  # the model file loaded, to reload after a crash
-        self._task_file: Registered | None = None  # the model `open` loaded for the next generation
+        self.file: Registered | None = None  # the model file loaded
+        self._task_file: Registered | None = None  # the one `open` loaded for the task: its generation's
+        self._cancelled = False  # a cancel came since `open`, perhaps before the child had the job
         self.refused: set[Registered] = set()  # files the child found not to be what was registered
         self.mode: str | None = None          # the mode the loaded model runs in
         self.cpu_variant: str | None = None   # which libggml-cpu-<variant> the child picked
@@ -235,7 +236,7 @@ class Engine:
             return msg
 
     async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
-        self._task_file = models.registered(model)
+        self._task_file, self._cancelled = models.registered(model), False
         return not (await self.load(self._task_file)).get("cached")
 
     async def load(self, file: Registered) -> Message:
@@ -266,6 +267,9 @@ class Engine:
             ids, emitted = list(gen.prefix_ids or []), len(gen.prefix_text)
             fields = {k: v for k, v in gen.__dict__.items() if k not in ("prefix_text", "prefix_tokens")}
             while True:
+                if self._cancelled:  # before the child had this job (a reload, a restart after a crash)
+                    yield {"ev": "done", "reason": "cancelled", "input_tokens": 0, "output_tokens": 0}
+                    return
                 job = f"job{next(self._ids)}"
                 self._job = job
                 self._send({"op": "generate", "job": job, **fields, "prefix_ids": ids, "emitted_chars": emitted})
@@ -303,6 +307,7 @@ class Engine:
 
     def cancel(self) -> None:
         """Ask the running generation to stop; it ends with reason `cancelled` within a token."""
+        self._cancelled = True
         job = self._job
         if job and self._conn is not None and self.alive:
             try:

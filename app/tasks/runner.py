@@ -4,8 +4,8 @@ Output is written as it comes: each token's text is committed as a delta event (
 token ids, appended to the task's output) as soon as the previous write of the task has
 committed, then published. A reader sees each token within milliseconds of its decoding;
 when commits are slower than decoding, the tokens that came during one commit share the next
-delta, so the write rate is bounded by the commit pipeline itself. The last token's text is
-committed with the task's end, in the same transaction. Whatever a crash loses
+delta, so the write rate is bounded by the commit pipeline itself. A local engine's last
+token (it says so) is committed with the task's end, in the same transaction. Whatever a crash loses
 after the last commit, `resume` regenerates.
 """
 
@@ -184,8 +184,9 @@ class Runner:
         return next((e for e in self.engines[:self.capacity] if not self.busy(e)), None)
 
     def offer(self) -> Offer | None:
-        """Room for the next task, held until `settle`; None while paused, full, or while another
-        claim is in flight (two claims at once could both take the same resumed task)."""
+        """Room for the next task, held until `settle`; None while paused, stopping, full, or while
+        another claim is in flight (two claims at once would both count on the same free engine,
+        and could both take the same resumed task)."""
         if self._offer is not None or self.paused or self._stopping:
             return None
         engine = self.idle_engine()
@@ -242,14 +243,17 @@ class Runner:
             if offer is None:
                 await self._wake.wait()
                 continue
+            claimed, failure = None, None
             try:
                 claimed = await self.store.write(claim, offer)
             except WRITE_ERRORS as exc:  # a full disk: no task can start until a write succeeds
-                self.settle(offer, None)
-                await backoff.wait(f"cannot take the next task ({exc})")
+                failure = exc
+            finally:
+                self.settle(offer, claimed)  # whatever the write raised: a held offer would stop every claim
+            if failure is not None:
+                await backoff.wait(f"cannot take the next task ({failure})")
                 continue
             backoff.reset()
-            self.settle(offer, claimed)
             if claimed is None:
                 await self._wake.wait()
 
@@ -384,8 +388,9 @@ class Runner:
 
     async def _save(self, job: Job) -> bool:
         """Write the output produced so far, again and again while more comes during a commit,
-        until the engine's last output came (the task's end writes that). False once the task is no longer running (a cancel was accepted) or a write failed
-        (kept in `job.error`: the generation is stopped, then the task fails)."""
+        until the engine's last output came (the task's end writes that). False once the task is
+        no longer running (a cancel was accepted) or a write failed (kept in `job.error`: the
+        generation is stopped, then the task fails)."""
         while job.unwritten() and not job.ending:
             try:
                 if await self.write(_save_output, job.task_id, job.take()) is None:
