@@ -40,10 +40,12 @@ async def follow(service: AppService, task_id: str, after: int,
                     return
             if len(batch) < 1000:
                 break
-        if await service.store.read(machine.status_of, task_id) in (*TERMINAL, None):
-            # Asked for events after the terminal one (e.g. a reconnect with its Last-Event-ID), or the
-            # task is gone: nothing more will ever come, so end instead of sending heartbeats forever.
-            # Its status and last event commit together: whatever came after the replay is here now.
+        if last == after and await service.store.read(machine.status_of, task_id) in (*TERMINAL, None):
+            # Nothing replayed: asked for events after the terminal one (e.g. a reconnect with its
+            # Last-Event-ID), or the task is gone: nothing more will ever come, so end instead of
+            # sending heartbeats forever. (A replay without the terminal event shows the task was
+            # not over: its status and last event commit together.) Whatever came after the replay
+            # is here now.
             for event in await service.events_after(task_id, last):
                 yield event
             return
