@@ -7,6 +7,9 @@ import asyncio
 import random
 
 from app.core.service import TERMINAL_EVENTS, AppService
+from app.engine import models
+from app.engine.engine import Generation
+from app.engine.models import DEFAULT_MODEL_ID
 from app.errors import Conflict
 from app.tasks.states import TERMINAL
 from tests.helpers import poll
@@ -81,3 +84,24 @@ async def test_a_request_given_up_while_its_task_is_written_still_runs_that_task
     assert final["status"] == "completed", final
     types = [e["type"] for e in await service.events(owner, task_id, -1)]
     assert types[:4] == ["response.created", "response.queued", "response.loading", "response.loading"], types
+
+
+async def test_a_cancel_before_the_engine_child_has_the_job_ends_the_generation_without_output(
+        service: AppService) -> None:
+    """A cancel can reach the engine after the task's model is loaded but before the child was
+    asked to generate (the runner's write to `running` found a cancel; a reload in between). The
+    generation then ends `cancelled` at once, and the engine's next task runs normally."""
+    engine = service.engines[0]
+    model = await service.store.read(models.usable, DEFAULT_MODEL_ID)
+    gen = Generation(messages=[{"role": "user", "content": "Say hi"}], max_tokens=8, temperature=0)
+
+    async def waiting(_: str) -> None:
+        pass
+
+    await engine.open(model, gen, waiting)
+    engine.cancel()
+    stopped = [msg async for msg in engine.generate(gen)]
+    assert [(m["ev"], m.get("reason")) for m in stopped] == [("done", "cancelled")], stopped
+    await engine.open(model, gen, waiting)
+    ran = [msg async for msg in engine.generate(gen)]
+    assert any(m["ev"] == "chunk" and m["text"] for m in ran) and ran[-1]["reason"] in ("length", "stop"), ran
