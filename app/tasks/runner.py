@@ -448,9 +448,9 @@ async def _until_running(job: Job) -> bool:
 
 
 def _prepare(conn: sqlite3.Connection, task_id: str) -> Prepared:
-    """Read in the claim's transaction: a trip to a reader thread would add a wake-up to the start."""
-    row = records.one_task(conn, task_id)
-    assert row is not None
+    """Read in the claim's transaction: a trip to a reader thread would add a wake-up to the start.
+    The output is read once, with its ids (`one_task` would read its text a second time)."""
+    row = dict(records.joined(conn, "t.id = ?", (task_id,))[0])
     ids, text = output.read(conn, task_id)
     try:
         return Prepared(row, ids, text, models.usable(conn, row["model_id"]), None)
