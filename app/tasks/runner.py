@@ -333,8 +333,7 @@ class Runner:
                 if msg["ev"] == "done":
                     reason, usage = msg["reason"], msg
                     break
-                if not live:
-                    job.engine.cancel()  # again: the first could come before the engine had the job
+                if not live:  # the engine was told to stop (`_settle_start`), and remembers it: drop what still comes
                     continue
                 if msg["ev"] == "reset":
                     await self._restart_output(job, msg["resume_mode"])
