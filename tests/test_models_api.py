@@ -20,6 +20,7 @@ from app import paths
 from app.engine.gguf import Cancelled
 from app.engine.models import DEFAULT_MODEL_ID, FileChanged, Registered, examine, open_verified, sha256_file
 from tests.helpers import SAY_HI, bearer, expect_error, pair, poll, raw
+from tests.test_api import wait_status
 from tests.test_gguf import T, make_gguf, valid_kvs
 
 DEFAULT_FILE = paths.default_model_file()
@@ -46,11 +47,6 @@ async def model_rows(service: Any) -> int:
 
 async def task_rows(service: Any) -> int:
     return await service.store.read(lambda c: c.execute("SELECT count(*) FROM tasks").fetchone()[0])
-
-
-async def task_status(api: Any, task_id: str, status: str) -> bool:
-    resp = await api.get(f"/v1/tasks/{task_id}")
-    return bool((await resp.json())["status"] == status)
 
 
 def engine_paths(service: Any) -> set[str]:
@@ -157,10 +153,10 @@ async def test_an_embedding_between_a_tasks_load_and_its_generation_leaves_the_t
     resp = await api.post("/v1/responses", json={**SAY_HI, "background": True})
     assert resp.status == 202, await resp.text()
     task_id = (await resp.json())["task"]["id"]
-    await poll(lambda: task_status(api, task_id, "loading"), 30, what="the task to load its model")
+    await wait_status(api, task_id, {"loading"}, timeout=30.0)
     embedded = await api.post("/v1/embeddings", json={"model": "copy", "input": "hi"})  # waits for the load
     assert embedded.status == 200
-    await poll(lambda: task_status(api, task_id, "completed"), 60, what="the task to end")
+    await wait_status(api, task_id, {"completed"})
     events = await (await api.get(f"/v1/tasks/{task_id}/events")).json()
     assert "response.output_text.delta" in [e["type"] for e in events["data"]], events
     assert engine_paths(service) == {str(DEFAULT_FILE)}
