@@ -68,3 +68,18 @@ async def test_twenty_clients_at_once_cost_few_fsyncs(api: Any, service: Any) ->
     commits = value(after, "lmsp_store_commits_total") - value(before, "lmsp_store_commits_total")
     writes = value(after, "lmsp_store_transactions_total") - value(before, "lmsp_store_transactions_total")
     assert writes >= 20 and commits < 20 * 0.5, (commits, writes)
+
+
+async def test_a_request_to_a_loaded_model_is_started_by_the_commit_that_creates_it(api: Any, service: Any) -> None:
+    """Its engine holds its model: nothing to wait for between the create and `running`, so no
+    commit of its own. A 1-token request then costs two commits: its create, and its end (with
+    its one token)."""
+    resp = await api.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1})  # the model loaded
+    assert resp.status == 200
+    before = service.store.commits
+
+    resp = await api.post("/v1/responses", json={"input": "Say hi", "max_output_tokens": 1})
+
+    body = await resp.json()
+    assert resp.status == 200 and body["status"] == "incomplete" and body["output_text"]
+    assert service.store.commits - before == 2

@@ -127,6 +127,13 @@ class Engine:
         """The path of the model loaded, if any."""
         return self.file.path if self.file else None
 
+    def ready(self) -> Registered | None:
+        """The model file loaded, if loading it now would find nothing to do (loaded, in the
+        mode it runs in, by a live child)."""
+        if self.file is not None and self.alive and self.mode == self.modes.mode(self.file.digest):
+            return self.file
+        return None
+
     @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.is_alive()
@@ -209,9 +216,9 @@ class Engine:
         """Load in the mode the model should run in; survive a crash as `_survive` decides.
         The child loads the file only if it still is the one validated at registration."""
         while True:
-            mode = self.modes.mode(file.digest)
-            if self.file == file and self.mode == mode and self.alive:
+            if self.ready() == file:
                 return {"ev": "loaded", "cached": True}
+            mode = self.modes.mode(file.digest)
             # Until it has loaded, nothing is: a failed load must not leave the old path behind.
             self.file = self.mode = None
             self._mode_asked = mode

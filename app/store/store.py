@@ -67,7 +67,7 @@ class Store:
         self._reader_conns: list[sqlite3.Connection] = []
         self._conn: sqlite3.Connection | None = None
         self.recovered_from_corruption: str | None = None
-        self.commits = 0       # commits of write transactions: one fsync each (for /metrics)
+        self.commits = 0       # commits that wrote something: one fsync each (for /metrics)
         self.transactions = 0  # writes committed; several share a commit under load
 
     async def open(self) -> None:
@@ -107,6 +107,7 @@ class Store:
 
     def _commit(self, conn: sqlite3.Connection, writes: list[_Write]) -> None:
         while writes:
+            changes = conn.total_changes  # a commit that changed nothing writes nothing: no fsync
             try:
                 conn.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError as exc:
@@ -132,7 +133,7 @@ class Store:
                         conn.execute("ROLLBACK")
                     self._settle(writes, (False, _translated(exc)))
                     return
-                self.commits += 1
+                self.commits += conn.total_changes != changes
                 self.transactions += sum(write.outcome[0] for write in writes)
                 self._settle(writes)
                 return

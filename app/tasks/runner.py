@@ -17,7 +17,7 @@ import logging
 import os
 import sqlite3
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.engine import models
@@ -57,6 +57,7 @@ class Prepared:
     text: str
     model: sqlite3.Row | None
     refused: LmspError | None
+    running: bool  # already `running`: resumed, or started by its claim (on an engine that holds its model)
 
 
 @dataclass(frozen=True)
@@ -70,14 +71,18 @@ class Claimed:
     task: Prepared
 
 
-@dataclass(frozen=True)
+@dataclass
 class Offer:
-    """Room for one more task, held for one claim (`claim`): a free engine if there is one, the
-    formats it allows, and what the claim must know of the runner at that moment."""
+    """Room for one more task, held by the claims (`claim`) in flight: a free engine if there is
+    one, the formats it allows, and what a claim must know of the runner at that moment. The
+    claims run one after another on the writer; the first that finds a task takes the room."""
     engine: Engine | None
+    ready: models.Registered | None  # the model file that engine holds ready, if any
     formats: list[str]
     busy: list[str]    # tasks with a job: a resumed one among them is not taken again
     last_client: str   # whose task was taken last
+    holders: int = 1     # claims yet to settle (counted on the loop)
+    taken: bool = False  # a claim took a task with it (set on the writer)
 
 
 @dataclass
@@ -184,25 +189,33 @@ class Runner:
         return next((e for e in self.engines[:self.capacity] if not self.busy(e)), None)
 
     def offer(self) -> Offer | None:
-        """Room for the next task, held until `settle`; None while paused, stopping, full, or while
-        another claim is in flight (two claims at once would both count on the same free engine,
-        and could both take the same resumed task)."""
-        if self._offer is not None or self.paused or self._stopping:
+        """Room for the next task, held until `settle`; None while paused, stopping, or full. While
+        a claim is in flight, its offer is shared, not made again: two offers at once would both
+        count on the same free engine, and could both take the same resumed task. Shared, a
+        request that arrives while the scheduler looks for work is still taken in its own commit."""
+        if self.paused or self._stopping:
             return None
+        if self._offer is not None:
+            if self._offer.taken:
+                return None  # the next offer comes once it is settled
+            self._offer.holders += 1
+            return self._offer
         engine = self.idle_engine()
         formats = [name for name, free in (("gguf", engine is not None),
                                            ("remote", self.remote_running() < self.remote_capacity)) if free]
         if not formats:
             return None
-        self._offer = Offer(engine, formats, list(self.jobs), self._last_client)
+        self._offer = Offer(engine, engine.ready() if engine else None, formats, list(self.jobs), self._last_client)
         return self._offer
 
     def settle(self, offer: Offer, claimed: Claimed | None) -> None:
-        """After the claim on `offer` committed (or failed: `claimed` None): start the task it
-        took, publish the events taking it wrote, and let the next claim go (whoever settles an
-        offer the scheduler did not make wakes it)."""
+        """After a claim on `offer` committed (or failed: `claimed` None): start the task it took,
+        publish the events taking it wrote, and, with the last holder, let the next offer be made
+        (whoever settles an offer the scheduler did not make wakes it)."""
         assert self._offer is offer
-        self._offer = None
+        offer.holders -= 1
+        if offer.holders == 0:
+            self._offer = None
         if claimed is None:
             return
         self._last_client = claimed.client_id
@@ -318,7 +331,7 @@ class Runner:
             if await self.write(_fail, job.task_id, code, exc.message) is None:
                 await self.write(_cancelled, job.task_id)
             return
-        if row["status"] == LOADING:
+        if not task.running:
             # `running` commits while the engine reads the prompt, so its fsync is not added to
             # the wait for the first token; nothing else of the task is written before it has.
             job.starting = asyncio.ensure_future(self.write(
@@ -451,10 +464,11 @@ def _prepare(conn: sqlite3.Connection, task_id: str) -> Prepared:
     The output is read once, with its ids (`one_task` would read its text a second time)."""
     row = dict(records.joined(conn, "t.id = ?", (task_id,))[0])
     ids, text = output.read(conn, task_id)
+    running = row["status"] == RUNNING
     try:
-        return Prepared(row, ids, text, models.usable(conn, row["model_id"]), None)
+        return Prepared(row, ids, text, models.usable(conn, row["model_id"]), None, running)
     except LmspError as exc:
-        return Prepared(row, ids, text, None, exc)
+        return Prepared(row, ids, text, None, exc, running)
 
 
 # Transactions: each runs on the writer thread and returns the events it wrote.
@@ -465,7 +479,11 @@ def claim(conn: sqlite3.Connection, offer: Offer) -> Claimed | None:
     client after the last one served (in id order, wrapping around) that has one. A client with
     50 queued tasks delays another's single task by one task, not 50. Also run in the transaction
     that creates a task (app/core/service.py), so that a task arriving at a free engine starts
-    without a commit of its own to wait for."""
+    without a commit of its own to wait for; and when that engine holds the task's model, the
+    task is `running` in the same commit. None when nothing waits, or another claim on the
+    offer took the room."""
+    if offer.taken:
+        return None
     busy, formats = offer.busy, offer.formats
     # Downloads are tasks too, but no engine work: app/tasks/downloads.py runs them. A task whose
     # model was deleted is taken as a local one, and fails as such.
@@ -476,14 +494,23 @@ def claim(conn: sqlite3.Connection, offer: Offer) -> Claimed | None:
     row = conn.execute(f"{tasks} AND t.status = 'running'{exclude} ORDER BY t.created_at LIMIT 1",
                        (*formats, *busy)).fetchone()
     if row is not None:
+        offer.taken = True
         return Claimed(row["id"], row["client_id"], row["format"], [], _prepare(conn, row["id"]))
     row = conn.execute(f"{tasks} AND t.status = 'queued' ORDER BY r.client_id <= ?, r.client_id, t.created_at LIMIT 1",
                        (*formats, offer.last_client)).fetchone()
     if row is None:
         return None
+    offer.taken = True
     events = machine.transition(conn, row["id"], LOADING, [("response.loading", {"progress": 0.0})])
     assert events is not None
-    return Claimed(row["id"], row["client_id"], row["format"], events, _prepare(conn, row["id"]))
+    task = _prepare(conn, row["id"])
+    if task.model is not None and offer.ready is not None and models.registered(task.model) == offer.ready:
+        # Nothing to load: the task starts running in this commit, not in one of its own.
+        started = _start_running(conn, row["id"], records.message_id(task.row["response_id"]),
+                                 bool(json.loads(task.row["request"]).get("call")))
+        assert started is not None
+        events, task = events + started, replace(task, running=True)
+    return Claimed(row["id"], row["client_id"], row["format"], events, task)
 
 
 def _waiting(conn: sqlite3.Connection, task_id: str, message: str) -> list[machine.Event] | None:
