@@ -408,7 +408,7 @@ def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_
         if stored is not None:
             return stored, None, [], None
     try:
-        models.usable(conn, model_id)
+        model = models.usable(conn, model_id)
     except NotFound as exc:
         raise LmspError("model_not_found", f"The model {model_id!r} does not exist.", param="model",
                         status=404) from exc
@@ -424,4 +424,6 @@ def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_
     response = events[-1]["response"]  # `queued` carries the response as it now stands
     if key is not None and req.background:  # the key and the task it created commit together
         idempotency.finish(conn, client_id, key[0], 202, response)
-    return None, response, events, claim(conn, offer) if offer is not None else None
+    # Only room this task's kind of model can use is worth a claim here: other queued tasks are
+    # the scheduler's (and the claim's reads grow with the queue).
+    return None, response, events, claim(conn, offer) if offer and model["format"] in offer.formats else None
