@@ -9,6 +9,7 @@ from typing import Any
 
 from app.store import config
 from app.store.store import Store
+from app.tasks.runner import Offer, claim
 
 from tests.test_metrics import metrics, value
 
@@ -83,3 +84,19 @@ async def test_a_request_to_a_loaded_model_is_started_by_the_commit_that_creates
     body = await resp.json()
     assert resp.status == 200 and body["status"] == "incomplete" and body["output_text"]
     assert service.store.commits - before == 2
+
+
+async def test_claims_sharing_one_offer_take_one_task_between_them(api: Any, service: Any) -> None:
+    """Requests that arrive while a claim is in flight share its offer (one free engine): their
+    claims run one after another on the writer, and only the first takes a task. Two would put two
+    tasks on the one engine."""
+    service.set_paused(True)  # the scheduler takes nothing by itself
+    for _ in range(3):
+        resp = await api.post("/v1/responses", json={"input": "hi", "background": True, "max_output_tokens": 1})
+        assert resp.status == 202
+    offer = Offer(service.engines[0], None, ["gguf"], [], "")
+
+    claims = await asyncio.gather(*(service.store.write(claim, offer) for _ in range(3)))
+
+    assert sum(c is not None for c in claims) == 1
+    assert value(await metrics(api), "lmsp_tasks", state="queued") == 2
