@@ -50,9 +50,10 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Prepared:
-    """What a task needs to start, read in one go: its row, its output so far, and its model's
-    row (or why the model cannot be used)."""
+    """What a task needs to start, read in one go: its row and request, its output so far, and its
+    model's row (or why the model cannot be used)."""
     row: dict[str, Any]
+    request: dict[str, Any]  # parsed once, here: a start in the claim's commit needs it too
     ids: list[int]
     text: str
     model: sqlite3.Row | None
@@ -307,7 +308,7 @@ class Runner:
         log.info("task %s: %s on %s (attempt %d, %d tokens so far)", job.task_id,
                  "resuming" if row["status"] == RUNNING else "starting", job.engine.name, row["attempt"],
                  row["output_tokens"])
-        request = json.loads(row["request"])
+        request = task.request
         ids, job.text = task.ids, task.text
         job.tokens = row["output_tokens"]  # a remote task's output has a count but no token ids
         if request.get("call"):
@@ -464,11 +465,11 @@ def _prepare(conn: sqlite3.Connection, task_id: str) -> Prepared:
     The output is read once, with its ids (`one_task` would read its text a second time)."""
     row = dict(records.joined(conn, "t.id = ?", (task_id,))[0])
     ids, text = output.read(conn, task_id)
-    running = row["status"] == RUNNING
+    request, running = json.loads(row["request"]), row["status"] == RUNNING
     try:
-        return Prepared(row, ids, text, models.usable(conn, row["model_id"]), None, running)
+        return Prepared(row, request, ids, text, models.usable(conn, row["model_id"]), None, running)
     except LmspError as exc:
-        return Prepared(row, ids, text, None, exc, running)
+        return Prepared(row, request, ids, text, None, exc, running)
 
 
 # Transactions: each runs on the writer thread and returns the events it wrote.
@@ -507,7 +508,7 @@ def claim(conn: sqlite3.Connection, offer: Offer) -> Claimed | None:
     if task.model is not None and offer.ready is not None and models.registered(task.model) == offer.ready:
         # Nothing to load: the task starts running in this commit, not in one of its own.
         started = _start_running(conn, row["id"], records.message_id(task.row["response_id"]),
-                                 bool(json.loads(task.row["request"]).get("call")))
+                                 bool(task.request.get("call")))
         assert started is not None
         events, task = events + started, replace(task, running=True)
     return Claimed(row["id"], row["client_id"], row["format"], events, task)
