@@ -364,12 +364,23 @@ def shared_slices(plan: list[tuple[int, int]], body: list[int], done: list[tuple
     return reuse
 
 
+# llama.cpp's threads (OpenMP, libgomp) wait for each other at every step of a token. libgomp
+# spins 300,000 times before it sleeps: beside another busy program, a thread spins away its time
+# slice waiting for a sibling that is not running, and on two cores decoding fell from 80 tokens/s
+# to one token in two seconds. 1,000 spins (libgomp's own count for more threads than cores) cost
+# nothing on an idle machine and keep 25 tokens/s there (tests/bench/test_cpu_load.py).
+SPIN_COUNT = "1000"
+# Inference keeps every core busy; the service and the GUI must still answer at once. A slightly
+# lower priority lets their threads run the moment they wake. More than this starves decoding
+# whenever other programs keep the cores busy (nice 10: 6 tokens/s beside two, nice 3: 19, nice 0: 26).
+NICENESS = 3
+
+
 def main(conn: Connection) -> None:
     """Entry point of the child process."""
-    # Inference keeps every core busy; the service and the GUI must still answer at once. A
-    # lower priority lets their threads run the moment they wake, and costs decoding only
-    # the CPU time they actually use.
-    os.nice(10)
+    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)  # read when llama.cpp is first imported, below
+    if hasattr(os, "nice"):  # POSIX only
+        os.nice(NICENESS)
     try:
         Child(conn).serve()
     except (EOFError, KeyboardInterrupt, BrokenPipeError):

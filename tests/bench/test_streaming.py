@@ -72,10 +72,10 @@ def disk_commits(directory: Path, count: int = 300, pace: float = 0.012) -> str:
     return f"p50 {ms(pct(took, 0.5))}, p99 {ms(pct(took, 0.99))}, max {ms(max(took))}"
 
 
-def bare_stream(llm: Any) -> Stream:
+def bare_stream(llm: Any, tokens: int = TOKENS) -> Stream:
     start = time.perf_counter()
     arrivals = []
-    for chunk in llm.create_chat_completion([{"role": "user", "content": PROMPT}], max_tokens=TOKENS,
+    for chunk in llm.create_chat_completion([{"role": "user", "content": PROMPT}], max_tokens=tokens,
                                             temperature=0, stream=True):
         if chunk["choices"][0]["delta"].get("content"):
             arrivals.append(time.perf_counter())
@@ -105,9 +105,9 @@ def direct_stream(up: Upstream, tokens: int = TOKENS) -> Stream:
     return Stream(start, arrivals, made or len(arrivals))
 
 
-def service_stream(svc: Headless, **more: Any) -> Stream:
+def service_stream(svc: Headless, tokens: int = TOKENS, **more: Any) -> Stream:
     """`more`: other request fields (e.g. the `model`)."""
-    body = json.dumps({"input": PROMPT, "max_output_tokens": TOKENS, "temperature": 0, "stream": True,
+    body = json.dumps({"input": PROMPT, "max_output_tokens": tokens, "temperature": 0, "stream": True,
                        **more}).encode()
     req = urllib.request.Request(svc.url + "/v1/responses", data=body, method="POST", headers={
         "Content-Type": "application/json", "Authorization": f"Bearer {svc.token}"})
