@@ -183,6 +183,16 @@ class Headless:
     def post(self, path: str, body: Any) -> tuple[int, Any]:
         return self.request("POST", path, body)
 
+    def complete(self, body: dict[str, Any], timeout: float = 120.0, interval: float = 0.05) -> dict[str, Any]:
+        """Send `body` as a background request; its task once completed."""
+        status, created = self.post("/v1/responses", {**body, "background": True})
+        assert status == 202, created
+        task_id = created["task"]["id"]
+        task: dict[str, Any] = wait_until(
+            lambda: (t := self.get(f"/v1/tasks/{task_id}")[1])["status"] == "completed" and t,
+            timeout=timeout, interval=interval)
+        return task
+
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
@@ -204,6 +214,18 @@ class Headless:
 @pytest.fixture
 def headless(tmp_path: Path, procs: Processes) -> Headless:
     return Headless(tmp_path / "data", procs)
+
+
+@contextlib.contextmanager
+def busy_programs(procs: Processes, count: int) -> Iterator[None]:
+    """`count` programs that each keep a core busy, at the user's own priority, while the block runs."""
+    busy = [procs.popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for program in busy:
+            program.kill()
+            program.wait()
 
 
 def wait_until(predicate: Any, timeout: float = 60.0, interval: float = 0.05) -> Any:

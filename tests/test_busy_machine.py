@@ -8,19 +8,13 @@ token every two seconds (tests/bench/test_cpu_load.py has the figures)."""
 from __future__ import annotations
 
 import os
-import sys
 
-from tests.conftest import Headless, Processes, wait_until
+from tests.conftest import Headless, Processes, busy_programs
 from tests.helpers import COUNT
 
 
 def tokens_per_second(svc: Headless) -> float:
-    status, created = svc.post("/v1/responses", {"input": COUNT, "background": True, "temperature": 0,
-                                                 "max_output_tokens": 48})
-    assert status == 202, created
-    task_id = created["task"]["id"]
-    task = wait_until(lambda: (t := svc.get(f"/v1/tasks/{task_id}")[1])["status"] == "completed" and t,
-                      timeout=240, interval=0.05)
+    task = svc.complete({"input": COUNT, "temperature": 0, "max_output_tokens": 48}, timeout=240)
     return float(task["progress"]["tokens_per_second"])
 
 
@@ -29,13 +23,8 @@ def test_decoding_keeps_going_while_another_program_keeps_cores_busy(headless: H
     tokens_per_second(headless)  # the model loaded and warm
     idle = tokens_per_second(headless)
     # Half the cores kept busy at the user's own priority: the engine's threads use them all.
-    busy = [procs.popen([sys.executable, "-c", "while True: pass"]) for _ in range(max(1, (os.cpu_count() or 2) // 2))]
-    try:
+    with busy_programs(procs, max(1, (os.cpu_count() or 2) // 2)):
         beside = tokens_per_second(headless)
-    finally:
-        for program in busy:
-            program.kill()
-            program.wait()
     # About a third of the idle speed here (bare llama-cpp-python keeps a hundredth); a stall
     # (threads spinning away their slices) is a hundredth.
     assert beside >= 0.15 * idle, f"{beside:.1f} tokens/s beside busy programs, {idle:.1f} on an idle machine"

@@ -8,7 +8,6 @@ Every ratio is against bare llama-cpp-python in the same run, under the same loa
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -16,7 +15,7 @@ import pytest
 
 from tests.bench.test_streaming import accept, bare_stream, ms, pct, service_stream
 from tests.bench.test_throughput import bare_llama
-from tests.conftest import Headless, Processes, wait_until
+from tests.conftest import Headless, Processes, busy_programs, wait_until
 from tests.helpers import COUNT
 
 ROUNDS = 3
@@ -35,16 +34,12 @@ def test_decoding_beside_a_busy_program(headless: Headless, procs: Processes) ->
     assert headless.request("PATCH", "/v1/settings", {"max_queued_tasks_per_client": 1000})[0] == 200
     headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 4})  # the model loaded
     idle = ([bare_stream(llm) for _ in range(ROUNDS)], [service_stream(headless) for _ in range(ROUNDS)])
-    busy_program = procs.popen([sys.executable, "-c", "while True: pass"])
-    try:
+    with busy_programs(procs, 1):
         time.sleep(0.5)
         bare, served = [], []
         for _ in range(ROUNDS):  # interleaved: both see the same machine
             bare.append(bare_stream(llm, BUSY_TOKENS))
             served.append(service_stream(headless, BUSY_TOKENS))
-    finally:
-        busy_program.kill()
-        busy_program.wait()
     print(f"\n[bench] decode, tokens/s (bare llama-cpp-python | through the service), median of {ROUNDS}:"
           f"\n  idle machine            {decode(idle[0]):.1f} | {decode(idle[1]):.1f}  "
           f"(ratio {decode(idle[1]) / decode(idle[0]):.3f})"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Headless, wait_until
+from tests.conftest import Headless
 from tests.helpers import COUNT
 
 TOKENS = 128
@@ -21,12 +21,7 @@ NUMBERS = {"type": "object", "properties": {"numbers": {"type": "array", "items"
 
 
 def decode_rate(svc: Headless, extra: dict[str, Any]) -> float:
-    status, created = svc.post("/v1/responses", {"input": COUNT, "background": True, "temperature": 0,
-                                                 "max_output_tokens": TOKENS, **extra})
-    assert status == 202, created
-    task_id = created["task"]["id"]
-    task = wait_until(lambda: (t := svc.get(f"/v1/tasks/{task_id}")[1])["status"] == "completed" and t,
-                      timeout=300, interval=0.05)
+    task = svc.complete({"input": COUNT, "temperature": 0, "max_output_tokens": TOKENS, **extra}, timeout=300)
     assert task["progress"]["output_tokens"] == TOKENS, task
     return float(task["progress"]["tokens_per_second"])
 
