@@ -1,9 +1,11 @@
 """Output as it is decoded: a live reader gets each token within milliseconds (LMSP §6,
-"coalescing must not be felt"), writing a token costs the same at the end of a long answer as
-at its start, and output written by an older version survives the migration."""
+"coalescing must not be felt"), a task nobody follows is written in fewer commits and a reader
+that arrives gets what was held back at once, writing a token costs the same at the end of a
+long answer as at its start, and output written by an older version survives the migration."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import statistics
@@ -13,9 +15,10 @@ from typing import Any, AsyncIterator
 
 from app.engine.engine import Engine, Generation
 from app.store import db
-from app.tasks import output
+from app.tasks import output, runner
 
 from tests.helpers import COUNT, poll
+from tests.test_api import deltas, events, read_sse, start_background
 
 SSE = {"Accept": "text/event-stream"}
 
@@ -53,6 +56,49 @@ async def test_a_live_reader_gets_each_token_within_milliseconds(api: Any, monke
     assert lags[0] < 0.1, f"the first token reached the reader {lags[0] * 1000:.0f} ms after it was decoded"
     assert median < 0.05, f"tokens reached the reader {median * 1000:.0f} ms after decoding (median)"
     assert len(received) > len(produced) / 3, "tokens are coalesced only while a commit is on its way"
+
+
+async def test_a_plain_request_nobody_follows_is_written_in_few_commits(api: Any, service: Any) -> None:
+    """A request that only waits for its answer has no live reader: its output is committed at
+    most every QUIET_SPACING, not once per token (each commit takes CPU from decoding)."""
+    await api.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4})  # the model loaded
+    before = service.store.commits
+    resp = await api.post("/v1/responses", json={"input": COUNT, "temperature": 0, "max_output_tokens": 200})
+    body = await resp.json()
+    assert resp.status == 200 and body["usage"]["output_tokens"] == 200, body
+    commits = service.store.commits - before
+    assert commits < 100, f"{commits} commits for 200 tokens nobody watched"
+
+
+async def test_a_reader_that_arrives_gets_the_held_back_output_at_once_then_each_token(
+        api: Any, monkeypatch: Any) -> None:
+    monkeypatch.setattr(runner, "QUIET_SPACING", 3.0)  # long, so that holding back shows plainly
+    task_id = (await start_background(api, {"input": COUNT, "temperature": 0, "max_output_tokens": 300}))["task"]["id"]
+
+    async def first_delta() -> list[dict[str, Any]] | None:
+        evs = await events(api, task_id)
+        return evs if any(e["type"] == "response.output_text.delta" for e in evs) else None
+
+    replayed = await poll(first_delta, what="the first delta")
+    await asyncio.sleep(0.5)  # tokens keep coming meanwhile; nobody watches, so none is written
+    held = await events(api, task_id, replayed[-1]["sequence_number"])
+    assert not held, f"{len(held)} more events within 0.5 s of the first delta of an unwatched task"
+
+    attached = time.monotonic()
+    resp = await api.get(f"/v1/tasks/{task_id}/events?stream=true&after={replayed[-1]['sequence_number']}")
+    assert resp.status == 200
+    frames: list[tuple[float, dict[str, Any]]] = []
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            frames.append((time.monotonic(), json.loads(line[6:])))
+    live = [e for _, e in frames]
+    waited = frames[0][0] - attached
+    assert waited < 1.0, f"the output held back reached the reader {waited:.2f} s after it came (hold: 3 s)"
+    final = await (await api.get(f"/v1/responses/{replayed[0]['response_id']}")).json()
+    assert deltas(replayed + live) == final["output_text"]
+    live_deltas = [e for e in live[1:] if e["type"] == "response.output_text.delta"]
+    # Held back 3 s at a time, the rest of the task would come in one or two deltas.
+    assert len(live_deltas) >= 20, f"{len(live_deltas)} deltas after the reader arrived: output is still held back"
 
 
 async def test_writing_a_token_costs_the_same_late_in_a_long_answer_as_early(api: Any, service: Any) -> None:

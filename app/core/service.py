@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from app import paths
 from app.core import auth, conversation, idempotency, requests
@@ -282,8 +282,13 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
     async def events_after(self, task_id: str, after: int) -> list[dict[str, Any]]:
         return await self.store.read(records.events_after, task_id, after)
 
-    def feed(self, task_id: str) -> Feed:
-        return self.bus.feed(task_id)
+    def feed(self, task_id: str, live: bool = True) -> Feed:
+        return self.bus.feed(task_id, live)
+
+    def watch(self, task_id: str) -> Callable[[], None]:
+        """Show this task's output live (the dashboard): until the returned function is called, its
+        output is committed, and published, token by token."""
+        return self.bus.watch(task_id)
 
     async def cancel(self, client: Client, kind: str, ident: str) -> dict[str, Any]:
         row = await self.owned(client, kind, ident)
@@ -297,7 +302,7 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
 
     async def wait(self, task_id: str) -> dict[str, Any]:
         """Wait until the task is finished; returns its final row."""
-        with self.feed(task_id) as feed:
+        with self.feed(task_id, live=False) as feed:
             row = await self.store.read(records.one_task, task_id)
             while row is not None and row["status"] not in TERMINAL:
                 event = await feed.queue.get()

@@ -5,14 +5,15 @@ it is shown pretty-printed.
 
 History comes from the facade (`events`), live events from the bridge; events that arrive
 while the history is loading wait in a buffer, and sequence numbers drop duplicates, so the
-log has no gap and no repeat.
+log has no gap and no repeat. The task shown is watched (the facade's `watch`), so that its
+output streams token by token, as it does to an SSE reader.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Callable
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QFontDatabase, QTextCursor
@@ -36,6 +37,7 @@ class TaskDetail(QWidget):
         self.last_seq = -1
         self._buffer: list[dict[str, Any]] | None = None
         self._delta_run = 0
+        self._unwatch: Callable[[], None] | None = None
         self.header = QLabel("Select a task to see its events and output.")
         self.header.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.chain = QLabel()  # "Continues resp_...": a conversation's previous turn (previous_response_id)
@@ -61,6 +63,8 @@ class TaskDetail(QWidget):
         session.bridge.task_event.connect(self.on_event)
 
     def show_task(self, task: dict[str, Any] | None) -> None:
+        if task is None or task["id"] != self.task_id:
+            self._release()
         if task is None:
             self.task_id = None
             self.chain.hide()
@@ -72,11 +76,17 @@ class TaskDetail(QWidget):
         if task["id"] == self.task_id:
             return
         self.task_id, self.last_seq, self._delta_run = task["id"], -1, 0
+        self._unwatch = self.session.service.watch(task["id"])
         self.chain.hide()
         self.log.clear()
         self.text.clear()
         self._buffer = []
         spawn(self._load(task["id"]), self)
+
+    def _release(self) -> None:
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
 
     def set_header(self, task: dict[str, Any]) -> None:
         error = task.get("error")

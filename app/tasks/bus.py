@@ -3,12 +3,16 @@
 Loop-only: publish and listen from the event-loop thread. Events are published after the
 transaction that wrote them has committed, so a listener never sees an event the database
 could still lose.
+
+The bus also knows which tasks someone follows live (an SSE stream, the dashboard showing the
+task): the runner commits their output token by token, and everyone else's less often.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from typing import Any, Callable, Iterable
 
 log = logging.getLogger(__name__)
@@ -19,6 +23,8 @@ Listener = Callable[[Event], None]
 class EventBus:
     def __init__(self) -> None:
         self._listeners: list[Listener] = []
+        self._watchers: Counter[str] = Counter()  # live readers, by task id
+        self._on_watch: list[Callable[[str], None]] = []
 
     def listen(self, listener: Listener) -> Callable[[], None]:
         self._listeners.append(listener)
@@ -40,17 +46,40 @@ class EventBus:
             self.publish(result)
         return result
 
-    def feed(self, task_id: str) -> "Feed":
-        return Feed(self, task_id)
+    def feed(self, task_id: str, live: bool = True) -> "Feed":
+        """`live`: the reader shows the output as it comes (`watch`); a reader that only waits for
+        the end (a plain request) is not live, and does not make the task commit more often."""
+        return Feed(self, task_id, live)
+
+    def watch(self, task_id: str) -> Callable[[], None]:
+        """Someone follows this task's output live until the returned function is called."""
+        self._watchers[task_id] += 1
+        for started in self._on_watch:
+            started(task_id)
+
+        def release() -> None:
+            self._watchers[task_id] -= 1
+            if self._watchers[task_id] <= 0:
+                del self._watchers[task_id]
+        return release
+
+    def watched(self, task_id: str) -> bool:
+        return task_id in self._watchers
+
+    def on_watch(self, started: Callable[[str], None]) -> None:
+        """Call `started(task_id)` whenever a live reader arrives (the runner then writes at once
+        what it holds back)."""
+        self._on_watch.append(started)
 
 
 class Feed:
     """The live events of one task, queued for one reader; a slow reader only delays itself."""
 
-    def __init__(self, bus: EventBus, task_id: str) -> None:
+    def __init__(self, bus: EventBus, task_id: str, live: bool) -> None:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self._task_id = task_id
         self._stop = bus.listen(self._on_event)
+        self._unwatch = bus.watch(task_id) if live else None
 
     def _on_event(self, event: Event) -> None:
         if event.get("task_id") == self._task_id or event["type"] == "service.stopping":
@@ -58,6 +87,9 @@ class Feed:
 
     def close(self) -> None:
         self._stop()
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
 
     def __enter__(self) -> "Feed":
         return self

@@ -1,17 +1,21 @@
 """The runner: takes queued (and resumed) tasks to the engines and writes what they produce.
 
 Output is written as it comes: each token's text is committed as a delta event (with the
-token ids, appended to the task's output) as soon as the previous write of the task has
-committed, then published. A reader sees each token within milliseconds of its decoding;
+token ids, appended to the task's output), then published. While someone follows the task live
+(an SSE stream, the dashboard showing it), a token is committed as soon as the previous write
+of the task has committed: a reader sees each token within milliseconds of its decoding, and
 when commits are slower than decoding, the tokens that came during one commit share the next
-delta, so the write rate is bounded by the commit pipeline itself. A local engine's last
-token (it says so) is committed with the task's end, in the same transaction. Whatever a crash loses
-after the last commit, `resume` regenerates.
+delta, so the write rate is bounded by the commit pipeline itself. While nobody does, a task's
+writes are at least QUIET_SPACING apart: each commit costs the service CPU that two cores take
+from decoding, and nobody would see the difference (a reader that arrives gets what is held
+back at once). A local engine's last token (it says so) is committed with the task's end, in
+the same transaction. Whatever a crash loses after the last commit, `resume` regenerates.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -36,6 +40,9 @@ BACKOFF_FIRST, BACKOFF_LAST = 0.5, 30.0  # seconds between tries of a write the 
 WRITE_ERRORS = (StoreError, sqlite3.Error)  # what a write may raise when the disk refuses it
 # Engine errors a task fails with as they are; any other failure to open an engine is a failed load.
 OWN_CODES = ("engine_crashed", "upstream_unavailable", "upstream_error")
+# The least time between two writes of an unwatched task's output (seconds): at 100 tokens/s
+# about ten tokens a commit instead of one (tests/bench/test_throughput.py has the figures).
+QUIET_SPACING = 0.1
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,8 @@ class Job:
     starting: asyncio.Future[list[machine.Event] | None] | None = None  # the write to `running`, in flight
     live: bool = True  # False once that write found a cancel first: nothing more is written
     ending: bool = False  # the engine sent its last output: the task's end writes what is left
+    written_at: float = 0.0  # when the last write of its output began
+    hurry: asyncio.Event = field(default_factory=asyncio.Event)  # the next write goes at once
 
     def add(self, ids: list[int], text: str, tokens: int) -> None:
         self.ids += ids
@@ -120,6 +129,12 @@ class Job:
 
     def unwritten(self) -> bool:
         return bool(self.ids or self.pending)
+
+    async def written(self) -> None:
+        """Once the output held back and the write in flight are written (or have failed)."""
+        self.hurry.set()
+        if self.saving is not None:
+            await self.saving
 
     def take(self) -> Chunk:
         if self.call is not None:
@@ -168,6 +183,7 @@ class Runner:
         self._stopping = False
         self._main: asyncio.Task[None] | None = None
         self._workers: set[asyncio.Task[None]] = set()
+        bus.on_watch(self._watched)
 
     async def write(self, fn: Any, *args: Any) -> Any:
         """A transaction whose returned events are published once it has committed."""
@@ -248,6 +264,12 @@ class Runner:
         job = self.jobs.get(task_id)
         if job is not None:
             job.engine.cancel()
+
+    def _watched(self, task_id: str) -> None:
+        """A live reader arrived: what the task holds back is written now, the rest as it comes."""
+        job = self.jobs.get(task_id)
+        if job is not None:
+            job.hurry.set()
 
     async def _schedule(self) -> None:
         backoff = Backoff()
@@ -374,8 +396,7 @@ class Runner:
                 await self.write(_cancelled, job.task_id)
             return
         self.last_tokens_per_second = _tokens_per_second(job) or self.last_tokens_per_second
-        if job.saving is not None:
-            await job.saving
+        await job.written()
         if job.error is not None:
             raise job.error
         if reason == "cancelled":
@@ -393,8 +414,7 @@ class Runner:
 
     async def _restart_output(self, job: Job, resume_mode: str) -> None:
         """Drop the output written so far: the engine starts the text again (LMSP §11, `retry`)."""
-        if job.saving is not None:
-            await job.saving
+        await job.written()
         job.reset()
         if await self.write(_reset_output, job.task_id, resume_mode) is None:
             job.engine.cancel()
@@ -405,6 +425,10 @@ class Runner:
         no longer running (a cancel was accepted) or a write failed (kept in `job.error`: the
         generation is stopped, then the task fails)."""
         while job.unwritten() and not job.ending:
+            await self._pace(job)
+            if job.ending:
+                break
+            job.written_at = time.monotonic()
             try:
                 if await self.write(_save_output, job.task_id, job.take()) is None:
                     return False
@@ -413,10 +437,20 @@ class Runner:
                 return False
         return True
 
+    async def _pace(self, job: Job) -> None:
+        """Hold an unwatched task's output back until QUIET_SPACING after its last write began,
+        unless a live reader arrives or the task must be written now (`hurry`, which this write
+        answers)."""
+        wait = job.written_at + QUIET_SPACING - time.monotonic()
+        if wait > 0 and not job.hurry.is_set() and not self.bus.watched(job.task_id):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await job.hurry.wait()
+        job.hurry.clear()
+
     async def _flush(self, job: Job) -> None:
         """Wait for the write in flight, then write what is left."""
-        if job.saving is not None:
-            await job.saving
+        await job.written()
         if job.unwritten():
             await self.write(_save_output, job.task_id, job.take())
 

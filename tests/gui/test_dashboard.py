@@ -41,6 +41,7 @@ async def test_task_row_follows_a_real_task_to_completed(session: Session, owner
     task_id = response["task"]["id"]
     await until(lambda: dash.tasks.model.row_of(task_id) >= 0, 20, "row appears")
     select(dash, task_id)
+    assert session.service.bus.watched(task_id), "the task shown is not followed live: its output would lag"
     await until(lambda: cell(dash, task_id, STATUS) == "completed", 90, "task completed")
     await until(lambda: cell(dash, task_id, PROGRESS) == "30 / 30", 10, "progress 30/30")
     model = dash.tasks.model
