@@ -30,7 +30,7 @@ async def test_cancel_and_completion_never_both_win(service: AppService) -> None
         # slow machine still hits every moment.
         moment = rng.choice(["queued", "running", "running", "ended"])
         if moment == "running":
-            with service.feed(task_id) as feed:
+            with service.feed(task_id, watch=False) as feed:
                 while (await feed.queue.get())["type"] not in ("response.in_progress", *TERMINAL_EVENTS):
                     pass
             await asyncio.sleep(rng.uniform(0, 0.3))

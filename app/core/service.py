@@ -36,7 +36,7 @@ from app.store import config
 from app.store.store import Store
 from app.tasks import downloads, limits, machine, records, recovery, retention
 from app.tasks.bus import EventBus, Feed
-from app.tasks.runner import Claimed, Offer, Runner, claim, request_cancel
+from app.tasks.runner import Claimed, Offer, Runner, claim
 from app.tasks.states import TERMINAL
 
 log = logging.getLogger(__name__)
@@ -282,8 +282,8 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
     async def events_after(self, task_id: str, after: int) -> list[dict[str, Any]]:
         return await self.store.read(records.events_after, task_id, after)
 
-    def feed(self, task_id: str, live: bool = True) -> Feed:
-        return self.bus.feed(task_id, live)
+    def feed(self, task_id: str, watch: bool) -> Feed:
+        return self.bus.feed(task_id, watch)
 
     def watch(self, task_id: str) -> Callable[[], None]:
         """Show this task's output live (the dashboard): until the returned function is called, its
@@ -293,7 +293,10 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
     async def cancel(self, client: Client, kind: str, ident: str) -> dict[str, Any]:
         row = await self.owned(client, kind, ident)
         download = row["kind"] == "download"
-        events = await self.store.write(downloads.request_cancel if download else request_cancel, row["id"])
+        if download:
+            events = await self.store.write(downloads.request_cancel, row["id"])
+        else:
+            events = await self.runner.accept_cancel(row["id"])
         if events is None:
             raise Conflict("task_not_cancellable", f"Task {row['id']} has already ended.")
         self.bus.publish(events)
@@ -302,7 +305,7 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
 
     async def wait(self, task_id: str) -> dict[str, Any]:
         """Wait until the task is finished; returns its final row."""
-        with self.feed(task_id, live=False) as feed:
+        with self.feed(task_id, watch=False) as feed:
             row = await self.store.read(records.one_task, task_id)
             while row is not None and row["status"] not in TERMINAL:
                 event = await feed.queue.get()

@@ -5,8 +5,8 @@ it is shown pretty-printed.
 
 History comes from the facade (`events`), live events from the bridge; events that arrive
 while the history is loading wait in a buffer, and sequence numbers drop duplicates, so the
-log has no gap and no repeat. The task shown is watched (the facade's `watch`), so that its
-output streams token by token, as it does to an SSE reader.
+log has no gap and no repeat. While the pane is on screen, the task it shows is watched (the
+facade's `watch`), so that its output streams token by token, as it does to an SSE reader.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QFontDatabase, QTextCursor
+from PySide6.QtGui import QFontDatabase, QHideEvent, QShowEvent, QTextCursor
 from PySide6.QtWidgets import QLabel, QListWidget, QPlainTextEdit, QSplitter, QVBoxLayout, QWidget
 
 from app.errors import NotFound
@@ -76,17 +76,29 @@ class TaskDetail(QWidget):
         if task["id"] == self.task_id:
             return
         self.task_id, self.last_seq, self._delta_run = task["id"], -1, 0
-        self._unwatch = self.session.service.watch(task["id"])
+        self._follow()
         self.chain.hide()
         self.log.clear()
         self.text.clear()
         self._buffer = []
         spawn(self._load(task["id"]), self)
 
+    def _follow(self) -> None:
+        if self._unwatch is None and self.task_id is not None and self.isVisible():
+            self._unwatch = self.session.service.watch(self.task_id)
+
     def _release(self) -> None:
         if self._unwatch is not None:
             self._unwatch()
             self._unwatch = None
+
+    def showEvent(self, event: QShowEvent) -> None:
+        super().showEvent(event)
+        self._follow()
+
+    def hideEvent(self, event: QHideEvent) -> None:  # the dashboard closed to the tray, another tab
+        super().hideEvent(event)
+        self._release()
 
     def set_header(self, task: dict[str, Any]) -> None:
         error = task.get("error")

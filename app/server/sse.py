@@ -29,7 +29,7 @@ async def follow(service: AppService, task_id: str, after: int,
                  heartbeat: float = HEARTBEAT_SECONDS) -> AsyncIterator[dict[str, Any] | None]:
     """A task's events after `after`: the stored ones, then live ones, ending with the terminal
     event (or when the service stops). Yields None when `heartbeat` seconds pass in silence."""
-    with service.feed(task_id) as feed:
+    with service.feed(task_id, watch=True) as feed:
         last = after
         while True:  # replay, page by page
             batch = await service.events_after(task_id, last)

@@ -46,21 +46,25 @@ class EventBus:
             self.publish(result)
         return result
 
-    def feed(self, task_id: str, live: bool = True) -> "Feed":
-        """`live`: the reader shows the output as it comes (`watch`); a reader that only waits for
-        the end (a plain request) is not live, and does not make the task commit more often."""
-        return Feed(self, task_id, live)
+    def feed(self, task_id: str, watch: bool) -> "Feed":
+        """`watch`: the reader shows the output as it comes; one that only waits for the end (a
+        plain request) does not, and does not make the task commit more often."""
+        return Feed(self, task_id, watch)
 
     def watch(self, task_id: str) -> Callable[[], None]:
         """Someone follows this task's output live until the returned function is called."""
         self._watchers[task_id] += 1
         for started in self._on_watch:
             started(task_id)
+        released = False
 
-        def release() -> None:
-            self._watchers[task_id] -= 1
-            if self._watchers[task_id] <= 0:
-                del self._watchers[task_id]
+        def release() -> None:  # once: a second call must not end another reader's watch
+            nonlocal released
+            if not released:
+                released = True
+                self._watchers[task_id] -= 1
+                if not self._watchers[task_id]:
+                    del self._watchers[task_id]
         return release
 
     def watched(self, task_id: str) -> bool:
@@ -75,11 +79,11 @@ class EventBus:
 class Feed:
     """The live events of one task, queued for one reader; a slow reader only delays itself."""
 
-    def __init__(self, bus: EventBus, task_id: str, live: bool) -> None:
+    def __init__(self, bus: EventBus, task_id: str, watch: bool) -> None:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self._task_id = task_id
         self._stop = bus.listen(self._on_event)
-        self._unwatch = bus.watch(task_id) if live else None
+        self._unwatch = bus.watch(task_id) if watch else None
 
     def _on_event(self, event: Event) -> None:
         if event.get("task_id") == self._task_id or event["type"] == "service.stopping":
@@ -89,7 +93,6 @@ class Feed:
         self._stop()
         if self._unwatch is not None:
             self._unwatch()
-            self._unwatch = None
 
     def __enter__(self) -> "Feed":
         return self

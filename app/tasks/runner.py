@@ -6,10 +6,11 @@ token ids, appended to the task's output), then published. While someone follows
 of the task has committed: a reader sees each token within milliseconds of its decoding, and
 when commits are slower than decoding, the tokens that came during one commit share the next
 delta, so the write rate is bounded by the commit pipeline itself. While nobody does, a task's
-writes are at least QUIET_SPACING apart: each commit costs the service CPU that two cores take
-from decoding, and nobody would see the difference (a reader that arrives gets what is held
-back at once). A local engine's last token (it says so) is committed with the task's end, in
-the same transaction. Whatever a crash loses after the last commit, `resume` regenerates.
+writes are at least QUIET_SPACING apart: every commit costs the service CPU, which on a small
+machine is taken from llama.cpp's threads, and nobody would see the difference. A reader that
+arrives gets what is held back at once; a cancel writes it before it. A local engine's last
+token (it says so) is committed with the task's end, in the same transaction, and so is what
+is held back when a task ends. Whatever a crash loses after the last commit, `resume` regenerates.
 """
 
 from __future__ import annotations
@@ -110,7 +111,9 @@ class Job:
     error: Exception | None = None  # a write of the task that failed (its output, `running`): it stops
     starting: asyncio.Future[list[machine.Event] | None] | None = None  # the write to `running`, in flight
     live: bool = True  # False once that write found a cancel first: nothing more is written
-    ending: bool = False  # the engine sent its last output: the task's end writes what is left
+    # The engine sent its last output, or the task is ending: no more writes in the background,
+    # what is left is written in the transaction that ends (or fails, or restarts) the task.
+    ending: bool = False
     written_at: float = 0.0  # when the last write of its output began
     hurry: asyncio.Event = field(default_factory=asyncio.Event)  # the next write goes at once
 
@@ -123,16 +126,18 @@ class Job:
 
     def reset(self) -> None:
         """The output starts again from nothing (a remote task moved to another endpoint)."""
-        self.text, self.tokens, self.ids, self.pending = "", 0, [], ""
+        self.text, self.tokens, self.ids, self.pending, self.ending = "", 0, [], "", False
         if self.call is not None:
             self.call = calls.CallStream(self.call.response_id, "")
 
     def unwritten(self) -> bool:
         return bool(self.ids or self.pending)
 
-    async def written(self) -> None:
-        """Once the output held back and the write in flight are written (or have failed)."""
-        self.hurry.set()
+    async def stop_saving(self) -> None:
+        """End the writes in the background, once the one in flight is done: the caller writes
+        what is left, in its own transaction."""
+        self.ending = True
+        self.hurry.set()  # a write held back ends its wait
         if self.saving is not None:
             await self.saving
 
@@ -183,7 +188,7 @@ class Runner:
         self._stopping = False
         self._main: asyncio.Task[None] | None = None
         self._workers: set[asyncio.Task[None]] = set()
-        bus.on_watch(self._watched)
+        bus.on_watch(self._hurry)
 
     async def write(self, fn: Any, *args: Any) -> Any:
         """A transaction whose returned events are published once it has committed."""
@@ -265,11 +270,24 @@ class Runner:
         if job is not None:
             job.engine.cancel()
 
-    def _watched(self, task_id: str) -> None:
+    def _hurry(self, task_id: str) -> None:
         """A live reader arrived: what the task holds back is written now, the rest as it comes."""
         job = self.jobs.get(task_id)
         if job is not None:
             job.hurry.set()
+
+    async def accept_cancel(self, task_id: str) -> list[machine.Event] | None:
+        """Commit a cancel (`request_cancel`), after the output the task holds back: what was
+        generated before the cancel is kept. None when the task has already ended."""
+        job = self.jobs.get(task_id)
+        held = job.take() if job is not None and job.live and job.unwritten() else None
+        try:
+            return await self.store.write(request_cancel, task_id, held)
+        except WRITE_ERRORS as exc:
+            if job is not None and held is not None:  # a piece of its output is lost: it fails, as
+                job.error = exc                        # when any write of its output fails
+                job.engine.cancel()
+            raise
 
     async def _schedule(self) -> None:
         backoff = Backoff()
@@ -396,7 +414,7 @@ class Runner:
                 await self.write(_cancelled, job.task_id)
             return
         self.last_tokens_per_second = _tokens_per_second(job) or self.last_tokens_per_second
-        await job.written()
+        await job.stop_saving()
         if job.error is not None:
             raise job.error
         if reason == "cancelled":
@@ -413,8 +431,9 @@ class Runner:
             await self.write(_cancelled, job.task_id)
 
     async def _restart_output(self, job: Job, resume_mode: str) -> None:
-        """Drop the output written so far: the engine starts the text again (LMSP §11, `retry`)."""
-        await job.written()
+        """Drop the output written so far: the engine starts the text again (LMSP §11, `retry`).
+        What was held back goes too, unwritten."""
+        await job.stop_saving()
         job.reset()
         if await self.write(_reset_output, job.task_id, resume_mode) is None:
             job.engine.cancel()
@@ -426,7 +445,7 @@ class Runner:
         generation is stopped, then the task fails)."""
         while job.unwritten() and not job.ending:
             await self._pace(job)
-            if job.ending:
+            if job.ending or not job.unwritten():  # the task ends, or a cancel took the output
                 break
             job.written_at = time.monotonic()
             try:
@@ -450,7 +469,7 @@ class Runner:
 
     async def _flush(self, job: Job) -> None:
         """Wait for the write in flight, then write what is left."""
-        await job.written()
+        await job.stop_saving()
         if job.unwritten():
             await self.write(_save_output, job.task_id, job.take())
 
@@ -612,11 +631,12 @@ def _cancelled(conn: sqlite3.Connection, task_id: str) -> list[machine.Event] | 
                               only_from=(CANCELLING,), finished_at=time.time())
 
 
-def request_cancel(conn: sqlite3.Connection, task_id: str) -> list[machine.Event] | None:
-    """Accept a cancel atomically: queued ends at once, loading/running go to `cancelling`.
-    None when the task is already finished."""
+def request_cancel(conn: sqlite3.Connection, task_id: str, held: Chunk | None = None) -> list[machine.Event] | None:
+    """Accept a cancel atomically: queued ends at once, loading/running go to `cancelling`, after
+    the output the runner `held` back. None when the task is already finished."""
+    saved = (_save_output(conn, task_id, held) or []) if held is not None else []
     events = machine.transition(conn, task_id, CANCELLED, [("response.cancelled", {"response": RESPONSE})],
                                 only_from=(QUEUED,), finished_at=time.time())
     if events is None:
         events = machine.transition(conn, task_id, CANCELLING, [("response.cancelling", {})])
-    return events
+    return None if events is None else saved + events

@@ -42,6 +42,10 @@ async def test_task_row_follows_a_real_task_to_completed(session: Session, owner
     await until(lambda: dash.tasks.model.row_of(task_id) >= 0, 20, "row appears")
     select(dash, task_id)
     assert session.service.bus.watched(task_id), "the task shown is not followed live: its output would lag"
+    dash.hide()  # closed to the tray: nobody sees the output, it need not be written token by token
+    assert not session.service.bus.watched(task_id)
+    dash.show()
+    assert session.service.bus.watched(task_id)
     await until(lambda: cell(dash, task_id, STATUS) == "completed", 90, "task completed")
     await until(lambda: cell(dash, task_id, PROGRESS) == "30 / 30", 10, "progress 30/30")
     model = dash.tasks.model
