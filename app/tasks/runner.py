@@ -280,6 +280,8 @@ class Runner:
         """Commit a cancel (`request_cancel`), after the output the task holds back: what was
         generated before the cancel is kept. None when the task has already ended."""
         job = self.jobs.get(task_id)
+        # Taken and queued in one step of the loop, as the task's own writes are: whichever of
+        # this and the task's end takes the output first also commits first.
         held = job.take() if job is not None and job.live and job.unwritten() else None
         try:
             return await self.store.write(request_cancel, task_id, held)
