@@ -17,9 +17,10 @@ from app.engine.engine import Engine, Generation
 from app.store import db
 from app.tasks import output, runner
 from app.tasks.bus import EventBus
+from app.tasks.states import TERMINAL
 
 from tests.helpers import COUNT, poll
-from tests.test_api import deltas, events, read_sse, start_background
+from tests.test_api import deltas, events, start_background, task, wait_status
 
 SSE = {"Accept": "text/event-stream"}
 
@@ -87,9 +88,10 @@ def test_a_watch_ends_once_however_often_it_is_released() -> None:
     assert not bus.watched("task_a")
 
 
-async def test_a_reader_that_arrives_gets_the_held_back_output_at_once_then_each_token(
-        api: Any, monkeypatch: Any) -> None:
-    monkeypatch.setattr(runner, "QUIET_SPACING", 3.0)  # long, so that holding back shows plainly
+async def held_back(api: Any, monkeypatch: Any) -> tuple[str, list[dict[str, Any]]]:
+    """An unwatched task held back 3 s at a time (long, so that it shows plainly), 0.5 s after its
+    first delta: its id and its events so far."""
+    monkeypatch.setattr(runner, "QUIET_SPACING", 3.0)
     task_id = (await start_background(api, {"input": COUNT, "temperature": 0, "max_output_tokens": 600}))["task"]["id"]
 
     async def first_delta() -> list[dict[str, Any]] | None:
@@ -97,11 +99,17 @@ async def test_a_reader_that_arrives_gets_the_held_back_output_at_once_then_each
         return evs if any(e["type"] == "response.output_text.delta" for e in evs) else None
 
     replayed = await poll(first_delta, what="the first delta")
-    await asyncio.sleep(0.5)  # tokens keep coming meanwhile; nobody watches, so none is written
+    await asyncio.sleep(0.5)  # tokens keep coming meanwhile, held back
+    return task_id, replayed
+
+
+async def test_a_reader_that_arrives_gets_the_held_back_output_at_once_then_each_token(
+        api: Any, monkeypatch: Any) -> None:
+    task_id, replayed = await held_back(api, monkeypatch)
     held = await events(api, task_id, replayed[-1]["sequence_number"])
     assert not held, f"{len(held)} more events within 0.5 s of the first delta of an unwatched task"
 
-    assert (await (await api.get(f"/v1/tasks/{task_id}")).json())["status"] == "running", "ended too soon to tell"
+    assert (await task(api, task_id))["status"] == "running", "ended too soon to tell"
     attached = time.monotonic()
     resp = await api.get(f"/v1/tasks/{task_id}/events?stream=true&after={replayed[-1]['sequence_number']}")
     assert resp.status == 200
@@ -120,29 +128,16 @@ async def test_a_reader_that_arrives_gets_the_held_back_output_at_once_then_each
 
 
 async def test_a_cancel_keeps_the_output_held_back(api: Any, monkeypatch: Any) -> None:
-    monkeypatch.setattr(runner, "QUIET_SPACING", 3.0)
-    task_id = (await start_background(api, {"input": COUNT, "temperature": 0, "max_output_tokens": 600}))["task"]["id"]
-
-    async def first_delta() -> list[dict[str, Any]] | None:
-        evs = await events(api, task_id)
-        return evs if any(e["type"] == "response.output_text.delta" for e in evs) else None
-
-    first = deltas(await poll(first_delta, what="the first delta"))
-    await asyncio.sleep(0.5)  # tokens come, and are held back
+    task_id, replayed = await held_back(api, monkeypatch)
+    first = deltas(replayed)
     assert (await api.post(f"/v1/tasks/{task_id}/cancel")).status == 200
-    task = await poll(lambda: _ended(api, task_id), what="the cancel")
-    assert task["status"] == "cancelled"
+    assert (await wait_status(api, task_id, set(TERMINAL)))["status"] == "cancelled"
     evs = await events(api, task_id)
     final = await (await api.get(f"/v1/responses/{evs[0]['response_id']}")).json()
     assert final["output_text"] == deltas(evs)
     assert len(final["output_text"]) > len(first) + 10, f"the cancel dropped what was held back: {final['output_text']!r}"
     types = [e["type"] for e in evs]
     assert types.index("response.cancelling") > max(i for i, t in enumerate(types) if t.endswith(".delta"))
-
-
-async def _ended(api: Any, task_id: str) -> dict[str, Any] | None:
-    task = await (await api.get(f"/v1/tasks/{task_id}")).json()
-    return task if task["status"] in ("completed", "failed", "cancelled") else None
 
 
 async def test_writing_a_token_costs_the_same_late_in_a_long_answer_as_early(api: Any, service: Any) -> None:
