@@ -88,9 +88,10 @@ def test_a_watch_ends_once_however_often_it_is_released() -> None:
     assert not bus.watched("task_a")
 
 
-async def held_back(api: Any, monkeypatch: Any) -> tuple[str, list[dict[str, Any]]]:
-    """An unwatched task held back 3 s at a time (long, so that it shows plainly), 0.5 s after its
-    first delta: its id and its events so far."""
+async def held_back(api: Any, service: Any, monkeypatch: Any) -> tuple[str, list[dict[str, Any]]]:
+    """An unwatched task held back 3 s at a time (long, so that it shows plainly), at least 0.5 s
+    after its first delta and with 20 tokens or more held back (on a busy machine decoding can
+    be slow): its id and its events so far."""
     monkeypatch.setattr(runner, "QUIET_SPACING", 3.0)
     task_id = (await start_background(api, {"input": COUNT, "temperature": 0, "max_output_tokens": 600}))["task"]["id"]
 
@@ -98,14 +99,18 @@ async def held_back(api: Any, monkeypatch: Any) -> tuple[str, list[dict[str, Any
         evs = await events(api, task_id)
         return evs if any(e["type"] == "response.output_text.delta" for e in evs) else None
 
+    async def twenty_held() -> bool:
+        return len(service.runner.jobs[task_id].ids) >= 20
+
     replayed = await poll(first_delta, what="the first delta")
     await asyncio.sleep(0.5)  # tokens keep coming meanwhile, held back
+    await poll(twenty_held, what="twenty tokens held back")
     return task_id, replayed
 
 
 async def test_a_reader_that_arrives_gets_the_held_back_output_at_once_then_each_token(
-        api: Any, monkeypatch: Any) -> None:
-    task_id, replayed = await held_back(api, monkeypatch)
+        api: Any, service: Any, monkeypatch: Any) -> None:
+    task_id, replayed = await held_back(api, service, monkeypatch)
     held = await events(api, task_id, replayed[-1]["sequence_number"])
     assert not held, f"{len(held)} more events within 0.5 s of the first delta of an unwatched task"
 
@@ -127,8 +132,8 @@ async def test_a_reader_that_arrives_gets_the_held_back_output_at_once_then_each
     assert len(live_deltas) >= 20, f"{len(live_deltas)} deltas after the reader arrived: output is still held back"
 
 
-async def test_a_cancel_keeps_the_output_held_back(api: Any, monkeypatch: Any) -> None:
-    task_id, replayed = await held_back(api, monkeypatch)
+async def test_a_cancel_keeps_the_output_held_back(api: Any, service: Any, monkeypatch: Any) -> None:
+    task_id, replayed = await held_back(api, service, monkeypatch)
     first = deltas(replayed)
     assert (await api.post(f"/v1/tasks/{task_id}/cancel")).status == 200
     assert (await wait_status(api, task_id, set(TERMINAL)))["status"] == "cancelled"
