@@ -105,6 +105,17 @@ def direct_stream(up: Upstream, tokens: int = TOKENS) -> Stream:
     return Stream(start, arrivals, made or len(arrivals))
 
 
+def server_timed_decode(up: Upstream, tokens: int = TOKENS) -> float:
+    """Tokens/s of a plain (not streamed) request as llama-server itself times its decode: its
+    own speed, apart from what streaming to a client costs it."""
+    gen = Generation(messages=[{"role": "user", "content": PROMPT}], max_tokens=tokens, temperature=0)
+    body = {**chat_request(Endpoint(up.base_url, up.alias), gen), "stream": False}
+    req = urllib.request.Request(up.base_url + "/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return float(json.load(resp)["timings"]["predicted_per_second"])
+
+
 def service_stream(svc: Headless, tokens: int = TOKENS, **more: Any) -> Stream:
     """`more`: other request fields (e.g. the `model`)."""
     body = json.dumps({"input": PROMPT, "max_output_tokens": tokens, "temperature": 0, "stream": True,
@@ -133,21 +144,27 @@ def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless, upst
     fast = fast_works()
     llm = bare_llama(fast)
     peer, = upstreams(1, threads=os.cpu_count() or 1, fast=fast)
+    # A second peer for scale: llama.cpp's own server, in C++, also with no durability. Its build
+    # is not llama-cpp-python's, so it is compared with its own unstreamed decode as well.
+    native, = upstreams(1, kind="llama-server", threads=os.cpu_count() or 1)
     headless.start()
     headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 4})  # the model loaded
     direct_stream(peer)  # warm
-    bare, served, peered = [], [], []
-    for _ in range(ROUNDS):  # interleaved, so that all three see the same machine
+    direct_stream(native)
+    bare, served, peered, natived, native_plain = [], [], [], [], []
+    for _ in range(ROUNDS):  # interleaved, so that all of them see the same machine
         bare.append(bare_stream(llm))
         served.append(service_stream(headless))
         peered.append(direct_stream(peer))
+        natived.append(direct_stream(native))
+        native_plain.append(server_timed_decode(native))
 
     def summary(runs: list[Stream]) -> tuple[float, float, float, float, int]:
         gaps = [g for r in runs for g in r.gaps]
         return (statistics.median(r.first for r in runs), statistics.median(gaps), pct(gaps, 0.99),
                 statistics.median(r.decode for r in runs), runs[0].tokens)
 
-    b, s, p = summary(bare), summary(served), summary(peered)
+    b, s, p, n = summary(bare), summary(served), summary(peered), summary(natived)
     deltas = statistics.median(len(r.gaps) + 1 for r in served)
     print(f"\n[bench] {TOKENS}-token stream, median of {ROUNDS} (bare llama-cpp-python | through the service, SSE):"
           f"\n  first text    {ms(b[0])} | {ms(s[0])}  (service - bare {ms(s[0] - b[0])})"
@@ -160,6 +177,9 @@ def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless, upst
           f"\n  peer, llama-cpp-python's own server ({'fast' if fast else 'safe'} mode, straight): first text "
           f"{ms(p[0])} (- bare {ms(p[0] - b[0])}), gap median {ms(p[1])}, p99 {ms(p[2])}, decode {p[3]:.1f} "
           f"tokens/s (ratio to bare {p[3] / b[3]:.3f}; the service's decode / the peer's {s[3] / p[3]:.3f})"
+          f"\n  peer, llama.cpp's llama-server (straight): first text {ms(n[0])}, gap median {ms(n[1])}, p99 "
+          f"{ms(n[2])}, decode {n[3]:.1f} tokens/s (ratio to bare {n[3] / b[3]:.3f}; to its own unstreamed "
+          f"decode {n[3] / statistics.median(native_plain):.3f})"
           f"\n  the disk alone, one SQLite commit (synchronous=FULL) in the data directory: "
           f"{disk_commits(headless.data_dir)}")
 
