@@ -92,13 +92,17 @@ def sse(url: str, body: dict[str, Any], token: str | None = None) -> Iterator[tu
                 yield time.perf_counter(), json.loads(line[6:])
 
 
-def direct_stream(up: Upstream, tokens: int = TOKENS) -> Stream:
-    """The chat completion the service would send for PROMPT (app/engine/remote.py's own body),
-    streamed straight to the upstream."""
+def chat_body(up: Upstream, tokens: int) -> dict[str, Any]:
+    """The chat completion the service would send an upstream for PROMPT (app/engine/remote.py's own body)."""
     gen = Generation(messages=[{"role": "user", "content": PROMPT}], max_tokens=tokens, temperature=0)
+    return chat_request(Endpoint(up.base_url, up.alias), gen)
+
+
+def direct_stream(up: Upstream, tokens: int = TOKENS) -> Stream:
+    """`chat_body`, streamed straight to the upstream."""
     start = time.perf_counter()
     arrivals, made = [], 0
-    for at, event in sse(up.base_url + "/chat/completions", chat_request(Endpoint(up.base_url, up.alias), gen)):
+    for at, event in sse(up.base_url + "/chat/completions", chat_body(up, tokens)):
         if any((choice.get("delta") or {}).get("content") for choice in event.get("choices") or ()):
             arrivals.append(at)
         made = (event.get("usage") or {}).get("completion_tokens", made)
@@ -108,8 +112,7 @@ def direct_stream(up: Upstream, tokens: int = TOKENS) -> Stream:
 def server_timed_decode(up: Upstream, tokens: int = TOKENS) -> float:
     """Tokens/s of a plain (not streamed) request as llama-server itself times its decode: its
     own speed, apart from what streaming to a client costs it."""
-    gen = Generation(messages=[{"role": "user", "content": PROMPT}], max_tokens=tokens, temperature=0)
-    body = {**chat_request(Endpoint(up.base_url, up.alias), gen), "stream": False}
+    body = {**chat_body(up, tokens), "stream": False}
     req = urllib.request.Request(up.base_url + "/chat/completions", data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
