@@ -85,7 +85,7 @@ def run(command: str, args: list[str], data_dir: Path) -> int:
         elif command == "models":
             models = client.call("GET", "/v1/models")["data"]
             print(_table([["ID", "STATUS", "SIZE", "DIGEST"]] + [
-                [m["id"], m["status"], f"{m['size_bytes'] / 1e6:.0f} MB", m["digest"][:19]] for m in models]))
+                [m["id"], m["status"], _size(m), (m.get("digest") or "")[:19]] for m in models]))
         elif command == "tasks":
             tasks = client.call("GET", "/v1/tasks?limit=50")["data"]
             print(_table([["ID", "STATUS", "MODEL", "PROGRESS", "POLICY"]] + [
@@ -96,6 +96,11 @@ def run(command: str, args: list[str], data_dir: Path) -> int:
     except CliError as exc:
         print(f"lmsp-tray: {exc}", file=sys.stderr)
         return 1
+
+
+def _size(model: dict[str, Any]) -> str:
+    """A local model's file size; a remote one has no file."""
+    return "remote" if model.get("size_bytes") is None else f"{model['size_bytes'] / 1e6:.0f} MB"
 
 
 def _progress(progress: dict[str, Any]) -> str:
