@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import gc
 import json
 import logging
@@ -82,8 +83,9 @@ class Lifecycle:
             url = await self.server.start(host, port)
         except OSError as exc:
             await self.service.stop()
+            title = "The port is in use" if exc.errno == errno.EADDRINUSE else "The address is not available"
             raise LmspError("cannot_listen", f"Cannot serve on {host}:{port}: {exc.strerror or exc}.",
-                            status=503, title="The port is not available") from None
+                            status=503, title=title) from None
         self._write_service_file(url)
         log.info("serving LMSP on %s (data in %s)", url, self.data_dir)
         return url

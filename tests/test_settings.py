@@ -4,6 +4,7 @@ across restarts, and changes that take effect at once (allowed origins, concurre
 from __future__ import annotations
 
 import json
+import sqlite3
 from typing import Any
 
 import pytest
@@ -70,6 +71,18 @@ def test_changes_persist_across_a_restart(headless):
     assert body["port"] == DEFAULTS["port"]  # --port 0 for this run does not change the setting
 
 
+def test_a_stored_host_this_computer_cannot_listen_on_gives_way_to_the_default(headless):
+    # An older version saved any host; the service must still start, on the default one.
+    headless.start()
+    assert headless.terminate() == 0
+    with sqlite3.connect(headless.data_dir / "lmsp.sqlite3") as db:
+        db.execute("INSERT INTO service_config(key, value) VALUES ('host', '\"example.com\"') "
+                   "ON CONFLICT(key) DO UPDATE SET value = excluded.value")
+    headless.start()
+    assert headless.url.startswith("http://127.0.0.1:")
+    assert headless.get("/v1/settings")[1]["host"] == "127.0.0.1"
+
+
 async def test_unknown_key_is_400_and_nothing_changes(api, service):
     before, stored = await settings(api), await stored_config(service)
     for body, param in [({"retention_seconds": 3600, "colour": "blue"}, "colour"),
@@ -86,6 +99,8 @@ async def test_unknown_key_is_400_and_nothing_changes(api, service):
 
 BAD_VALUES = [
     ("host", ""), ("host", 5), ("host", None), ("host", "h" * 256), ("host", ["127.0.0.1"]),
+    # Not an address this computer can listen on: saved, the next start would fail.
+    ("host", "not a host!"), ("host", "example.com"), ("host", "192.0.2.1"), ("host", "[::1]"), ("host", "127.0.0.1:80"),
     ("port", -1), ("port", 65536), ("port", "8080"), ("port", True), ("port", 8080.5), ("port", None),
     ("retention_seconds", 59), ("retention_seconds", 0), ("retention_seconds", "3600"), ("retention_seconds", True),
     ("retention_seconds", 10 * 365 * 86400 + 1), ("retention_seconds", 3600.0),
@@ -112,6 +127,15 @@ async def test_bad_values_are_400_naming_the_key_and_change_nothing(api, service
     assert await settings(api) == before
     assert await stored_config(service) == stored
     assert service.runner.capacity == 1
+
+
+async def test_host_is_an_address_this_computer_listens_on(api):
+    for host in ["localhost", "0.0.0.0", "127.0.0.2", "127.0.0.1"]:
+        resp = await api.patch("/v1/settings", json={"host": host})
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["host"] == host
+    err = await expect_error(await api.patch("/v1/settings", json={"host": "example.com"}), 400, "invalid_request", "host")
+    assert "IP address of this computer" in err["message"]
 
 
 @pytest.mark.parametrize("body", [[], ["retention_seconds"], "x", 5, None])

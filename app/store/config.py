@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
+import socket
 import sqlite3
 from typing import Any
 
@@ -55,8 +57,28 @@ def _origins(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(s, str) and ORIGIN.match(s) for s in v)
 
 
+def _host(v: Any) -> bool:
+    """An address this computer can listen on, tried now: a bad one saved would only show at the
+    next start, as a service that does not start."""
+    if v == "localhost":
+        return True
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(v).version == 6 else socket.AF_INET
+    except ValueError:
+        return False
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((v, 0))
+        except OSError:
+            return False
+    return True
+
+
+# Said with the error, for values whose rule the key's name does not tell.
+HINTS = {"host": " Use 'localhost' or an IP address of this computer, such as 127.0.0.1 or 0.0.0.0."}
+
 VALIDATORS: dict[str, Any] = {
-    "host": lambda v: isinstance(v, str) and 0 < len(v) < 256,
+    "host": lambda v: isinstance(v, str) and _host(v),
     "port": _int_in(0, 65535),
     "retention_seconds": _int_in(60, 10 * 365 * 86400),
     "default_on_restart": lambda v: v in ON_RESTART,
@@ -83,13 +105,15 @@ def validate(changes: Any) -> dict[str, Any]:
         if key not in VALIDATORS:
             raise InvalidRequest(f"Unknown setting {key!r}.", param=key)
         if not VALIDATORS[key](value):
-            raise InvalidRequest(f"Invalid value for {key!r}: {value!r}.", param=key)
+            raise InvalidRequest(f"Invalid value for {key!r}: {value!r}.{HINTS.get(key, '')}", param=key)
     return changes
 
 
 def load(conn: sqlite3.Connection) -> dict[str, Any]:
     stored = {row["key"]: json.loads(row["value"]) for row in conn.execute("SELECT key, value FROM service_config")}
-    return {**DEFAULTS, **{k: v for k, v in stored.items() if k in DEFAULTS}}
+    # A value saved before its rule was tightened (a host this computer cannot listen on) gives
+    # way to the default, so the service still starts.
+    return {**DEFAULTS, **{k: v for k, v in stored.items() if k in DEFAULTS and VALIDATORS[k](v)}}
 
 
 def save(conn: sqlite3.Connection, changes: dict[str, Any]) -> None:
