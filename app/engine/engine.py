@@ -102,10 +102,9 @@ class Engine:
     """A local engine: one llama.cpp child process."""
     _ids = itertools.count(1)
 
-    def __init__(self, name: str, modes: EngineModes, n_ctx: int = 4096, n_threads: int | None = None) -> None:
+    def __init__(self, name: str, modes: EngineModes, n_threads: int | None = None) -> None:
         self.name = name
         self.modes = modes
-        self.n_ctx = n_ctx
         self.n_threads = n_threads or os.cpu_count() or 1
         self.file: Registered | None = None  # the model file loaded
         self._task_file: Registered | None = None  # the one `open` loaded for the task: its generation's
@@ -222,7 +221,7 @@ class Engine:
             # Until it has loaded, nothing is: a failed load must not leave the old path behind.
             self.file = self.mode = None
             self._mode_asked = mode
-            self._send({"op": "load", "file": file, "n_ctx": self.n_ctx, "n_threads": self.n_threads,
+            self._send({"op": "load", "file": file, "n_ctx": file.context_length, "n_threads": self.n_threads,
                         "safe": mode == SAFE})
             msg = await self._next()
             if msg is not CRASHED and msg["ev"] == "backend":

@@ -33,6 +33,15 @@ class ModelFile:
     inode: int
 
 
+# The context a model runs with: its trained one, up to this. llama.cpp allocates the KV cache for
+# all of it when it loads the model; 4096 is what Ollama and LM Studio give by default too.
+CONTEXT = 4096
+
+
+def context_length(trained: int | None) -> int:
+    return min(trained or CONTEXT, CONTEXT)
+
+
 @dataclass(frozen=True)
 class Registered:
     """What loading a model needs: its path, and what the file validated at registration was."""
@@ -42,6 +51,7 @@ class Registered:
     mtime_ns: int
     device: int | None  # None for a model registered before they were recorded
     inode: int | None
+    context_length: int = CONTEXT
 
 
 class FileChanged(Exception):
@@ -49,7 +59,8 @@ class FileChanged(Exception):
 
 
 def registered(row: sqlite3.Row) -> Registered:
-    return Registered(row["path"], row["digest"], row["size_bytes"], row["mtime_ns"], row["device"], row["inode"])
+    return Registered(row["path"], row["digest"], row["size_bytes"], row["mtime_ns"], row["device"], row["inode"],
+                      context_length(row["context_length"]))
 
 
 def sha256_file(path: Path, progress: Callable[[int, int], None] | None = None,
@@ -190,4 +201,5 @@ def model_object(row: sqlite3.Row, loaded_paths: set[str]) -> dict[str, Any]:
         status = "loaded"
     return {"id": row["id"], "object": "model", "created": int(row["created_at"]), "owned_by": "local",
             "format": "gguf", "path": row["path"], "size_bytes": row["size_bytes"], "digest": row["digest"],
-            "status": status, "context_length": row["context_length"], **json.loads(row["metadata"])}
+            "status": status, "context_length": context_length(row["context_length"]),
+            "trained_context_length": row["context_length"], **json.loads(row["metadata"])}
