@@ -33,6 +33,20 @@ class InvalidRequest(LmspError):
         super().__init__(code, message, param=param, status=400)
 
 
+class Failed(LmspError):
+    """A foreground generation that failed, answered as the HTTP error its code stands for: the
+    input's fault, the model file's, an upstream's, or else ours."""
+
+    STATUS = {"context_length_exceeded": 400, "invalid_request": 400, "model_changed": 409,
+              "upstream_error": 502, "upstream_unavailable": 503}
+    TYPES = {400: "invalid_request_error", 409: "conflict_error"}
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(code, message or "The generation failed.", status=self.STATUS.get(code, 500),
+                         param="input" if code == "context_length_exceeded" else None, title="Generation failed")
+        self.type = self.TYPES.get(self.status, "server_error")
+
+
 class NotFound(LmspError):
     type = "not_found_error"
 

@@ -220,6 +220,34 @@ async def test_other_posts_take_keys_too(api, service):
     assert refused.status == 404 and await key_row(service, "client_owner", "cancel-1") is None  # errors not kept
 
 
+def data_lines(text: str) -> list[Any]:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+async def test_a_streamed_request_is_replayed_as_the_same_stream(api, service):
+    """A retry of a streamed request gets a stream again (what the openai SDK, asking for one,
+    can read), with the events the first one got, and nothing runs twice."""
+    chat = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "temperature": 0, "stream": True}
+    for path, body in (("/v1/responses", {**SAY_HI, "stream": True}), ("/v1/chat/completions", chat),
+                       ("/v1/responses", {**SAY_HI, "stream": True, "background": True})):
+        before = len(await task_ids(service))
+        first = await api.post(path, json=body, headers=key(f"stream {path} {body.get('background')}"))
+        assert first.content_type == "text/event-stream", await first.text()
+        sent = data_lines(await first.text())
+        assert len(sent) > 3
+        tokens = service.runner.tokens_generated
+        again = await api.post(path, json=body, headers=key(f"stream {path} {body.get('background')}"))
+        assert again.status == first.status and again.headers.get("Idempotent-Replayed") == "true"
+        assert again.content_type == "text/event-stream"
+        assert [json.loads(d) if d != "[DONE]" else d for d in data_lines(await again.text())] == \
+            [json.loads(d) if d != "[DONE]" else d for d in sent]
+        assert service.runner.tokens_generated == tokens and len(await task_ids(service)) == before + 1
+    # The same key without `stream` is another request: 422, as for any other change.
+    resp = await api.post("/v1/chat/completions", json={**chat, "stream": False},
+                          headers=key("stream /v1/chat/completions None"))
+    await expect_error(resp, 422, "idempotency_key_reused")
+
+
 async def test_a_key_without_a_client_is_ignored_and_never_replays_a_pairing(api, service):
     """Pairing requests have no client identity: a key there would be shared by every local
     program, and a replay would hand one app's pairing id (and so its token) to another."""

@@ -152,10 +152,43 @@ def test_errors_reach_the_sdk_as_its_exceptions(sdk, headless):
     with pytest.raises(openai.BadRequestError) as info:
         sdk.responses.create(model=DEFAULT_MODEL_ID, input="hi", temperature=5)
     assert info.value.body["param"] == "temperature"
+    # An input longer than the model's context, as OpenAI answers it: 400 before any output,
+    # and on a chat stream an error the SDK raises rather than an empty answer.
+    long = "word " * 5000
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.responses.create(model=DEFAULT_MODEL_ID, input=long)
+    assert info.value.code == "context_length_exceeded" and info.value.body["param"] == "input"
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model=DEFAULT_MODEL_ID, messages=[{"role": "user", "content": long}])
+    assert info.value.code == "context_length_exceeded" and info.value.body["param"] == "messages"
+    with pytest.raises(openai.APIError, match="4096"):
+        list(sdk.chat.completions.create(model=DEFAULT_MODEL_ID, messages=[{"role": "user", "content": long}],
+                                         stream=True))
     bad = openai.OpenAI(base_url=f"{headless.url}/v1", api_key="lmsp_wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     bad.close()
+
+
+def test_a_retried_stream_gets_the_same_stream(sdk):
+    """A stream retried with its Idempotency-Key (after a dropped connection, say) is answered
+    from the stored events: the same text, not an empty stream, and the model does not run again."""
+    def responses_text(key: str) -> tuple[str, str]:
+        events = list(sdk.responses.create(model=DEFAULT_MODEL_ID, input="Say hi", max_output_tokens=16,
+                                           temperature=0, stream=True, extra_headers={"Idempotency-Key": key}))
+        return "".join(e.delta for e in events if e.type == "response.output_text.delta"), events[-1].response.id
+
+    def chat_text(key: str) -> tuple[str, Any]:
+        chunks = list(sdk.chat.completions.create(
+            model=DEFAULT_MODEL_ID, messages=[{"role": "user", "content": "Say hi"}], max_tokens=16, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_headers={"Idempotency-Key": key}))
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
+
+    text, response_id = responses_text("sdk-stream-1")
+    assert text.strip() and responses_text("sdk-stream-1") == (text, response_id)
+    chat, usage = chat_text("sdk-chat-1")
+    assert chat.strip() and usage.prompt_tokens > 0 and usage.completion_tokens > 0
+    assert chat_text("sdk-chat-1") == (chat, usage)
 
 
 def test_the_heartbeat_is_invisible_to_the_sdk():

@@ -12,9 +12,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from app.engine.models import DEFAULT_MODEL_ID
 from app.tasks.states import LOADING, RUNNING, TERMINAL
 from tests.conftest import Headless, wait_until
-from tests.helpers import COUNT, expect_error, http, pair, poll
+from tests.helpers import COUNT, expect_error, http, pair, pair_sync, poll
 from tests.test_api import wait_status
 
 KEY = "sk-upstream-secret-4242"
@@ -375,3 +376,21 @@ def test_the_openai_sdk_uses_a_remote_model_as_any_other(headless: Headless, ups
         assert refused.value.code == "model_not_supported"
     finally:
         client.close()
+
+
+async def test_another_lmsp_tray_as_the_upstream(api, headless: Headless):
+    """Another LMSP Tray (on another computer, say) is an OpenAI-compatible upstream like any
+    other: its chat stream ends with the usage when asked, so the tokens are counted here too."""
+    headless.start()
+    _, token = await asyncio.to_thread(pair_sync, headless.url, headless.token,
+                                       ["models:read", "responses:write"], "LMSP Tray upstream")
+    resp = await api.post("/v1/models", json={"id": "other-tray", "remote": {"endpoints": [
+        {"base_url": f"{headless.url}/v1", "model": DEFAULT_MODEL_ID, "api_key": token}]}})
+    assert resp.status == 201, await resp.text()
+    resp = await api.post("/v1/responses", json={"model": "other-tray", "input": "Say hi", "max_output_tokens": 8,
+                                                 "temperature": 0})
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    assert body["status"] in ("completed", "incomplete") and body["output_text"].strip()
+    usage = body["usage"]
+    assert usage["input_tokens"] > 5 and 0 < usage["output_tokens"] <= 8, usage

@@ -237,12 +237,18 @@ async def test_event_cursors_beyond_sqlite_integers_are_400(api: Any) -> None:
     resp = await api.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1, "background": True})
     created = await resp.json()
     task_id, response_id = created["task"]["id"], created["id"]
-    for url, headers in ((f"/v1/tasks/{task_id}/events?after={2**63}", {}),
-                         (f"/v1/tasks/{task_id}/events?stream=true", {"Last-Event-ID": str(2**64)}),
-                         (f"/v1/responses/{response_id}?stream=true&starting_after={2**63}", {})):
+    # Each error names the cursor as the client sent it.
+    for url, headers, name in ((f"/v1/tasks/{task_id}/events?after={2**63}", {}, "after"),
+                               (f"/v1/tasks/{task_id}/events?stream=true", {"Last-Event-ID": str(2**64)},
+                                "Last-Event-ID"),
+                               (f"/v1/tasks/{task_id}/events?stream=true", {"Last-Event-ID": "xyz"}, "Last-Event-ID"),
+                               (f"/v1/responses/{response_id}?stream=true&starting_after={2**63}", {},
+                                "starting_after"),
+                               (f"/v1/responses/{response_id}?stream=true&starting_after=abc", {}, "starting_after")):
         resp = await api.get(url, headers=headers)
         assert resp.status == 400, url
-        assert (await resp.json())["error"]["param"] == "after"
+        error = (await resp.json())["error"]
+        assert error["param"] == name and f"`{name}`" in error["message"], (url, error)
     resp = await api.get(f"/v1/tasks/{task_id}/events?after={2**63 - 1}")
     assert resp.status == 200 and (await resp.json())["data"] == []
 

@@ -205,16 +205,18 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
     # -- responses and tasks ---------------------------------------------------------------
 
     async def create_response(self, client: Client, body: Any, idempotency_key: str | None = None,
-                              path: str = "/v1/responses") -> Created:
+                              path: str = "/v1/responses", sent: Any = None) -> Created:
         """Validate, then commit the response and its queued task before returning (rule 11.2); with
         an engine free, the same commit takes the task to `loading`. The answer shows the response
-        as it was queued. With an idempotency key, a repeat gets the first request's answer instead."""
+        as it was queued. With an idempotency key, a repeat gets the first request's answer instead.
+        `sent`: the body as the client sent it, when `body` was translated from it (chat
+        completions): the key is bound to what was sent."""
         req = requests.parse(body)
         model_id = req.model or models.DEFAULT_MODEL_ID
         on_restart = req.on_restart or (self.settings["default_on_restart"] if req.background else "fail")
         key = None
         if idempotency_key is not None:
-            key = (idempotency.check_key(idempotency_key), idempotency.digest("POST", path, client.id, body),
+            key = (idempotency.check_key(idempotency_key), idempotency.digest("POST", path, client.id, body if sent is None else sent),
                    self.settings["idempotency_ttl_seconds"])
         offer = self.runner.offer()  # room on an engine: the task is taken in the same commit
         # Shielded: a request given up while its write is on its way still starts what it committed.

@@ -3,27 +3,23 @@ so existing local apps work unchanged. Foreground only: durable work goes throug
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-from typing import Any
+import re
+from typing import Any, Awaitable
 
 from aiohttp import web
 
 from app.core.service import TERMINAL_EVENTS
-from app.errors import InvalidRequest, LmspError
-from app.server.handlers import cancel_quietly, unless_client_leaves
+from app.errors import Failed, InvalidRequest, LmspError
+from app.server.handlers import Shape, answer
 from app.server.keys import CLIENT, SERVICE
 from app.server.middleware import read_json
 from app.server.sse import follow
-from app.tasks import records
 
 ALLOWED = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
            "stream", "stream_options", "n", "user", "metadata", "store", "frequency_penalty", "presence_penalty",
            "response_format", "tools", "tool_choice", "parallel_tool_calls"}
-# Where a Responses field came from in the chat shape, for error messages (`param`).
-CHAT_PARAMS = (("text.format.", "response_format.json_schema."), ("text.format", "response_format"),
-               (".parameters", ".function.parameters"), (".name", ".function.name"), ("input", "messages"))
 
 
 def _text_format(value: Any) -> dict[str, Any]:
@@ -48,38 +44,73 @@ def _tool_choice(value: Any) -> Any:
     return _function(value, "tool_choice") if isinstance(value, dict) else value
 
 
-def _input(messages: Any) -> Any:
-    """Assistant `tool_calls` and `tool` messages as the Responses input items they stand for."""
-    if not isinstance(messages, list):
-        return messages
+def _string(msg: dict[str, Any], field: str, param: str) -> str:
+    if not isinstance(msg.get(field), str):
+        raise InvalidRequest(f"`{field}` must be a string.", param=f"{param}.{field}")
+    return str(msg[field])
+
+
+def _input(messages: Any) -> tuple[list[Any], list[int]]:
+    """The messages as Responses input items, assistant `tool_calls` and `tool` messages as the
+    items they stand for (checked here, so an error names their chat fields), and for each
+    item the index of the message it came from."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("`messages` must be a non-empty list of messages.", param="messages")
     items: list[Any] = []
+    origins: list[int] = []
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            items.append(msg)
-        elif msg.get("role") == "tool":
-            items.append({"type": "function_call_output", "call_id": msg.get("tool_call_id"),
-                          "output": msg.get("content")})
-        elif msg.get("role") == "assistant" and msg.get("tool_calls"):
+        param = f"messages[{i}]"
+        if isinstance(msg, dict) and msg.get("role") == "tool":
+            items.append({"type": "function_call_output", "call_id": _string(msg, "tool_call_id", param),
+                          "output": _string(msg, "content", param)})
+        elif isinstance(msg, dict) and msg.get("role") == "assistant" and msg.get("tool_calls"):
             if msg.get("content"):
                 items.append({"role": "assistant", "content": msg["content"]})
-            calls = msg["tool_calls"] if isinstance(msg["tool_calls"], list) else [None]
-            for call in calls:
-                fn = _function(call, f"messages[{i}].tool_calls")
-                items.append({"type": "function_call", "call_id": call.get("id"), "name": fn.get("name"),
-                              "arguments": fn.get("arguments")})
+                origins.append(i)
+            if not isinstance(msg["tool_calls"], list):
+                raise InvalidRequest("`tool_calls` must be a list.", param=f"{param}.tool_calls")
+            for j, call in enumerate(msg["tool_calls"]):
+                fn = _function(call, f"{param}.tool_calls[{j}]")
+                items.append({"type": "function_call", "call_id": _string(call, "id", f"{param}.tool_calls[{j}]"),
+                              "name": _string(fn, "name", f"{param}.tool_calls[{j}].function"),
+                              "arguments": _string(fn, "arguments", f"{param}.tool_calls[{j}].function")})
+                origins.append(i)
+            continue
         else:
             items.append(msg)
-    return items
+        origins.append(i)
+    return items, origins
 
 
-def chat_param(param: str | None) -> str | None:
-    for old, new in CHAT_PARAMS:
-        if param is not None and old in param:
-            return param.replace(old, new, 1)
-    return param
+class ChatNames:
+    """Rewrites an error about the translated request in the terms of the chat request the client
+    sent: its `param`, and the field names its message quotes."""
+
+    def __init__(self, body: dict[str, Any], origins: list[int]) -> None:
+        tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        self.renames = (("max_output_tokens", tokens), ("text.format.", "response_format.json_schema."),
+                        ("text.format", "response_format"), (".parameters", ".function.parameters"),
+                        (".name", ".function.name"))
+        self.origins = origins
+
+    def name(self, field: str) -> str:
+        item = re.match(r"input\[(\d+)\]", field)
+        if item and int(item[1]) < len(self.origins):
+            return f"messages[{self.origins[int(item[1])]}]{field[item.end():]}"
+        if field == "input":
+            return "messages"
+        for old, new in self.renames:
+            if old in field:
+                return field.replace(old, new, 1)
+        return field
+
+    def __call__(self, exc: LmspError) -> None:
+        exc.param = None if exc.param is None else self.name(exc.param)
+        exc.message = re.sub(r"`([\w.\[\]]+)`", lambda m: f"`{self.name(m[1])}`", exc.message)
 
 
-def as_response_request(body: Any) -> dict[str, Any]:
+def as_response_request(body: Any) -> tuple[dict[str, Any], ChatNames]:
+    """The chat request as a Responses request, and how to name its fields in errors."""
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     for key in body:
@@ -91,7 +122,8 @@ def as_response_request(body: Any) -> dict[str, Any]:
         raise InvalidRequest("`stream` must be true or false.", param="stream")
     if "messages" not in body:
         raise InvalidRequest("`messages` is required.", param="messages")
-    out = {"input": _input(body["messages"]), "stream": False, "background": False}
+    items, origins = _input(body["messages"])
+    out = {"input": items, "stream": False, "background": False}
     if body.get("response_format") is not None:
         out["text"] = _text_format(body["response_format"])
     if body.get("tools") is not None:
@@ -104,7 +136,7 @@ def as_response_request(body: Any) -> dict[str, Any]:
                      ("max_completion_tokens", "max_output_tokens")):
         if body.get(src) is not None:
             out[dst] = body[src]
-    return out
+    return out, ChatNames(body, origins)
 
 
 def _message(final: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -118,67 +150,96 @@ def _message(final: dict[str, Any]) -> tuple[dict[str, Any], str]:
         for c in calls]}, "tool_calls" if finish == "stop" else finish
 
 
-def _chunk(ident: str, model: str, created: int, delta: dict[str, Any], finish: str | None) -> bytes:
-    body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+def _usage(response: dict[str, Any]) -> dict[str, int]:
+    usage = response["usage"]
+    return {"prompt_tokens": usage["input_tokens"], "completion_tokens": usage["output_tokens"],
+            "total_tokens": usage["total_tokens"]}
+
+
+def _ident(response: dict[str, Any]) -> str:
+    return "chatcmpl-" + response["id"][len("resp_"):]
+
+
+def _completion(final: dict[str, Any]) -> dict[str, Any]:
+    message, finish = _message(final)
+    return {"id": _ident(final), "object": "chat.completion", "created": final["created_at"], "model": final["model"],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": _usage(final)}
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool) or any(
+            name != "include_usage" for name in options):
+        raise InvalidRequest("`stream_options` must be {\"include_usage\": true|false}.", param="stream_options")
+    if not body.get("stream"):
+        raise InvalidRequest("`stream_options` is only allowed with `stream: true`.", param="stream_options")
+    return bool(options.get("include_usage"))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    service = request.app[SERVICE]
-    client = request[CLIENT]
     body = await read_json(request)
+    key = request.headers.get("Idempotency-Key")
+    translated, names = as_response_request(body)
+    usage = _include_usage(body)
     try:
-        created = await service.create_response(client, as_response_request(body), path="/v1/chat/completions")
+        created = await request.app[SERVICE].create_response(request[CLIENT], translated, key,
+                                                             path="/v1/chat/completions", sent=body)
     except LmspError as exc:
-        exc.param = chat_param(exc.param)
-        raise
-    response = created.body
-    task_id = response["task"]["id"]
-    ident = "chatcmpl-" + response["id"][5:]
-    try:
-        if not body.get("stream"):
-            final = records.response_object(await unless_client_leaves(request, service.wait(task_id)))
-            if final["status"] == "failed":
-                error = final["error"] or {}
-                raise InvalidRequest(error.get("message", "Generation failed."), code=error.get("code", "failed"))
-            usage = final["usage"]
-            message, finish = _message(final)
-            return web.json_response({
-                "id": ident, "object": "chat.completion", "created": response["created_at"], "model": final["model"],
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-                "usage": {"prompt_tokens": usage["input_tokens"], "completion_tokens": usage["output_tokens"],
-                          "total_tokens": usage["total_tokens"]}})
-        return await _stream(request, service, task_id, ident, response)
-    except (ConnectionResetError, asyncio.CancelledError):
-        await cancel_quietly(service, client, task_id)
+        names(exc)
         raise
 
+    def stream(request: web.Request, response: dict[str, Any], status: int,
+               headers: dict[str, str]) -> Awaitable[web.StreamResponse]:
+        return _stream(request, response, headers, usage, names)
 
-async def _stream(request: web.Request, service: Any, task_id: str, ident: str,
-                  response: dict[str, Any]) -> web.StreamResponse:
-    out = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
-    model, created = response["model"], response["created_at"]
+    return await answer(request, created, key, bool(body.get("stream")), Shape(_completion, stream, names))
+
+
+async def _stream(request: web.Request, response: dict[str, Any], headers: dict[str, str],
+                  include_usage: bool, names: ChatNames) -> web.StreamResponse:
+    """The task's events from the start as chat chunks: a live generation, or a replay."""
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+                                      **headers})
+    ident, model, created = _ident(response), response["model"], response["created_at"]
+    extra = {"usage": None} if include_usage else {}  # as OpenAI: every chunk says it, null until the last
+
+    def data(body: dict[str, Any]) -> bytes:
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+    def chunk(delta: dict[str, Any] | None, finish: str | None = None, **fields: Any) -> bytes:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+        return data({"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": choices, **extra, **fields})
+
     await out.prepare(request)
-    await out.write(_chunk(ident, model, created, {"role": "assistant", "content": ""}, None))
+    await out.write(chunk({"role": "assistant", "content": ""}))
     called = False
-    async with contextlib.aclosing(follow(service, task_id, -1)) as events:
+    async with contextlib.aclosing(follow(request.app[SERVICE], response["task"]["id"], -1)) as events:
         async for event in events:
             if event is None:  # silence: chat streams send no heartbeat
                 continue
             kind = event["type"]
             if kind == "response.output_text.delta":
-                await out.write(_chunk(ident, model, created, {"content": event["delta"]}, None))
+                await out.write(chunk({"content": event["delta"]}))
             elif kind == "response.output_item.added" and event["item"]["type"] == "function_call":
                 called, item = True, event["item"]
                 call = {"index": 0, "id": item["call_id"], "type": "function",
                         "function": {"name": item["name"], "arguments": ""}}
-                await out.write(_chunk(ident, model, created, {"tool_calls": [call]}, None))
+                await out.write(chunk({"tool_calls": [call]}))
             elif kind == "response.function_call_arguments.delta":
-                call = {"index": 0, "function": {"arguments": event["delta"]}}
-                await out.write(_chunk(ident, model, created, {"tool_calls": [call]}, None))
+                await out.write(chunk({"tool_calls": [{"index": 0, "function": {"arguments": event["delta"]}}]}))
+            elif kind == "response.failed":  # the openai SDK raises an APIError for a chunk like this
+                error = Failed(**event["response"]["error"])
+                names(error)
+                await out.write(data(error.body()))
             elif kind in TERMINAL_EVENTS:
                 finish = "length" if kind == "response.incomplete" else ("tool_calls" if called else "stop")
-                await out.write(_chunk(ident, model, created, {}, finish))
+                await out.write(chunk({}, finish))
+                if include_usage:
+                    await out.write(chunk(None, usage=_usage(event["response"])))
+            if kind in TERMINAL_EVENTS:
                 await out.write(b"data: [DONE]\n\n")
     return out

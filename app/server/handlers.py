@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
 from app import paths
 from app.core.auth import Client
-from app.errors import InvalidRequest
+from app.core.service import Created
+from app.errors import Failed, InvalidRequest, LmspError
 from app.server import sse
 from app.server.keys import CLIENT, SERVICE
 from app.server.middleware import read_json
@@ -27,13 +29,18 @@ def _client(request: web.Request) -> Client:
 
 
 def _after(request: web.Request) -> int:
-    raw = request.query.get("after", request.query.get("starting_after", request.headers.get("Last-Event-ID", "-1")))
+    """The sequence number to replay after, from whichever of its three names the client used
+    (LMSP's `after`, the openai SDK's `starting_after`, an EventSource's `Last-Event-ID`)."""
+    name, raw = next(((n, v) for n, v in (("after", request.query.get("after")),
+                                          ("starting_after", request.query.get("starting_after")),
+                                          ("Last-Event-ID", request.headers.get("Last-Event-ID")))
+                      if v is not None), ("after", "-1"))
     try:
         value = int(raw)
     except ValueError:
-        raise InvalidRequest("`after` must be an integer sequence number.", param="after") from None
+        raise InvalidRequest(f"`{name}` must be an integer sequence number.", param=name) from None
     if not -1 <= value <= MAX_SEQUENCE:
-        raise InvalidRequest(f"`after` must be from -1 to {MAX_SEQUENCE}.", param="after")
+        raise InvalidRequest(f"`{name}` must be from -1 to {MAX_SEQUENCE}.", param=name)
     return value
 
 
@@ -51,39 +58,67 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "starting"}, status=503)
 
 
+@dataclass(frozen=True)
+class Shape:
+    """How a route answers with a response: as JSON, or as a stream of its task's events from
+    the start (`stream(request, response, status, headers)`), and its errors in its own terms
+    (`rename(error)`, in place)."""
+    json: Callable[[dict[str, Any]], dict[str, Any]]
+    stream: Callable[[web.Request, dict[str, Any], int, dict[str, str]], Awaitable[web.StreamResponse]]
+    rename: Callable[[LmspError], None]
+
+
+def _stream_events(request: web.Request, response: dict[str, Any], status: int,
+                   headers: dict[str, str]) -> Awaitable[web.StreamResponse]:
+    return sse.stream_task(request, request.app[SERVICE], response["task"]["id"], -1, status=status, headers=headers)
+
+
+RESPONSES = Shape(lambda response: response, _stream_events, lambda error: None)
+
+
 async def create_response(request: web.Request) -> web.StreamResponse:
-    service = request.app[SERVICE]
-    client = _client(request)
     body: Any = await read_json(request)
     key = request.headers.get("Idempotency-Key")
-    created = await service.create_response(client, body, key)
+    created = await request.app[SERVICE].create_response(_client(request), body, key)
+    return await answer(request, created, key, bool(body.get("stream")), RESPONSES)
+
+
+async def answer(request: web.Request, created: Created, key: str | None, stream: bool,
+                 shape: Shape) -> web.StreamResponse:
+    """The answer to a response just created, or to a retry with its idempotency key: a replay
+    gives the stored answer in the shape asked, a stream of its events if `stream` (what the
+    first request saw), never an empty body. A foreground answer is stored once it is final."""
+    service, client = request.app[SERVICE], _client(request)
+    response, status = created.body, created.status
+    headers = {"Location": f"/v1/tasks/{response['task']['id']}"} if status == 202 else {}
     if created.replayed:
-        replayed = {"Idempotent-Replayed": "true"}
-        if created.status == 202 and isinstance(created.body.get("task"), dict):  # the same 202: Location too
-            replayed["Location"] = f"/v1/tasks/{created.body['task']['id']}"
-        return web.json_response(created.body, status=created.status, headers=replayed)
-    task_id = created.body["task"]["id"]
-    location = {"Location": f"/v1/tasks/{task_id}"}
-    if created.status == 202:
-        if body.get("stream"):
-            return await sse.stream_task(request, service, task_id, -1, status=202, headers=location)
-        return web.json_response(created.body, status=202, headers=location)
+        headers["Idempotent-Replayed"] = "true"
+        if status >= 400:  # a failure is answered as it was: an error is not a stream
+            return web.json_response(response, status=status, headers=headers)
+    if created.replayed or status == 202:
+        if stream:
+            return await shape.stream(request, response, status, headers)
+        return web.json_response(shape.json(response), status=status, headers=headers)
     # In the foreground the caller's connection is the only reader: if it goes, so does the work.
     try:
-        if body.get("stream"):
-            answer: web.StreamResponse = await sse.stream_task(request, service, task_id, -1)
-            final = await service.response(client, created.body["id"])
+        if stream:
+            streamed = await shape.stream(request, response, 200, {})
+            final = await service.response(client, response["id"])
         else:
-            final = records.response_object(await unless_client_leaves(request, service.wait(task_id)))
-            answer = web.json_response(final)
+            final = records.response_object(await unless_client_leaves(request, service.wait(response["task"]["id"])))
     except (ConnectionResetError, asyncio.CancelledError):
-        await cancel_quietly(service, client, task_id)
+        await cancel_quietly(service, client, response["task"]["id"])
         if key:
             await asyncio.shield(service.forget(client.id, key))
         raise
+    failure = Failed(**final["error"]) if final["status"] == "failed" and not stream else None
+    if failure is not None:
+        shape.rename(failure)
     if key:
-        await service.remember(client.id, key, 200, final)
-    return answer
+        await service.remember(client.id, key, *((failure.status, failure.body()) if failure else (200, final)))
+    if failure is not None:
+        raise failure
+    return streamed if stream else web.json_response(shape.json(final))
 
 
 async def unless_client_leaves(request: web.Request, work: Any) -> Any:

@@ -172,15 +172,18 @@ async def read_json(request: web.Request) -> Any:
     return value
 
 
+OWN_KEYS = ("/v1/responses", "/v1/chat/completions")
+
+
 @web.middleware
 async def idempotent(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """`Idempotency-Key` on every POST by a client (LMSP §7). `POST /v1/responses` handles its own
-    key, in the transaction that creates its task; here the key is claimed before and the answer
-    stored after. Without a client (pairing requests, unknown routes) a key is ignored: it would be
+    """`Idempotency-Key` on every POST by a client (LMSP §7). The routes that create a response
+    handle their own key, in the transaction that creates its task; here the key is claimed
+    before and the answer stored after. Without a client (pairing requests, unknown routes) a key is ignored: it would be
     shared by every local program, and a replay would hand one app's pairing to another."""
     key = request.headers.get("Idempotency-Key")
     client = request.get(CLIENT)  # set by `authorize` only on a known route with a valid token
-    if key is None or client is None or request.method != "POST" or request.path == "/v1/responses":
+    if key is None or client is None or request.method != "POST" or request.path in OWN_KEYS:
         return await handler(request)
     service = request.app[SERVICE]
     body = await read_json(request)  # aiohttp keeps the body: the handler reads it again for free
