@@ -162,11 +162,8 @@ async def test_engine_mode_setting(api: Any, service: AppService, monkeypatch: p
     monkeypatch.setenv("LMSP_ENGINE_FAULT", "fast:warmup")
     # `fast` is obeyed: the crash fails the task, and the message says what to change.
     assert (await api.patch("/v1/settings", json={"engine_mode": "fast"})).status == 200
-    resp = await api.post("/v1/responses", json=SAY_HI)
-    assert resp.status == 200
-    body = await resp.json()
-    assert body["status"] == "failed" and body["error"]["code"] == "engine_crashed"
-    assert "engine_mode" in body["error"]["message"]
+    err = await expect_error(await api.post("/v1/responses", json=SAY_HI), 500, "engine_crashed")
+    assert "engine_mode" in err["message"] and err["type"] == "server_error"
     assert (await default_engine(api))["mode"] == "fast"  # nothing remembered: the user chose
 
     # `safe` is obeyed from the first load: no crash at all.
@@ -188,8 +185,7 @@ async def test_a_model_llama_cpp_cannot_load_leaves_the_others_usable(api: Any, 
     assert resp.status in (200, 201), await resp.text()
 
     assert (await (await api.post("/v1/responses", json=SAY_HI)).json())["output_text"].strip()
-    body = await (await api.post("/v1/responses", json={**SAY_HI, "model": "broken"})).json()
-    assert body["status"] == "failed" and body["error"]["code"] == "model_load_failed", body
+    await expect_error(await api.post("/v1/responses", json={**SAY_HI, "model": "broken"}), 422, "model_load_failed")
     listed = {m["id"]: m["status"] for m in (await (await api.get("/v1/models")).json())["data"]}
     assert listed[DEFAULT_MODEL_ID] != "loaded"  # the registry says what the engine really holds
     body = await (await api.post("/v1/responses", json=SAY_HI)).json()
