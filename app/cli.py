@@ -17,6 +17,7 @@ from typing import Any
 from keyring.errors import KeyringError
 
 from app import paths
+from app.display import human_size, is_remote
 from app.core.pairing import shown
 from app.pull import pull
 from app.secrets import owner_vault, set_hub_token
@@ -85,7 +86,8 @@ def run(command: str, args: list[str], data_dir: Path) -> int:
         elif command == "models":
             models = client.call("GET", "/v1/models")["data"]
             print(_table([["ID", "STATUS", "SIZE", "DIGEST"]] + [
-                [m["id"], m["status"], _size(m), (m.get("digest") or "")[:19]] for m in models]))
+                [m["id"], m["status"], "remote" if is_remote(m) else human_size(m["size_bytes"]),
+                 (m.get("digest") or "")[:19]] for m in models]))
         elif command == "tasks":
             tasks = client.call("GET", "/v1/tasks?limit=50")["data"]
             print(_table([["ID", "STATUS", "MODEL", "PROGRESS", "POLICY"]] + [
@@ -96,11 +98,6 @@ def run(command: str, args: list[str], data_dir: Path) -> int:
     except CliError as exc:
         print(f"lmsp-tray: {exc}", file=sys.stderr)
         return 1
-
-
-def _size(model: dict[str, Any]) -> str:
-    """A local model's file size; a remote one has no file."""
-    return "remote" if model.get("size_bytes") is None else f"{model['size_bytes'] / 1e6:.0f} MB"
 
 
 def _progress(progress: dict[str, Any]) -> str:

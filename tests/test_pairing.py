@@ -369,11 +369,17 @@ def test_cli_pairings_token_status_models_tasks(headless):
     assert done.returncode == 0, done.stderr
     assert headless.url in done.stdout and "0 running, 0 queued" in done.stdout
 
+    # A remote model (here this same service as its upstream) is listed too: it has no file.
+    status, body = headless.post("/v1/models", {"id": "far-away", "remote": {"endpoints": [
+        {"base_url": f"{headless.url}/v1", "model": "smollm2-135m-instruct", "api_key": headless.token}]}})
+    assert status == 201, body
     done = cli(data_dir, "models")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].split() == ["ID", "STATUS", "SIZE", "DIGEST"]
-    assert any(line.startswith("smollm2-135m-instruct") and "sha256:" in line for line in lines[1:]), done.stdout
+    local = next(line for line in lines[1:] if line.startswith("smollm2-135m-instruct"))
+    assert "sha256:" in local and "MB" in local, done.stdout
+    assert next(line for line in lines[1:] if line.startswith("far-away")).split()[2] == "remote", done.stdout
 
     status, response = headless.post("/v1/responses", SAY_HI)
     assert status == 200, response

@@ -18,7 +18,7 @@ from app.errors import LmspError
 from app.gui import style
 from app.gui.async_ui import spawn
 from app.gui.icons import app_icon
-from app.gui.models_tab import human_size
+from app.display import human_size
 from app.gui.session import Session
 from app.gui.widgets import hashing_progress
 

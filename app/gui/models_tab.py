@@ -11,8 +11,11 @@ from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QProgressDialog
                                QPushButton, QTableWidgetItem, QWidget)
 from shiboken6 import isValid
 
+from app.display import human_size, is_remote, short_digest
 from app.errors import LmspError
 from app.gui.async_ui import confirm, show_error, spawn
+from app.gui.download_dialog import show_download_dialog
+from app.gui.found_models import show_found_models
 from app.gui.remote_dialog import RemoteModelDialog
 from app.gui.session import Session
 from app.gui.widgets import hashing_progress, list_page, list_table
@@ -23,25 +26,6 @@ ENGINE_HINT = "llama.cpp's fastest CPU paths for this processor."
 STATES = {"available": "Ready", "loaded": "Loaded", "missing": "File missing", "changed": "File changed on disk",
           "unreachable": "Unreachable"}
 REMOTE_HINT = "Served by other OpenAI-compatible servers: nothing to load here."
-
-
-def human_size(size: int | None) -> str:
-    if size is None:
-        return "—"
-    value = float(size)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1000 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{value:.1f} TB"
-
-
-def short_digest(digest: str | None) -> str:
-    return (digest or "").removeprefix("sha256:")[:12] or "—"
-
-
-def is_remote(model: dict[str, Any] | None) -> bool:
-    return model is not None and model.get("format") == "remote"
 
 
 def endpoint_line(endpoint: dict[str, Any]) -> str:
@@ -157,11 +141,9 @@ class ModelsTab(QWidget):
             self.register(path)
 
     def find_models(self) -> None:
-        from app.gui.found_models import show_found_models  # here: that module uses human_size from this one
         show_found_models(self.session)
 
     def download_model(self) -> None:
-        from app.gui.download_dialog import show_download_dialog  # that module uses human_size from this one
         show_download_dialog(self.session)
 
     def add_remote(self) -> None:

@@ -13,7 +13,8 @@ from PySide6.QtWidgets import QMenu, QSystemTrayIcon
 from app.gui import autostart
 from app.gui.async_ui import show_error, spawn
 from app.gui.icons import tray_icon
-from app.gui.models_tab import endpoints_summary, is_remote
+from app.display import is_remote
+from app.gui.models_tab import endpoints_summary
 from app.gui.session import Session
 
 

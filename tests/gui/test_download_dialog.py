@@ -16,7 +16,7 @@ from app.core.service import AppService
 from app.gui.dashboard import Dashboard
 from app.gui.desktop import Desktop
 from app.gui.download_dialog import DownloadDialog
-from app.gui.models_tab import human_size
+from app.display import human_size
 from app.gui.task_table import PROGRESS, SPEED
 from gui_helpers import Life, Until, desktop_menu, visible
 from tests.hub_server import FakeHub, HubFile

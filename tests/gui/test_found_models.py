@@ -16,7 +16,7 @@ from app.engine.discovery import GGUF_MAGIC
 from app.gui.dashboard import Dashboard
 from app.gui.desktop import Desktop
 from app.gui.found_models import FoundModelsDialog, show_found_models
-from app.gui.models_tab import human_size
+from app.display import human_size
 from app.gui.session import Session
 from app.gui.tray import Tray
 from gui_helpers import Life, Until, visible
