@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from typing import Any
 
 from app.tasks.states import TERMINAL
 
@@ -19,8 +18,10 @@ def purge(conn: sqlite3.Connection, retention_seconds: int, idempotency_ttl_seco
           now: float | None = None) -> dict[str, int]:
     now = time.time() if now is None else now
     marks = ",".join("?" * len(TERMINAL))
-    gone = _delete_responses(conn, f"SELECT response_id FROM tasks WHERE status IN ({marks}) "
-                             "AND finished_at IS NOT NULL AND finished_at < ?", (*TERMINAL, now - retention_seconds))
+    # Deleting the response cascades to its task and the task's events.
+    gone = conn.execute(
+        f"DELETE FROM responses WHERE id IN (SELECT response_id FROM tasks WHERE status IN ({marks}) "
+        "AND finished_at IS NOT NULL AND finished_at < ?)", (*TERMINAL, now - retention_seconds)).rowcount
     keys = conn.execute("DELETE FROM idempotency_keys WHERE created_at < ?", (now - idempotency_ttl_seconds,)).rowcount
     # Pairing requests long over, and clients revoked long ago (the requests that created them first).
     old = now - retention_seconds
@@ -39,14 +40,9 @@ def purge_unstored(conn: sqlite3.Connection, now: float | None = None) -> int:
     marks = ",".join("?" * len(TERMINAL))
     ended = (f"SELECT r.id FROM responses r JOIN tasks t ON t.response_id = r.id WHERE r.store = 0 "
              f"AND t.status IN ({marks}) AND t.finished_at < ?")
-    return _delete_responses(conn, ended, (*TERMINAL, now - UNSTORED_GRACE_SECONDS))
-
-
-def _delete_responses(conn: sqlite3.Connection, ids: str, params: tuple[Any, ...]) -> int:
-    """Delete the responses the query `ids` selects; that cascades to their tasks and events.
-    Their idempotency keys go too: a key kept longer would replay a stream with no events left."""
-    conn.execute(f"DELETE FROM idempotency_keys WHERE response_id IN ({ids})", params)
-    return conn.execute(f"DELETE FROM responses WHERE id IN ({ids})", params).rowcount
+    params = (*TERMINAL, now - UNSTORED_GRACE_SECONDS)
+    conn.execute(f"DELETE FROM idempotency_keys WHERE response_id IN ({ended})", params)
+    return conn.execute(f"DELETE FROM responses WHERE id IN ({ended})", params).rowcount
 
 
 def reclaim(conn: sqlite3.Connection) -> int:
