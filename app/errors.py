@@ -38,9 +38,12 @@ class Failed(LmspError):
     input's fault, the model file's, an upstream's, or else ours."""
 
     # model_load_failed: 422, as `POST /v1/models/{id}/load` answers it.
-    STATUS = {"context_length_exceeded": 400, "invalid_request": 400, "model_changed": 409,
-              "model_load_failed": 422, "disk_full": 507, "upstream_error": 502, "upstream_unavailable": 503}
-    TYPES = {400: "invalid_request_error", 409: "conflict_error", 422: "invalid_request_error"}
+    # not_found: the model was deleted while the task waited; model_missing: its file was.
+    STATUS = {"context_length_exceeded": 400, "invalid_request": 400, "not_found": 404, "model_changed": 409,
+              "model_missing": 409, "model_load_failed": 422, "disk_full": 507, "upstream_error": 502,
+              "upstream_unavailable": 503}
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
+             422: "invalid_request_error"}
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(code, message or "The generation failed.", status=self.STATUS.get(code, 500),

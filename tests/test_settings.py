@@ -81,6 +81,7 @@ def test_a_stored_host_this_computer_cannot_listen_on_gives_way_to_the_default(h
     headless.start()
     assert headless.url.startswith("http://127.0.0.1:")
     assert headless.get("/v1/settings")[1]["host"] == "127.0.0.1"
+    assert "setting host: the stored value 'example.com' is not usable now" in headless.log.read_text()
 
 
 async def test_unknown_key_is_400_and_nothing_changes(api, service):

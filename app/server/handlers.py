@@ -106,7 +106,7 @@ async def answer(request: web.Request, created: Created, key: str | None, stream
             final = await service.response(client, response["id"])
         else:
             final = records.response_object(await unless_client_leaves(request, service.wait(response["task"]["id"])))
-    except (ConnectionResetError, asyncio.CancelledError):
+    except BaseException:  # the client left, or we failed: stop the work, free the key for a retry
         await cancel_quietly(service, client, response["task"]["id"])
         if key:
             await asyncio.shield(service.forget(client.id, key))

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import re
 import socket
 import sqlite3
 from typing import Any
 
 from app.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
 
 ON_RESTART = ("fail", "retry", "resume")
 MIB = 1024 * 1024
@@ -59,7 +62,8 @@ def _origins(v: Any) -> bool:
 
 def _host(v: Any) -> bool:
     """An address this computer can listen on, tried now: a bad one saved would only show at the
-    next start, as a service that does not start."""
+    next start, as a service that does not start. (One bind to port 0 on a local address: no
+    lookup, no wait, fine on the event loop.)"""
     if v == "localhost":
         return True
     try:
@@ -111,9 +115,15 @@ def validate(changes: Any) -> dict[str, Any]:
 
 def load(conn: sqlite3.Connection) -> dict[str, Any]:
     stored = {row["key"]: json.loads(row["value"]) for row in conn.execute("SELECT key, value FROM service_config")}
-    # A value saved before its rule was tightened (a host this computer cannot listen on) gives
-    # way to the default, so the service still starts.
-    return {**DEFAULTS, **{k: v for k, v in stored.items() if k in DEFAULTS and VALIDATORS[k](v)}}
+    # A value saved before its rule was tightened, or a host this computer cannot listen on now
+    # (an interface not up yet), gives way to the default, so the service still starts.
+    settings = dict(DEFAULTS)
+    for key, value in stored.items():
+        if key in DEFAULTS and VALIDATORS[key](value):
+            settings[key] = value
+        elif key in DEFAULTS:
+            log.warning("setting %s: the stored value %r is not usable now; using %r", key, value, DEFAULTS[key])
+    return settings
 
 
 def save(conn: sqlite3.Connection, changes: dict[str, Any]) -> None:
