@@ -17,8 +17,8 @@ from typing import Any
 from keyring.errors import KeyringError
 
 from app import paths
-from app.display import human_size, is_remote
 from app.core.pairing import shown
+from app.display import human_size, is_remote
 from app.pull import pull
 from app.secrets import owner_vault, set_hub_token
 

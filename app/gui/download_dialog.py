@@ -14,11 +14,11 @@ from PySide6.QtWidgets import (QDialog, QHBoxLayout, QLabel, QLineEdit, QPushBut
                                QTableWidgetItem, QVBoxLayout, QWidget)
 from shiboken6 import isValid
 
+from app.display import human_size
 from app.errors import LmspError
 from app.gui import style
 from app.gui.async_ui import spawn
 from app.gui.icons import app_icon
-from app.display import human_size
 from app.gui.session import Session
 from app.gui.widgets import act_or_close, list_table
 

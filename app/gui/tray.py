@@ -10,10 +10,10 @@ from PySide6.QtCore import QObject, Qt, QUrl, Signal
 from PySide6.QtGui import QAction, QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon
 
+from app.display import is_remote
 from app.gui import autostart
 from app.gui.async_ui import show_error, spawn
 from app.gui.icons import tray_icon
-from app.display import is_remote
 from app.gui.models_tab import endpoints_summary
 from app.gui.session import Session
 

@@ -179,8 +179,9 @@ OWN_KEYS = ("/v1/responses", "/v1/chat/completions")
 async def idempotent(request: web.Request, handler: Handler) -> web.StreamResponse:
     """`Idempotency-Key` on every POST by a client (LMSP §7). The routes that create a response
     handle their own key, in the transaction that creates its task; here the key is claimed
-    before and the answer stored after. Without a client (pairing requests, unknown routes) a key is ignored: it would be
-    shared by every local program, and a replay would hand one app's pairing to another."""
+    before and the answer stored after. Without a client (pairing requests, unknown routes) a
+    key is ignored: it would be shared by every local program, and a replay would hand one
+    app's pairing to another."""
     key = request.headers.get("Idempotency-Key")
     client = request.get(CLIENT)  # set by `authorize` only on a known route with a valid token
     if key is None or client is None or request.method != "POST" or request.path in OWN_KEYS:
@@ -196,7 +197,8 @@ async def idempotent(request: web.Request, handler: Handler) -> web.StreamRespon
         await asyncio.shield(service.forget(client.id, key))  # nothing done: a retry may run it
         raise
     if isinstance(response, web.Response) and response.content_type == "application/json" and response.body:
-        await service.remember(client.id, key, response.status, json.loads(bytes(response.body)))  # type: ignore[arg-type]
+        body = json.loads(bytes(response.body))  # type: ignore[arg-type]
+        await service.remember(client.id, key, response.status, body)
     else:
         await service.forget(client.id, key)  # a stream is not stored; a retry runs again
     return response

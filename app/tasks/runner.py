@@ -623,8 +623,8 @@ def _complete(conn: sqlite3.Connection, task_id: str, last: Chunk, ending: list[
 
 
 def _fail(conn: sqlite3.Connection, task_id: str, code: str, message: str) -> list[machine.Event] | None:
-    return machine.transition(conn, task_id, FAILED, [("response.failed", {"response": RESPONSE,
-                                                                           "error": {"code": code, "message": message}})],
+    error = {"code": code, "message": message}
+    return machine.transition(conn, task_id, FAILED, [("response.failed", {"response": RESPONSE, "error": error})],
                               error_code=code, error_message=message, finished_at=time.time())
 
 
