@@ -1,6 +1,6 @@
 """Chat completions (LMSP §9) in the terms an OpenAI chat client knows: errors name the chat
 fields it sent, usage at the end of a stream when asked, a too-long input refused with 400
-(streamed: an error chunk the openai SDK raises), and the same answers from /v1/responses."""
+(streamed too: the task fails before any output), and the same answers from /v1/responses."""
 
 from __future__ import annotations
 
@@ -82,15 +82,57 @@ async def test_a_too_long_input_is_400_on_both_routes(api):
         resp = await api.post("/v1/responses", json={"input": LONG}, headers={"Idempotency-Key": "long-1"})
         await expect_error(resp, 400, "context_length_exceeded", "input")
     assert resp.headers.get("Idempotent-Replayed") == "true"
+    # Deleting the failed response frees its key: the retry runs anew (and fails anew).
+    failed = (await (await api.get("/v1/tasks?status=failed")).json())["data"]
+    assert len(failed) == 3, failed
+    for task in failed:
+        assert (await api.request("DELETE", f"/v1/responses/{task['response_id']}")).status == 200
+    resp = await api.post("/v1/responses", json={"input": LONG}, headers={"Idempotency-Key": "long-1"})
+    await expect_error(resp, 400, "context_length_exceeded", "input")
+    assert "Idempotent-Replayed" not in resp.headers
     # And the service is fine for the next request.
     assert (await api.post("/v1/responses", json=SAY_HI)).status == 200
 
 
-async def test_a_streamed_chat_that_fails_ends_with_an_error_chunk(api):
-    resp = await api.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": LONG}],
-                                                        "stream": True})
-    got = chunks(await resp.text())
-    assert got[-1] == "[DONE]"
-    error = got[-2]["error"]
-    assert error["code"] == "context_length_exceeded" and error["param"] == "messages", error
-    assert error["type"] == "invalid_request_error" and "4096" in error["message"]
+async def test_a_stream_whose_task_fails_before_any_output_is_an_http_error(api):
+    """As OpenAI's: the openai SDK raises BadRequestError at the call, before any event."""
+    too_long = [{"role": "user", "content": LONG}]
+    resp = await api.post("/v1/chat/completions", json={"messages": too_long, "stream": True})
+    err = await expect_error(resp, 400, "context_length_exceeded", "messages")
+    assert "4096" in err["message"] and resp.content_type == "application/json"
+    resp = await api.post("/v1/responses", json={"input": LONG, "stream": True})
+    await expect_error(resp, 400, "context_length_exceeded", "input")
+    # A retry with the key is answered the same, without running again.
+    for _ in range(2):
+        resp = await api.post("/v1/responses", json={"input": LONG, "stream": True},
+                              headers={"Idempotency-Key": "long-stream"})
+        await expect_error(resp, 400, "context_length_exceeded", "input")
+    assert resp.headers.get("Idempotent-Replayed") == "true"
+    failed = (await (await api.get("/v1/tasks?status=failed")).json())["data"]
+    assert len(failed) == 3
+    # A stream that gets output streams as before, its events from the start.
+    resp = await api.post("/v1/responses", json={**SAY_HI, "stream": True})
+    assert resp.status == 200 and resp.content_type == "text/event-stream"
+    kinds = [line[len("event: "):] for line in (await resp.text()).splitlines() if line.startswith("event: ")]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert "response.output_text.delta" in kinds
+
+
+def test_chat_keys_stored_by_the_previous_version_are_dropped_on_upgrade(tmp_path):
+    """Before schema 11 a non-streamed chat stored its key with the chat body, which the chat
+    route now cannot replay (it replays the response): the upgrade drops those keys, so a retry
+    within their lifetime runs anew instead of failing with 500. Other keys stay."""
+    from app.store import db
+    from tests.test_store import plain
+
+    old = tmp_path / "old.sqlite3"
+    with plain(old) as conn:
+        for version, sql in db.migrations()[:10]:
+            for statement in db._statements(sql):
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {version}")
+        for key, ident in (("chat", "chatcmpl-1"), ("resp", "resp_1")):
+            conn.execute("INSERT INTO idempotency_keys VALUES ('c', ?, 'd', 200, ?, ?, 0)",
+                         (key, json.dumps({"id": ident}), ident))
+    conn = db.open_database(old).conn
+    assert [r[0] for r in conn.execute("SELECT key FROM idempotency_keys")] == ["resp"]

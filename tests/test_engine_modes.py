@@ -8,6 +8,7 @@ on a CPU whose fast paths really crash, the same code paths run (the warm-up fin
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -202,3 +203,18 @@ def test_the_fault_switch_is_for_the_engine_child_only() -> None:
     readers = [str(p.relative_to(root)) for p in root.rglob("*.py") if "LMSP_ENGINE_FAULT" in p.read_text()]
     assert readers == ["engine/child.py"]
     assert "LMSP_ENGINE_FAULT" not in os.environ
+
+
+async def test_a_chat_stream_that_fails_after_its_first_words_ends_with_an_error_chunk(
+        api: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every attempt dies at its third token, fast and safe: the task fails once two are out.
+    monkeypatch.setenv("LMSP_ENGINE_FAULT", "any:token3")
+    resp = await api.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 30, "stream": True})
+    assert resp.status == 200 and resp.content_type == "text/event-stream"  # the words came: a stream
+    payloads = [line[len("data: "):] for line in (await resp.text()).splitlines() if line.startswith("data: ")]
+    assert payloads[-1] == "[DONE]"
+    said = "".join(json.loads(p)["choices"][0]["delta"].get("content") or "" for p in payloads[:-2])
+    assert said.strip(), payloads  # the words before the crash
+    error = json.loads(payloads[-2])["error"]  # the openai SDK raises an APIError for it
+    assert error["code"] == "engine_crashed" and error["type"] == "server_error", error

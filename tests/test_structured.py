@@ -224,7 +224,13 @@ def test_chat_completions_tool_calls_through_the_sdk(sdk: openai.OpenAI) -> None
     jsonschema.validate(json.loads(arguments), TOOLS[1]["parameters"])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # The answer goes back as a `tool` message after the assistant's tool_calls.
-    back = sdk.chat.completions.create(model="smollm2-135m-instruct", max_tokens=30, temperature=0, messages=[
-        *messages, {"role": "assistant", "tool_calls": [call.model_dump(include={"id", "type", "function"})]},
-        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 18 degrees."}])
+    def answered(content: Any) -> Any:
+        return sdk.chat.completions.create(model="smollm2-135m-instruct", max_tokens=30, temperature=0, messages=[
+            *messages, {"role": "assistant", "tool_calls": [call.model_dump(include={"id", "type", "function"})]},
+            {"role": "tool", "tool_call_id": call.id, "content": content}])
+
+    back = answered("Sunny, 18 degrees.")
     assert back.choices[0].message.content and back.choices[0].finish_reason in ("stop", "length")
+    # The result as text parts (as the SDK's types allow) is the same result.
+    parts = answered([{"type": "text", "text": "Sunny, "}, {"type": "text", "text": "18 degrees."}])
+    assert parts.choices[0].message.content == back.choices[0].message.content

@@ -48,9 +48,12 @@ def claim(conn: sqlite3.Connection, client_id: str, key: str, request_digest: st
     return Stored(row["status_code"], json.loads(row["response_body"]))
 
 
-def finish(conn: sqlite3.Connection, client_id: str, key: str, status: int, body: dict[str, Any]) -> None:
+def finish(conn: sqlite3.Connection, client_id: str, key: str, status: int, body: dict[str, Any],
+           response_id: str | None = None) -> None:
+    """Store the answer; `response_id`: the response it is about (a failure's body does not name
+    it), so that deleting the response frees the key."""
     conn.execute("UPDATE idempotency_keys SET status_code = ?, response_body = ?, response_id = ? "
-                 "WHERE client_id = ? AND key = ?", (status, json.dumps(body), body.get("id"), client_id, key))
+                 "WHERE client_id = ? AND key = ?", (status, json.dumps(body), response_id, client_id, key))
 
 
 def release(conn: sqlite3.Connection, client_id: str, key: str) -> None:

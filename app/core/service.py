@@ -216,7 +216,8 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         on_restart = req.on_restart or (self.settings["default_on_restart"] if req.background else "fail")
         key = None
         if idempotency_key is not None:
-            key = (idempotency.check_key(idempotency_key), idempotency.digest("POST", path, client.id, body if sent is None else sent),
+            key = (idempotency.check_key(idempotency_key),
+                   idempotency.digest("POST", path, client.id, body if sent is None else sent),
                    self.settings["idempotency_ttl_seconds"])
         offer = self.runner.offer()  # room on an engine: the task is taken in the same commit
         # Shielded: a request given up while its write is on its way still starts what it committed.
@@ -248,9 +249,10 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         return await self.store.write(idempotency.claim, owner, idempotency.check_key(idempotency_key), digest,
                                       self.settings["idempotency_ttl_seconds"])
 
-    async def remember(self, owner: str, idempotency_key: str, status: int, body: dict[str, Any]) -> None:
-        """Store the final answer of a request made with an idempotency key."""
-        await self.store.write(idempotency.finish, owner, idempotency_key, status, body)
+    async def remember(self, owner: str, idempotency_key: str, status: int, body: dict[str, Any],
+                       response_id: str | None = None) -> None:
+        """Store the final answer of a request made with an idempotency key (about `response_id`)."""
+        await self.store.write(idempotency.finish, owner, idempotency_key, status, body, response_id)
 
     async def forget(self, owner: str, idempotency_key: str) -> None:
         await self.store.write(idempotency.release, owner, idempotency_key)
@@ -433,7 +435,7 @@ def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_
     events = machine.create(conn, task_id, response_id, on_restart, req.max_output_tokens)
     response = events[-1]["response"]  # `queued` carries the response as it now stands
     if key is not None and req.background:  # the key and the task it created commit together
-        idempotency.finish(conn, client_id, key[0], 202, response)
+        idempotency.finish(conn, client_id, key[0], 202, response, response_id)
     # Only room this task's kind of model can use is worth a claim here: other queued tasks are
     # the scheduler's (and the claim's reads grow with the queue).
     return None, response, events, claim(conn, offer) if offer and model["format"] in offer.formats else None

@@ -12,10 +12,9 @@ from aiohttp import web
 
 from app.core.service import TERMINAL_EVENTS
 from app.errors import Failed, InvalidRequest, LmspError
-from app.server.handlers import Shape, answer
+from app.server.handlers import Events, Shape, answer
 from app.server.keys import CLIENT, SERVICE
 from app.server.middleware import read_json
-from app.server.sse import follow
 
 ALLOWED = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
            "stream", "stream_options", "n", "user", "metadata", "store", "frequency_penalty", "presence_penalty",
@@ -50,35 +49,53 @@ def _string(msg: dict[str, Any], field: str, param: str) -> str:
     return str(msg[field])
 
 
+def _tool_output(msg: dict[str, Any], param: str) -> str:
+    """A `tool` message's content: a string, or text parts (as OpenAI takes), joined."""
+    content = msg.get("content")
+    if isinstance(content, list) and all(
+            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            for part in content):
+        return "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise InvalidRequest("`content` must be a string or a list of text parts.", param=f"{param}.content")
+    return content
+
+
+def _call(call: Any, param: str) -> dict[str, Any]:
+    fn = _function(call, param)
+    return {"type": "function_call", "call_id": _string(call, "id", param),
+            "name": _string(fn, "name", f"{param}.function"),
+            "arguments": _string(fn, "arguments", f"{param}.function")}
+
+
+def _items(msg: Any, param: str) -> list[Any]:
+    """The Responses input items one chat message stands for: an assistant turn with
+    `tool_calls` is its text (if any) and a `function_call` per call, a `tool` message a
+    `function_call_output` (checked here, so an error names their chat fields); any other
+    message is the same item, which the Responses parser checks."""
+    if not isinstance(msg, dict):
+        return [msg]
+    if msg.get("role") == "tool":
+        return [{"type": "function_call_output", "call_id": _string(msg, "tool_call_id", param),
+                 "output": _tool_output(msg, param)}]
+    if msg.get("role") == "assistant" and msg.get("tool_calls"):
+        if not isinstance(msg["tool_calls"], list):
+            raise InvalidRequest("`tool_calls` must be a list.", param=f"{param}.tool_calls")
+        said = [{"role": "assistant", "content": msg["content"]}] if msg.get("content") else []
+        return said + [_call(call, f"{param}.tool_calls[{j}]") for j, call in enumerate(msg["tool_calls"])]
+    return [msg]
+
+
 def _input(messages: Any) -> tuple[list[Any], list[int]]:
-    """The messages as Responses input items, assistant `tool_calls` and `tool` messages as the
-    items they stand for (checked here, so an error names their chat fields), and for each
-    item the index of the message it came from."""
+    """The messages as Responses input items, and for each item the index of its message."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("`messages` must be a non-empty list of messages.", param="messages")
     items: list[Any] = []
     origins: list[int] = []
     for i, msg in enumerate(messages):
-        param = f"messages[{i}]"
-        if isinstance(msg, dict) and msg.get("role") == "tool":
-            items.append({"type": "function_call_output", "call_id": _string(msg, "tool_call_id", param),
-                          "output": _string(msg, "content", param)})
-        elif isinstance(msg, dict) and msg.get("role") == "assistant" and msg.get("tool_calls"):
-            if msg.get("content"):
-                items.append({"role": "assistant", "content": msg["content"]})
-                origins.append(i)
-            if not isinstance(msg["tool_calls"], list):
-                raise InvalidRequest("`tool_calls` must be a list.", param=f"{param}.tool_calls")
-            for j, call in enumerate(msg["tool_calls"]):
-                fn = _function(call, f"{param}.tool_calls[{j}]")
-                items.append({"type": "function_call", "call_id": _string(call, "id", f"{param}.tool_calls[{j}]"),
-                              "name": _string(fn, "name", f"{param}.tool_calls[{j}].function"),
-                              "arguments": _string(fn, "arguments", f"{param}.tool_calls[{j}].function")})
-                origins.append(i)
-            continue
-        else:
-            items.append(msg)
-        origins.append(i)
+        translated = _items(msg, f"messages[{i}]")
+        items.extend(translated)
+        origins.extend([i] * len(translated))
     return items, origins
 
 
@@ -191,14 +208,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         names(exc)
         raise
 
-    def stream(request: web.Request, response: dict[str, Any], status: int,
-               headers: dict[str, str]) -> Awaitable[web.StreamResponse]:
-        return _stream(request, response, headers, usage, names)
+    def stream(request: web.Request, response: dict[str, Any], status: int, headers: dict[str, str],
+               events: Events) -> Awaitable[web.StreamResponse]:
+        return _stream(request, response, headers, events, usage, names)
 
     return await answer(request, created, key, bool(body.get("stream")), Shape(_completion, stream, names))
 
 
-async def _stream(request: web.Request, response: dict[str, Any], headers: dict[str, str],
+async def _stream(request: web.Request, response: dict[str, Any], headers: dict[str, str], events: Events,
                   include_usage: bool, names: ChatNames) -> web.StreamResponse:
     """The task's events from the start as chat chunks: a live generation, or a replay."""
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
@@ -217,7 +234,7 @@ async def _stream(request: web.Request, response: dict[str, Any], headers: dict[
     await out.prepare(request)
     await out.write(chunk({"role": "assistant", "content": ""}))
     called = False
-    async with contextlib.aclosing(follow(request.app[SERVICE], response["task"]["id"], -1)) as events:
+    async with contextlib.aclosing(events):
         async for event in events:
             if event is None:  # silence: chat streams send no heartbeat
                 continue

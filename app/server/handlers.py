@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -20,7 +21,7 @@ from app.tasks import records
 from app.tasks.states import TERMINAL, UNFINISHED
 
 
-
+Events = AsyncIterator[dict[str, Any] | None]  # a task's events, from `sse.follow`
 MAX_SEQUENCE = 2**63 - 1  # SQLite's INTEGER
 
 
@@ -61,16 +62,16 @@ async def health(request: web.Request) -> web.Response:
 @dataclass(frozen=True)
 class Shape:
     """How a route answers with a response: as JSON, or as a stream of its task's events from
-    the start (`stream(request, response, status, headers)`), and its errors in its own terms
-    (`rename(error)`, in place)."""
+    the start (`stream(request, response, status, headers, events)`, `events` from
+    `sse.follow`), and its errors in its own terms (`rename(error)`, in place)."""
     json: Callable[[dict[str, Any]], dict[str, Any]]
-    stream: Callable[[web.Request, dict[str, Any], int, dict[str, str]], Awaitable[web.StreamResponse]]
+    stream: Callable[[web.Request, dict[str, Any], int, dict[str, str], Events], Awaitable[web.StreamResponse]]
     rename: Callable[[LmspError], None]
 
 
-def _stream_events(request: web.Request, response: dict[str, Any], status: int,
-                   headers: dict[str, str]) -> Awaitable[web.StreamResponse]:
-    return sse.stream_task(request, request.app[SERVICE], response["task"]["id"], -1, status=status, headers=headers)
+def _stream_events(request: web.Request, response: dict[str, Any], status: int, headers: dict[str, str],
+                   events: Events) -> Awaitable[web.StreamResponse]:
+    return sse.send(request, events, status, headers)
 
 
 RESPONSES = Shape(lambda response: response, _stream_events, lambda error: None)
@@ -90,35 +91,44 @@ async def answer(request: web.Request, created: Created, key: str | None, stream
     first request saw), never an empty body. A foreground answer is stored once it is final."""
     service, client = request.app[SERVICE], _client(request)
     response, status = created.body, created.status
-    headers = {"Location": f"/v1/tasks/{response['task']['id']}"} if status == 202 else {}
+    if created.replayed and status >= 400:  # a failure is answered as it was: an error is not a stream
+        return web.json_response(response, status=status, headers={"Idempotent-Replayed": "true"})
+    task_id = response["task"]["id"]
+    headers = {"Location": f"/v1/tasks/{task_id}"} if status == 202 else {}
     if created.replayed:
         headers["Idempotent-Replayed"] = "true"
-        if status >= 400:  # a failure is answered as it was: an error is not a stream
-            return web.json_response(response, status=status, headers=headers)
     if created.replayed or status == 202:
         if stream:
-            return await shape.stream(request, response, status, headers)
+            return await shape.stream(request, response, status, headers, sse.follow(service, task_id, -1))
         return web.json_response(shape.json(response), status=status, headers=headers)
     # In the foreground the caller's connection is the only reader: if it goes, so does the work.
+    streamed = None
     try:
         if stream:
-            streamed = await shape.stream(request, response, 200, {})
-            final = await service.response(client, response["id"])
+            events = sse.follow(service, task_id, -1)
+            async with contextlib.aclosing(events):
+                held = await unless_client_leaves(request, sse.opening(events))
+                if held and held[-1] is not None and held[-1]["type"] == "response.failed":
+                    final = held[-1]["response"]  # failed before any output: an error, not a stream
+                else:
+                    streamed = await shape.stream(request, response, 200, {}, sse.resumed(held, events))
+                    final = await service.response(client, response["id"])
         else:
-            final = records.response_object(await unless_client_leaves(request, service.wait(response["task"]["id"])))
+            final = records.response_object(await unless_client_leaves(request, service.wait(task_id)))
     except BaseException:  # the client left, or we failed: stop the work, free the key for a retry
-        await cancel_quietly(service, client, response["task"]["id"])
+        await cancel_quietly(service, client, task_id)
         if key:
             await asyncio.shield(service.forget(client.id, key))
         raise
-    failure = Failed(**final["error"]) if final["status"] == "failed" and not stream else None
+    failure = Failed(**final["error"]) if final["status"] == "failed" and streamed is None else None
     if failure is not None:
         shape.rename(failure)
     if key:
-        await service.remember(client.id, key, *((failure.status, failure.body()) if failure else (200, final)))
+        await service.remember(client.id, key, *((failure.status, failure.body()) if failure else (200, final)),
+                               response["id"])
     if failure is not None:
         raise failure
-    return streamed if stream else web.json_response(shape.json(final))
+    return streamed if streamed is not None else web.json_response(shape.json(final))
 
 
 async def unless_client_leaves(request: web.Request, work: Any) -> Any:

@@ -69,14 +69,50 @@ async def follow(service: AppService, task_id: str, after: int,
 
 
 async def stream_task(request: web.Request, service: AppService, task_id: str, after: int, *,
-                      status: int = 200, headers: dict[str, str] | None = None,
                       heartbeat: float = HEARTBEAT_SECONDS) -> web.StreamResponse:
+    return await send(request, follow(service, task_id, after, heartbeat))
+
+
+async def send(request: web.Request, events: AsyncIterator[dict[str, Any] | None], status: int = 200,
+               headers: dict[str, str] | None = None) -> web.StreamResponse:
+    """`events` (from `follow`) as an SSE stream."""
     response = web.StreamResponse(status=status, headers={
         "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
         "X-Accel-Buffering": "no", **(headers or {})})
     await response.prepare(request)
-    async with contextlib.aclosing(follow(service, task_id, after, heartbeat)) as events:
+    async with contextlib.aclosing(events):
         async for event in events:
             # A heartbeat is a lone comment line, no blank line after it: see LMSP §6 on the openai SDK.
             await response.write(frame(event) if event is not None else b": keep-alive\n")
     return response
+
+
+# What a task says before its output: held back by `opening` (the first delta, a function
+# call's item, the end, or a silence ends it).
+OPENING_EVENTS = ("response.created", "response.queued", "response.loading", "response.in_progress",
+                  "response.content_part.added")
+
+
+async def opening(events: AsyncIterator[dict[str, Any] | None]) -> list[dict[str, Any] | None]:
+    """The events of `follow` up to the first that is not the task's opening: a foreground
+    stream reads them before it answers, so that a task that fails before any output (an input
+    too long for the model, a model that does not load) is answered with an HTTP error, as
+    OpenAI's are, and not with a stream. A silence (a task queued behind others) ends the
+    wait: the stream then starts with its heartbeat."""
+    held: list[dict[str, Any] | None] = []
+    async for event in events:
+        held.append(event)
+        if event is None or not (event["type"] in OPENING_EVENTS or (
+                event["type"] == "response.output_item.added" and event["item"]["type"] == "message")):
+            break
+    return held
+
+
+async def resumed(held: list[dict[str, Any] | None],
+                  events: AsyncIterator[dict[str, Any] | None]) -> AsyncIterator[dict[str, Any] | None]:
+    """`held` (from `opening`), then the rest of `events`."""
+    async with contextlib.aclosing(events):
+        for event in held:
+            yield event
+        async for event in events:
+            yield event
