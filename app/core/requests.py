@@ -49,7 +49,8 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _text_of(content: Any, param: str) -> str:
+def text_of(content: Any, param: str) -> str:
+    """A message's content: a string, or text parts (as OpenAI takes them), joined."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -60,7 +61,7 @@ def _text_of(content: Any, param: str) -> str:
                 raise InvalidRequest("Only text content parts are supported.", param=f"{param}[{i}]")
             parts.append(part["text"])
         return "".join(parts)
-    raise InvalidRequest("Message content must be a string or a list of text parts.", param=param)
+    raise InvalidRequest("`content` must be a string or a list of text parts.", param=param)
 
 
 def _messages(value: Any) -> list[dict[str, str]]:
@@ -76,7 +77,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(item, dict) or item.get("role") not in ROLES:
             raise InvalidRequest(f"Each message needs a role, one of {sorted(ROLES)}.", param=f"input[{i}].role")
         role = "system" if item["role"] == "developer" else item["role"]
-        out.append({"role": role, "content": _text_of(item.get("content"), f"input[{i}].content")})
+        out.append({"role": role, "content": text_of(item.get("content"), f"input[{i}].content")})
     return out
 
 

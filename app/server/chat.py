@@ -10,6 +10,7 @@ from typing import Any, Awaitable
 
 from aiohttp import web
 
+from app.core.requests import text_of
 from app.core.service import TERMINAL_EVENTS
 from app.errors import Failed, InvalidRequest, LmspError
 from app.server.handlers import Events, Shape, answer
@@ -49,18 +50,6 @@ def _string(msg: dict[str, Any], field: str, param: str) -> str:
     return str(msg[field])
 
 
-def _tool_output(msg: dict[str, Any], param: str) -> str:
-    """A `tool` message's content: a string, or text parts (as OpenAI takes), joined."""
-    content = msg.get("content")
-    if isinstance(content, list) and all(
-            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-            for part in content):
-        return "".join(part["text"] for part in content)
-    if not isinstance(content, str):
-        raise InvalidRequest("`content` must be a string or a list of text parts.", param=f"{param}.content")
-    return content
-
-
 def _call(call: Any, param: str) -> dict[str, Any]:
     fn = _function(call, param)
     return {"type": "function_call", "call_id": _string(call, "id", param),
@@ -77,7 +66,7 @@ def _items(msg: Any, param: str) -> list[Any]:
         return [msg]
     if msg.get("role") == "tool":
         return [{"type": "function_call_output", "call_id": _string(msg, "tool_call_id", param),
-                 "output": _tool_output(msg, param)}]
+                 "output": text_of(msg.get("content"), f"{param}.content")}]
     if msg.get("role") == "assistant" and msg.get("tool_calls"):
         if not isinstance(msg["tool_calls"], list):
             raise InvalidRequest("`tool_calls` must be a list.", param=f"{param}.tool_calls")
