@@ -56,6 +56,7 @@ async def test_a_streamed_chat_ends_with_its_usage_when_asked(api):
     resp = await api.post("/v1/chat/completions",
                           json={**CHAT, "stream": True, "stream_options": {"include_usage": True}})
     assert resp.status == 200, await resp.text()
+    assert resp.headers.get("X-Accel-Buffering") == "no"  # a proxy in front must not hold chunks back
     got = chunks(await resp.text())
     assert got[-1] == "[DONE]"
     last, body = got[-2], got[:-2]

@@ -243,6 +243,8 @@ class Desktop(QObject):
                              lambda: self.show_dashboard("Models"))
         if event["type"] not in ("response.failed", "download.failed"):
             return
+        if not (event.get("response") or {"background": True})["background"]:
+            return  # a foreground request's caller is answered the error itself
         error = event.get("error") or {}
         title = "A download failed" if event["type"] == "download.failed" else "A task failed"
         self.tray.notify(title, error.get("message") or "The task failed.",

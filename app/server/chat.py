@@ -13,6 +13,7 @@ from aiohttp import web
 from app.core.requests import text_of
 from app.core.service import TERMINAL_EVENTS
 from app.errors import Failed, InvalidRequest, LmspError
+from app.server import sse
 from app.server.handlers import Events, Shape, answer
 from app.server.keys import CLIENT, SERVICE
 from app.server.middleware import read_json
@@ -207,8 +208,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _stream(request: web.Request, response: dict[str, Any], headers: dict[str, str], events: Events,
                   include_usage: bool, names: ChatNames) -> web.StreamResponse:
     """The task's events from the start as chat chunks: a live generation, or a replay."""
-    out = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-                                      **headers})
     ident, model, created = _ident(response), response["model"], response["created_at"]
     extra = {"usage": None} if include_usage else {}  # as OpenAI: every chunk says it, null until the last
 
@@ -220,7 +219,7 @@ async def _stream(request: web.Request, response: dict[str, Any], headers: dict[
         return data({"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
                      "choices": choices, **extra, **fields})
 
-    await out.prepare(request)
+    out = await sse.start(request, headers=headers)
     await out.write(chunk({"role": "assistant", "content": ""}))
     called = False
     async with contextlib.aclosing(events):

@@ -73,13 +73,19 @@ async def stream_task(request: web.Request, service: AppService, task_id: str, a
     return await send(request, follow(service, task_id, after, heartbeat))
 
 
-async def send(request: web.Request, events: AsyncIterator[dict[str, Any] | None], status: int = 200,
-               headers: dict[str, str] | None = None) -> web.StreamResponse:
-    """`events` (from `follow`) as an SSE stream."""
+async def start(request: web.Request, status: int = 200, headers: dict[str, str] | None = None) -> web.StreamResponse:
+    """An SSE response, its headers sent (X-Accel-Buffering: a proxy in front must not hold events back)."""
     response = web.StreamResponse(status=status, headers={
         "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
         "X-Accel-Buffering": "no", **(headers or {})})
     await response.prepare(request)
+    return response
+
+
+async def send(request: web.Request, events: AsyncIterator[dict[str, Any] | None], status: int = 200,
+               headers: dict[str, str] | None = None) -> web.StreamResponse:
+    """`events` (from `follow`) as an SSE stream."""
+    response = await start(request, status, headers)
     async with contextlib.aclosing(events):
         async for event in events:
             # A heartbeat is a lone comment line, no blank line after it: see LMSP §6 on the openai SDK.

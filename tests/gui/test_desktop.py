@@ -43,10 +43,14 @@ async def test_a_failed_task_notifies_and_the_click_shows_it(desktop: Desktop, o
     link.symlink_to(paths.default_model_file())
     await service.register_model({"path": str(link), "id": "vanishing"})
     service.set_paused(True)
+    # A foreground request's caller is answered the error itself: only the background task notifies.
+    foreground = await make_task(service, owner, model="vanishing", background=False)
     response = await make_task(service, owner, model="vanishing")
-    link.unlink()  # the file goes away while the task waits: running it fails
+    link.unlink()  # the file goes away while the tasks wait: running them fails
     service.set_paused(False)
     await until(lambda: messages, 30, "notification")
+    assert (await service.task(owner, foreground["task"]["id"]))["status"] == "failed"
+    assert len(messages) == 1
     title, text, on_click = messages[0]
     assert title == "A task failed" and "vanishing" in text
     assert on_click is not None
