@@ -48,9 +48,10 @@ def add_task(conn: sqlite3.Connection, status: str, finished_at: float | None = 
     return task_id
 
 
-def add_key(conn: sqlite3.Connection, key: str, created_at: float) -> None:
+def add_key(conn: sqlite3.Connection, key: str, created_at: float, response_id: str | None = None) -> None:
     conn.execute("INSERT INTO idempotency_keys(client_id, key, request_digest, status_code, response_body, "
-                 "created_at) VALUES ('client_owner', ?, 'digest', 200, '{}', ?)", (key, created_at))
+                 "response_id, created_at) VALUES ('client_owner', ?, 'digest', 200, '{}', ?, ?)",
+                 (key, response_id, created_at))
 
 
 def left(conn: sqlite3.Connection, task_id: str) -> dict[str, int]:
@@ -135,6 +136,17 @@ def test_expired_idempotency_keys_go_and_fresh_ones_stay(conn: sqlite3.Connectio
 
     assert run_purge(conn)["idempotency_keys"] == 1
     assert keys(conn) == {"fresh", "new"}
+
+
+def test_a_key_about_a_purged_response_goes_with_it_though_young(conn: sqlite3.Connection) -> None:
+    # A retry must create anew, not replay a response whose events are gone (a stream with nothing in it).
+    old = add_task(conn, COMPLETED, finished_at=NOW - 2 * WEEK)
+    kept = add_task(conn, COMPLETED, finished_at=NOW - DAY)
+    add_key(conn, "about-purged", NOW - 60, "resp_" + old[5:])
+    add_key(conn, "about-kept", NOW - 60, "resp_" + kept[5:])
+
+    assert run_purge(conn, retention=WEEK, ttl=4 * WEEK)["responses"] == 1
+    assert keys(conn) == {"about-kept"}
 
 
 # -- through the service -------------------------------------------------------------------

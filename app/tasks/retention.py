@@ -18,10 +18,8 @@ def purge(conn: sqlite3.Connection, retention_seconds: int, idempotency_ttl_seco
           now: float | None = None) -> dict[str, int]:
     now = time.time() if now is None else now
     marks = ",".join("?" * len(TERMINAL))
-    # Deleting the response cascades to its task and the task's events.
-    gone = conn.execute(
-        f"DELETE FROM responses WHERE id IN (SELECT response_id FROM tasks WHERE status IN ({marks}) "
-        "AND finished_at IS NOT NULL AND finished_at < ?)", (*TERMINAL, now - retention_seconds)).rowcount
+    gone = _drop(conn, f"SELECT response_id FROM tasks WHERE status IN ({marks}) AND finished_at IS NOT NULL "
+                 "AND finished_at < ?", (*TERMINAL, now - retention_seconds))
     keys = conn.execute("DELETE FROM idempotency_keys WHERE created_at < ?", (now - idempotency_ttl_seconds,)).rowcount
     # Pairing requests long over, and clients revoked long ago (the requests that created them first).
     old = now - retention_seconds
@@ -40,9 +38,15 @@ def purge_unstored(conn: sqlite3.Connection, now: float | None = None) -> int:
     marks = ",".join("?" * len(TERMINAL))
     ended = (f"SELECT r.id FROM responses r JOIN tasks t ON t.response_id = r.id WHERE r.store = 0 "
              f"AND t.status IN ({marks}) AND t.finished_at < ?")
-    params = (*TERMINAL, now - UNSTORED_GRACE_SECONDS)
-    conn.execute(f"DELETE FROM idempotency_keys WHERE response_id IN ({ended})", params)
-    return conn.execute(f"DELETE FROM responses WHERE id IN ({ended})", params).rowcount
+    return _drop(conn, ended, (*TERMINAL, now - UNSTORED_GRACE_SECONDS))
+
+
+def _drop(conn: sqlite3.Connection, ids: str, params: tuple[object, ...]) -> int:
+    """Delete the responses the query `ids` selects (cascading to task, output and events) and
+    the idempotency keys about them: a retry then creates anew instead of replaying a response
+    that is gone (as when one is deleted)."""
+    conn.execute(f"DELETE FROM idempotency_keys WHERE response_id IN ({ids})", params)
+    return conn.execute(f"DELETE FROM responses WHERE id IN ({ids})", params).rowcount
 
 
 def reclaim(conn: sqlite3.Connection) -> int:
