@@ -248,6 +248,25 @@ async def test_a_streamed_request_is_replayed_as_the_same_stream(api, service):
     await expect_error(resp, 422, "idempotency_key_reused")
 
 
+async def test_a_retry_the_moment_a_stream_ends_is_a_replay_not_a_conflict(api, service):
+    """The openai SDK stops reading at a stream's end event and may retry at once, before the
+    first connection closes: the answer must already be stored (409 `idempotency_key_in_use` was
+    seen there when it was stored only after the stream)."""
+    chat = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "temperature": 0, "stream": True}
+    ends = (b"event: response.completed", b"event: response.incomplete")
+    for path, body, end in (("/v1/responses", {**SAY_HI, "stream": True}, ends),
+                            ("/v1/chat/completions", chat, (b"data: [DONE]",))):
+        for n in range(3):
+            first = await api.post(path, json=body, headers=key(f"at once {path} {n}"))
+            assert first.status == 200, await first.text()
+            while not (line := await first.content.readline()).startswith(end):
+                assert line, "the stream ended without its end event"
+            again = await api.post(path, json=body, headers=key(f"at once {path} {n}"))
+            assert again.status == 200 and again.headers.get("Idempotent-Replayed") == "true", await again.text()
+            await again.text()
+            await first.text()
+
+
 async def test_a_key_without_a_client_is_ignored_and_never_replays_a_pairing(api, service):
     """Pairing requests have no client identity: a key there would be shared by every local
     program, and a replay would hand one app's pairing id (and so its token) to another."""
