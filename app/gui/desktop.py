@@ -243,7 +243,7 @@ class Desktop(QObject):
                              lambda: self.show_dashboard("Models"))
         if event["type"] not in ("response.failed", "download.failed"):
             return
-        if not (event.get("response") or {"background": True})["background"]:
+        if event["type"] == "response.failed" and not event["response"]["background"]:
             return  # a foreground request's caller is answered the error itself
         error = event.get("error") or {}
         title = "A download failed" if event["type"] == "download.failed" else "A task failed"

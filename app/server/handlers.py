@@ -103,7 +103,21 @@ async def answer(request: web.Request, created: Created, key: str | None, stream
         return web.json_response(shape.json(response), status=status, headers=headers)
     # In the foreground the caller's connection is the only reader: if it goes, so does the work.
     streamed = None
-    remembered: list[dict[str, Any]] = []  # a stream's final response, stored before its end went out
+    at_end: dict[str, Any] | None = None  # a stream's final response, from its end event
+
+    async def storing(events: Events) -> Events:
+        """`events`, the answer stored under the key before the task's end event goes out: a client
+        that retries the moment its stream ends (the openai SDK stops reading at that event, before
+        the connection closes) must find it stored, not its key still in flight."""
+        nonlocal at_end
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if event is not None and event["type"] in TERMINAL_EVENTS:
+                    at_end = event["response"]
+                    if key:
+                        await service.remember(client.id, key, 200, at_end, response["id"])
+                yield event
+
     try:
         if stream:
             events = sse.follow(service, task_id, -1)
@@ -112,9 +126,8 @@ async def answer(request: web.Request, created: Created, key: str | None, stream
                 if held and held[-1] is not None and held[-1]["type"] == "response.failed":
                     final = held[-1]["response"]  # failed before any output: an error, not a stream
                 else:
-                    streamed = await shape.stream(request, response, 200, {}, _remembering(
-                        sse.resumed(held, events), lambda: _remember(service, client, key, response["id"], remembered)))
-                    final = remembered[0] if remembered else await service.response(client, response["id"])
+                    streamed = await shape.stream(request, response, 200, {}, storing(sse.resumed(held, events)))
+                    final = at_end or await service.response(client, response["id"])  # or the service stopped
         else:
             final = records.response_object(await unless_client_leaves(request, service.wait(task_id)))
     except BaseException:  # the client left, or we failed: stop the work, free the key for a retry
@@ -125,31 +138,12 @@ async def answer(request: web.Request, created: Created, key: str | None, stream
     failure = Failed(**final["error"]) if final["status"] == "failed" and streamed is None else None
     if failure is not None:
         shape.rename(failure)
-    if key and not remembered:
+    if key and at_end is None:
         await service.remember(client.id, key, *((failure.status, failure.body()) if failure else (200, final)),
                                response["id"])
     if failure is not None:
         raise failure
     return streamed if streamed is not None else web.json_response(shape.json(final))
-
-
-async def _remembering(events: Events, remember: Callable[[], Awaitable[None]]) -> Events:
-    """`events`, with `remember` awaited before the task's last one goes out: a client that
-    retries the moment its stream ends (the openai SDK stops reading at the end event, before
-    the connection closes) must find the answer stored, not its key still in flight."""
-    async with contextlib.aclosing(events):
-        async for event in events:
-            if event is not None and event["type"] in TERMINAL_EVENTS:
-                await remember()
-            yield event
-
-
-async def _remember(service: Any, client: Client, key: str | None, response_id: str,
-                    remembered: list[dict[str, Any]]) -> None:
-    """Store a foreground stream's answer under its key (if any); keep the final response."""
-    remembered.append(await service.response(client, response_id))
-    if key:
-        await service.remember(client.id, key, 200, remembered[0], response_id)
 
 
 async def unless_client_leaves(request: web.Request, work: Any) -> Any:
