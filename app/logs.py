@@ -1,12 +1,19 @@
-"""Logging: a rotating file in the per-user log folder, no token ever written to it, and no flood."""
+"""Logging: a rotating file in the per-user log folder, no token ever written to it, and no flood.
+
+Records are written on threads of their own (`Detached`), never on the event loop that the GUI
+and the server share: a parent that starts the app with stderr on a pipe it never reads (a
+launcher, a script) fills that pipe after some 270 tasks, and a write to stderr on the loop then
+stopped the whole app. Now only that pipe's thread waits; the log file goes on.
+"""
 
 from __future__ import annotations
 
 import logging
 import logging.handlers
 import os
+import queue
 import re
-import sys
+import threading
 import time
 from pathlib import Path
 
@@ -67,6 +74,68 @@ class Throttle(logging.Filter):
         return count < self.burst
 
 
+class Detached(logging.Handler):
+    """Hands each record, formatted and redacted here, to `target` on a thread of its own. At most
+    `limit` wait: beyond that (a pipe nobody reads) records for this target are dropped, not held
+    in memory without end. `flush` and `close` (logging does both at exit) wait for what is
+    queued, but not forever."""
+
+    def __init__(self, target: logging.Handler, limit: int = 10_000, patience: float = 1.0) -> None:
+        super().__init__()
+        self.setFormatter(RedactingFormatter(FORMAT))
+        target.setFormatter(logging.Formatter("%(message)s"))
+        self.target, self.patience = target, patience
+        self.queue: queue.Queue[logging.LogRecord | None] = queue.Queue(limit)
+        self.thread = threading.Thread(target=self._write, name="lmsp-log", daemon=True)
+        self.thread.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # Formatted now: its arguments may change once the caller goes on; a copy, as other
+        # handlers see the record too.
+        line = logging.makeLogRecord({**record.__dict__, "msg": self.format(record), "args": None,
+                                      "exc_info": None, "exc_text": None, "stack_info": None})
+        try:
+            self.queue.put_nowait(line)
+        except queue.Full:
+            pass
+
+    def _write(self) -> None:
+        while (record := self.queue.get()) is not None:
+            self.target.handle(record)
+            self.queue.task_done()
+        self.queue.task_done()
+
+    def flush(self) -> None:
+        with self.queue.all_tasks_done:
+            self.queue.all_tasks_done.wait_for(lambda: not self.queue.unfinished_tasks, self.patience)
+        self.target.flush()
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            try:
+                self.queue.put(None, timeout=self.patience)
+            except queue.Full:
+                pass
+            else:
+                self.thread.join(self.patience)
+        self.target.close()
+        super().close()
+
+
+class Stderr(logging.Handler):
+    """Lines to file descriptor 2, with no lock and no buffer shared with the rest of the process:
+    when nobody reads that pipe, only the thread writing here waits. (A StreamHandler's lock, and
+    sys.stderr's buffer, would make logging's shutdown and Python's exit wait for it forever.)"""
+
+    def createLock(self) -> None:
+        self.lock = None  # only its Detached thread writes here
+
+    def emit(self, record: logging.LogRecord) -> None:
+        data = (self.format(record) + "\n").encode("utf-8", "replace")
+        while data:
+            data = data[os.write(2, data):]
+
+
 def log_dir(data_dir: Path, explicit_data_dir: bool) -> Path:
     """With an explicit data folder, its logs live beside its state; else the platform's place."""
     if explicit_data_dir:
@@ -77,12 +146,12 @@ def log_dir(data_dir: Path, explicit_data_dir: bool) -> Path:
 def setup(folder: Path) -> Path:
     make_private(folder)
     file = folder / "lmsp-tray.log"
+    # One thread each: a stderr nobody reads must not hold up the file.
     handlers: list[logging.Handler] = [
-        logging.handlers.RotatingFileHandler(file, maxBytes=2_000_000, backupCount=5, encoding="utf-8"),
-        logging.StreamHandler(sys.stderr)]
+        Detached(logging.handlers.RotatingFileHandler(file, maxBytes=2_000_000, backupCount=5, encoding="utf-8")),
+        Detached(Stderr())]
     throttle = Throttle()
     for handler in handlers:
-        handler.setFormatter(RedactingFormatter(FORMAT))
         handler.addFilter(throttle)
     logging.basicConfig(level=os.environ.get("LMSP_LOG_LEVEL", "INFO"), handlers=handlers, force=True)
     return file

@@ -145,11 +145,12 @@ class Headless:
         self.token = ""
         self.log = data_dir.parent / f"{data_dir.name}.log"
 
-    def start(self, timeout: float = 60.0, preexec: Any = None) -> "Headless":
-        """`preexec`: run in the child before it starts (e.g. to lower its resource limits)."""
+    def start(self, timeout: float = 60.0, preexec: Any = None, output: Any = None) -> "Headless":
+        """`preexec`: run in the child before it starts (e.g. to lower its resource limits).
+        `output`: where its stdout and stderr go (default: the file `log`)."""
         with self.log.open("ab") as log:
             self.proc = self.procs.popen([*self.command, "--headless", "--data-dir", str(self.data_dir),
-                                          "--port", "0"], cwd=self.cwd, env=self.env, stdout=log,
+                                          "--port", "0"], cwd=self.cwd, env=self.env, stdout=output or log,
                                          stderr=subprocess.STDOUT, preexec_fn=preexec)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

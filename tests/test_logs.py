@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import socket
+import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -104,3 +106,20 @@ def test_routine_lines_of_a_busy_service_are_never_dropped(tmp_path: Path) -> No
         assert file.read_text().count(": starting") == 500
     finally:
         logging.basicConfig(force=True)
+
+
+def test_a_stderr_nobody_reads_stops_nothing(headless: Headless) -> None:
+    """Started with its output on a pipe its parent never reads (as some launchers and scripts
+    do): once the pipe's 64 KiB are full, the service must still answer, the log file must still
+    get every line, and it must still stop when told."""
+    headless.start(output=subprocess.PIPE)
+    tasks = 400  # each logs two lines, some 240 bytes: the pipe fills after about 270
+    for n in range(tasks):
+        started = time.monotonic()
+        status, _ = headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 1})
+        assert status == 200 and time.monotonic() - started < 10, f"request {n} took too long"
+    file = headless.data_dir / "logs" / "lmsp-tray.log"
+    wait_until(lambda: file.read_text().count(": left the engine") == tasks, timeout=10)
+    started = time.monotonic()
+    assert headless.terminate() == 0
+    assert time.monotonic() - started < 10
