@@ -8,9 +8,11 @@ on a CPU whose fast paths really crash, the same code paths run (the warm-up fin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +153,22 @@ async def test_two_crashes_in_safe_mode_fail_the_task_and_the_next_task_gets_a_f
     assert resp.status == 200 and (await resp.json())["output_text"].strip()
     assert processes_started(caplog) == 4
     assert (await api.get("/health")).status == 200
+
+
+async def test_an_engine_killed_between_requests_is_replaced_without_failing_the_next(
+        api: Any, service: AppService, caplog: pytest.LogCaptureFixture) -> None:
+    """As the kernel's out-of-memory killer does to the biggest process; no request was running."""
+    caplog.set_level(logging.INFO)
+    assert (await api.post("/v1/responses", json=SAY_HI)).status == 200
+    engine = service.engines[0]
+    assert engine.pid is not None
+    os.kill(engine.pid, signal.SIGKILL)
+    while engine.alive:
+        await asyncio.sleep(0.01)
+    resp = await api.post("/v1/responses", json=SAY_HI)
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["output_text"].strip()
+    assert processes_started(caplog) == 2
 
 
 async def test_engine_mode_setting(api: Any, service: AppService, monkeypatch: pytest.MonkeyPatch,

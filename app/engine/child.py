@@ -376,8 +376,12 @@ SPIN_COUNT = "1000"
 NICENESS = 3
 
 
-def main(conn: Connection) -> None:
-    """Entry point of the child process."""
+def main(conn: Connection, stderr: Connection | None = None) -> None:
+    """Entry point of the child process. `stderr`: where its standard error goes (the parent
+    logs it), for what llama.cpp prints there, a failed assertion's reason among it."""
+    if stderr is not None:
+        os.dup2(stderr.fileno(), 2)
+        stderr.close()
     os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)  # read when llama.cpp is first imported, below
     if hasattr(os, "nice"):  # POSIX only
         os.nice(NICENESS)

@@ -98,6 +98,16 @@ def _pump(loop: asyncio.AbstractEventLoop, conn: Connection, inbox: asyncio.Queu
         loop.call_soon_threadsafe(inbox.put_nowait, CRASHED)
 
 
+def _relay(stderr: Connection, name: str) -> None:
+    """On a thread: each line the child writes to its standard error into the log, until the
+    child is gone. Else llama.cpp's messages (why it aborted, say) would be in no log, and on a
+    stderr nobody reads the child would wait for room in the pipe once the parent filled it."""
+    with open(stderr.fileno(), "rb", closefd=False) as lines:
+        for line in lines:
+            log.info("%s: %s", name, line.decode(errors="replace").rstrip())
+    stderr.close()
+
+
 class Engine:
     """A local engine: one llama.cpp child process."""
     _ids = itertools.count(1)
@@ -145,9 +155,15 @@ class Engine:
         loop = asyncio.get_running_loop()
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs Qt and threads
         parent, kid = ctx.Pipe()
-        proc = ctx.Process(target=child.main, args=(kid,), name=f"lmsp-{self.name}", daemon=True)
+        # Windows' pipes are handles, not descriptors to put in place of its stderr.
+        errors, their_errors = ctx.Pipe(duplex=False) if os.name == "posix" else (None, None)
+        proc = ctx.Process(target=child.main, args=(kid, their_errors), name=f"lmsp-{self.name}", daemon=True)
         proc.start()
         kid.close()
+        if errors is not None and their_errors is not None:
+            their_errors.close()
+            threading.Thread(target=_relay, args=(errors, self.name), name=f"lmsp-{self.name}-stderr",
+                             daemon=True).start()
         log.info("%s: started inference process %s", self.name, proc.pid)
         inbox: asyncio.Queue[Message] = asyncio.Queue()
         self._proc, self._conn, self._inbox, self.file = proc, parent, inbox, None
