@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import qasync
-from PySide6.QtCore import QObject, QTimer
+from PySide6.QtCore import QMessageLogContext, QObject, QtMsgType, QTimer, qInstallMessageHandler
 from PySide6.QtWidgets import QApplication, QSystemTrayIcon
 
 from app.errors import LmspError
@@ -278,7 +278,23 @@ def _on_signals(loop: asyncio.AbstractEventLoop, handler: Any) -> None:
             signal.signal(sig, lambda *_: loop.call_soon_threadsafe(handler))
 
 
+QT_LEVELS = {QtMsgType.QtDebugMsg: logging.DEBUG, QtMsgType.QtInfoMsg: logging.INFO,
+             QtMsgType.QtWarningMsg: logging.WARNING, QtMsgType.QtCriticalMsg: logging.ERROR,
+             QtMsgType.QtFatalMsg: logging.CRITICAL}
+
+
+def _qt_message(kind: QtMsgType, context: QMessageLogContext, message: str) -> None:
+    logging.getLogger("qt").log(QT_LEVELS.get(kind, logging.WARNING), "%s", message)
+
+
+def route_qt_messages() -> None:
+    """Qt's own messages go into the log (its file too), instead of straight to stderr from the
+    GUI thread: on a stderr nobody reads, that write would stop the app once the pipe is full."""
+    qInstallMessageHandler(_qt_message)
+
+
 def run_desktop(life: Any) -> int:
+    route_qt_messages()
     # argv[0] names the X11 window class: "lmsp-tray", not "__main__.py".
     app = QApplication.instance() or QApplication(["lmsp-tray", *sys.argv[1:]])
     assert isinstance(app, QApplication)

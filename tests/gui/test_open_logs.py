@@ -85,3 +85,19 @@ def test_main_hands_the_log_file_to_the_desktop_app(tmp_path: Path, monkeypatch:
         logging.basicConfig(force=True)  # let go of the log file logs.setup opened
     # An explicit data folder keeps its logs beside it (logs.log_dir).
     assert seen == [tmp_path / "data" / "logs" / "lmsp-tray.log"]
+
+
+def test_qt_s_own_warnings_go_to_the_log(qapp: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Not straight to stderr from the GUI thread (a full pipe nobody reads would stop the app),
+    and so they are in the log file a user sends along."""
+    from PySide6.QtCore import qInstallMessageHandler
+    from PySide6.QtGui import QPixmap
+
+    from app.gui.desktop import route_qt_messages
+
+    route_qt_messages()
+    try:
+        QPixmap().scaled(10, 10)  # Qt warns: a null pixmap
+    finally:
+        qInstallMessageHandler(None)
+    assert [(r.name, r.levelno) for r in caplog.records if "null pixmap" in r.getMessage()] == [("qt", logging.WARNING)]
