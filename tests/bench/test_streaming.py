@@ -39,12 +39,14 @@ def ms(seconds: float) -> str:
 class Stream:
     """When text arrived, measured from the request: first text, gaps, decode tokens/s."""
 
-    def __init__(self, start: float, arrivals: list[float], tokens: int, cpu: float | None = None) -> None:
+    def __init__(self, start: float, arrivals: list[float], tokens: int, cpu: float | None = None,
+                 reader: float | None = None) -> None:
         self.first = arrivals[0] - start
         self.gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
         self.tokens = tokens
         self.decode = (tokens - 1) / (arrivals[-1] - arrivals[0])
         self.cpu = cpu  # CPU seconds the service process (not its engine child) used per token
+        self.reader = reader  # and the reading client (this thread: urllib, json), on the same cores
 
 
 def disk_commits(directory: Path, count: int = 300, pace: float = 0.012) -> str:
@@ -129,7 +131,7 @@ def service_stream(svc: Headless, tokens: int = TOKENS, **more: Any) -> Stream:
     req = urllib.request.Request(svc.url + "/v1/responses", data=body, method="POST", headers={
         "Content-Type": "application/json", "Authorization": f"Bearer {svc.token}"})
     assert svc.proc is not None
-    used = cpu_seconds(svc.proc.pid)
+    used, reading = cpu_seconds(svc.proc.pid), time.thread_time()
     start = time.perf_counter()
     arrivals, tokens = [], 0
     with urllib.request.urlopen(req, timeout=120) as resp:
@@ -141,7 +143,8 @@ def service_stream(svc: Headless, tokens: int = TOKENS, **more: Any) -> Stream:
                 arrivals.append(time.perf_counter())
             elif "response" in event and event["type"] in ("response.completed", "response.incomplete"):
                 tokens = event["response"]["usage"]["output_tokens"]
-    return Stream(start, arrivals, tokens, (cpu_seconds(svc.proc.pid) - used) / tokens)
+    reading = time.thread_time() - reading
+    return Stream(start, arrivals, tokens, (cpu_seconds(svc.proc.pid) - used) / tokens, reading / tokens)
 
 
 def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless, upstreams: Any) -> None:
@@ -185,7 +188,8 @@ def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless, upst
           f"\n  decode        {b[3]:.1f} | {s[3]:.1f} tokens/s  (ratio {ratio(served)}); "
           f"{b[4]} | {s[4]} tokens, {deltas:.0f} deltas"
           f"\n  service process CPU per token (decoding's cores are shared with it): "
-          f"{statistics.median(r.cpu or 0.0 for r in served) * 1000:.2f} ms"
+          f"{statistics.median(r.cpu or 0.0 for r in served) * 1000:.2f} ms; the reading client's: "
+          f"{statistics.median(r.reader or 0.0 for r in served) * 1000:.2f} ms"
           f"\n  peer, llama-cpp-python's own server ({'fast' if fast else 'safe'} mode, straight): first text "
           f"{ms(p[0])} (- bare {ms(p[0] - b[0])}), gap median {ms(p[1])}, p99 {ms(p[2])}, decode {p[3]:.1f} "
           f"tokens/s (ratio to bare {ratio(peered)}; the service's decode / the peer's {s[3] / p[3]:.3f})"
