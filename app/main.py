@@ -164,6 +164,18 @@ def has_screen() -> bool:
     return any(os.environ.get(name) for name in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"))
 
 
+def fill_standard_streams() -> None:
+    """A launcher may start the app with standard input, output or error closed: the next file
+    opened would take that number, and stderr's writes (ours, and llama.cpp's in the engine
+    child, which inherits it) would land in it (seen: the log file, every line twice). The
+    null device takes the number instead."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
+
+
 def main(argv: list[str] | None = None) -> int:
     # In a frozen app the engine child (spawn) and multiprocessing's resource tracker are this
     # same executable: run them and exit here, before the command line is parsed. No-op otherwise.
@@ -172,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = paths.data_dir(args.data_dir)
     if args.command:
         return cli.run(args.command, args.args, data_dir)
+    fill_standard_streams()
     os.umask(0o077)  # whatever this process writes (database, WAL, logs, backups, lock) is private to the user
     log_file = logs.setup(logs.log_dir(data_dir, bool(args.data_dir or os.environ.get("LMSP_DATA_DIR"))))
     life = Lifecycle(data_dir, args.host, args.port)

@@ -143,3 +143,13 @@ def test_a_stderr_nobody_reads_stops_nothing(headless: Headless) -> None:
     started = time.monotonic()
     assert headless.terminate() == 0
     assert time.monotonic() - started < 10
+
+
+def test_started_with_stderr_closed_no_file_takes_its_place(headless: Headless) -> None:
+    """Else the next file opened gets descriptor 2 and everything written to stderr."""
+    headless.start(preexec=lambda: os.close(2))
+    assert headless.proc is not None
+    assert os.readlink(f"/proc/{headless.proc.pid}/fd/2") == os.devnull
+    assert headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 1})[0] == 200
+    assert headless.terminate() == 0
+    assert (headless.data_dir / "logs" / "lmsp-tray.log").read_text().count("serving LMSP on") == 1
