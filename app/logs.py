@@ -77,7 +77,7 @@ class Throttle(logging.Filter):
 class Detached(logging.Handler):
     """Hands each record, formatted and redacted here, to `target` on a thread of its own. At most
     `limit` wait: beyond that (a pipe nobody reads) records for this target are dropped, not held
-    in memory without end. `flush` and `close` (logging does both at exit) wait for what is
+    in memory without end, and counted in the first line that finds room again. `flush` and `close` (logging does both at exit) wait for what is
     queued, but not forever."""
 
     def __init__(self, target: logging.Handler, limit: int = 10_000, patience: float = 1.0) -> None:
@@ -85,11 +85,23 @@ class Detached(logging.Handler):
         self.setFormatter(RedactingFormatter(FORMAT))
         target.setFormatter(logging.Formatter("%(message)s"))
         self.target, self.patience = target, patience
+        self.dropped = 0  # records that found the queue full since the last one that did not
         self.queue: queue.Queue[logging.LogRecord | None] = queue.Queue(limit)
         self.thread = threading.Thread(target=self._write, name="lmsp-log", daemon=True)
         self.thread.start()
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self.dropped:  # room again: say first how many did not fit
+            note = logging.LogRecord(__name__, logging.WARNING, __file__, 0, "%d log lines were not written here: "
+                                     "they came faster than they could be", (self.dropped,), None)
+            if not self._offer(note):
+                self.dropped += 1
+                return
+            self.dropped = 0
+        if not self._offer(record):
+            self.dropped += 1
+
+    def _offer(self, record: logging.LogRecord) -> bool:
         # Formatted now: its arguments may change once the caller goes on; a copy, as other
         # handlers see the record too.
         line = logging.makeLogRecord({**record.__dict__, "msg": self.format(record), "args": None,
@@ -97,7 +109,8 @@ class Detached(logging.Handler):
         try:
             self.queue.put_nowait(line)
         except queue.Full:
-            pass
+            return False
+        return True
 
     def _write(self) -> None:
         while (record := self.queue.get()) is not None:

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -153,3 +154,31 @@ def test_started_with_stderr_closed_no_file_takes_its_place(headless: Headless) 
     assert headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 1})[0] == 200
     assert headless.terminate() == 0
     assert (headless.data_dir / "logs" / "lmsp-tray.log").read_text().count("serving LMSP on") == 1
+
+
+def test_lines_that_outrun_the_log_are_counted_not_lost_silently(tmp_path: Path) -> None:
+    file = tmp_path / "lines.log"
+    slow = logging.FileHandler(file)
+    handler = logs.Detached(slow, limit=5)
+    gate = threading.Lock()
+    gate.acquire()  # the writing thread waits, as on a full pipe, until released
+    emit = slow.emit
+    slow.emit = lambda record: (gate.acquire(), gate.release(), emit(record))  # type: ignore[method-assign]
+    log = logging.getLogger("tests.outrun")
+    log.propagate, log.level = False, logging.INFO
+    log.addHandler(handler)
+    try:
+        log.info("line 0")
+        wait_until(lambda: handler.queue.empty())  # the thread holds it, waiting at the gate
+        for n in range(1, 20):
+            log.info("line %d", n)
+        gate.release()
+        handler.flush()
+        log.info("after")
+        handler.flush()
+        lines = file.read_text().splitlines()
+        assert sum("line " in x for x in lines) == 6  # one taken by the thread, five queued
+        assert "14 log lines were not written here" in lines[-2] and lines[-1].endswith("after")
+    finally:
+        log.removeHandler(handler)
+        handler.close()
