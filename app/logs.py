@@ -77,8 +77,8 @@ class Throttle(logging.Filter):
 class Detached(logging.Handler):
     """Hands each record, formatted and redacted here, to `target` on a thread of its own. At most
     `limit` wait: beyond that (a pipe nobody reads) records for this target are dropped, not held
-    in memory without end, and counted in the first line that finds room again. `flush` and `close` (logging does both at exit) wait for what is
-    queued, but not forever."""
+    in memory without end, and counted in the first line that finds room again. `flush` and
+    `close` (logging does both at exit) wait for what is queued, but not forever."""
 
     def __init__(self, target: logging.Handler, limit: int = 10_000, patience: float = 1.0) -> None:
         super().__init__()
