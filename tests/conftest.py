@@ -107,7 +107,7 @@ def leftover_processes() -> dict[int, str]:
             if marker not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            parent = int(proc_stat(int(entry.name))[1])
         except OSError:  # gone meanwhile
             continue
         if not (parent == os.getpid() and "multiprocessing.resource_tracker" in cmdline):
@@ -247,9 +247,15 @@ LLAMA_SERVER = Path(os.environ.get("LMSP_LLAMA_SERVER") or Path.home() / ".cache
                     / f"llama-server-{version('llama-cpp-python')}" / "llama-server")
 
 
+def proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (which may hold spaces and
+    parentheses): [0] the state, [1] the parent's pid, [11] and [12] user and system CPU ticks."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of one process so far (its threads, not its children)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = proc_stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.conftest import Headless, Processes, wait_until
+from tests.conftest import Headless, Processes, cpu_seconds, wait_until
 from tests.helpers import COUNT, SAY_HI, http
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
@@ -46,11 +46,7 @@ def _fill(disk: Path) -> Path:
 
 
 def _cpu_seconds(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-    return total
+    return sum(cpu_seconds(pid) for pid in pids)
 
 
 def test_a_full_disk_neither_spins_nor_stops_the_service(small_disk: Path, procs: Processes,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from app.core.service import AppService
-from tests.conftest import Headless, wait_until
+from tests.conftest import Headless, cpu_seconds, wait_until
 from tests.helpers import bearer, expect_error, http, pair, poll
 
 FD_LIMIT = 1024  # the usual soft limit of a desktop session
@@ -190,11 +190,6 @@ async def test_a_revoked_token_is_refused_at_once_though_it_was_just_verified(ap
     assert resp.status == 401, await resp.text()
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 def test_registering_a_slow_file_stops_when_the_client_leaves_and_never_delays_exit(headless: Headless,
                                                                                    tmp_path: Path) -> None:
     """A 1 TiB sparse file with 2^22 strings: valid enough to walk (a minute of CPU here) and then
@@ -212,9 +207,9 @@ def test_registering_a_slow_file_stops_when_the_client_leaves_and_never_delays_e
     except TimeoutError:
         pass  # the client gives up and leaves
     time.sleep(1.5)  # the connection is watched every 0.25 s
-    burnt = _cpu_seconds(pid)
+    burnt = cpu_seconds(pid)
     time.sleep(3)
-    after_leaving = _cpu_seconds(pid) - burnt
+    after_leaving = cpu_seconds(pid) - burnt
     waiting = threading.Thread(target=http, args=(f"{headless.url}/v1/models", "POST", {"path": str(bomb)}),
                                kwargs={"token": headless.token, "timeout": 60}, daemon=True)
     waiting.start()  # this one is still waited for when the service is told to stop

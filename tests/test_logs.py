@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 from app import logs
-from tests.conftest import Headless, wait_until
+from tests.conftest import Headless, proc_stat, wait_until
 
 
 def test_no_token_reaches_the_log(headless: Headless) -> None:
@@ -114,8 +114,7 @@ def test_routine_lines_of_a_busy_service_are_never_dropped(tmp_path: Path) -> No
 def gone(pid: int) -> bool:
     """Dead: a zombie its parent can reap (its other threads ended too), or no process at all."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state in ("Z", "X") and len(os.listdir(f"/proc/{pid}/task")) <= 1
+        return proc_stat(pid)[0] in ("Z", "X") and len(os.listdir(f"/proc/{pid}/task")) <= 1
     except OSError:
         return True
 
