@@ -11,6 +11,7 @@ from app.store import config
 from app.store.store import Store
 from app.tasks.runner import Offer, claim
 
+from tests.test_api import check_sequence, events, start_background, wait_status
 from tests.test_metrics import metrics, value
 
 
@@ -100,3 +101,26 @@ async def test_claims_sharing_one_offer_take_one_task_between_them(api: Any, ser
 
     assert sum(c is not None for c in claims) == 1
     assert value(await metrics(api), "lmsp_tasks", state="queued") == 2
+
+
+async def test_a_queued_task_starts_in_the_commit_that_ends_the_one_before_it(api: Any, service: Any) -> None:
+    """The engine is free once a generation has ended: the commit that completes a task also takes
+    the next queued one (to `running`, its model being loaded), so tasks waiting their turn cost a
+    commit each, not two (one to end, one to start the next)."""
+    resp = await api.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1})  # the model loaded
+    assert resp.status == 200
+    service.set_paused(True)
+    ids = [(await start_background(api, {"input": f"Say {n}", "max_output_tokens": 1}))["task"]["id"]
+           for n in range(5)]
+    before = service.store.commits
+
+    service.set_paused(False)
+    for task_id in ids:
+        await wait_status(api, task_id, {"completed"})
+
+    # One claim takes the first; each of the five ends in a commit that takes the next.
+    assert service.store.commits - before == 6
+    for task_id in ids:
+        evs = await events(api, task_id)
+        check_sequence(evs)
+        assert [e["type"] for e in evs][-2:] == ["response.output_text.done", "response.incomplete"]

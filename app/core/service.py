@@ -239,7 +239,11 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         finally:
             if offer is not None:
                 self.runner.settle(offer, claimed)
-            self.runner.wake()
+            # Not when the room offered was for other kinds of model than this task's: whatever
+            # frees room for it wakes the scheduler then. Nor when a claim sharing the offer took
+            # the room first: that one wakes it.
+            if offer is None or claimed is not None:
+                self.runner.wake()
 
     async def claim_key(self, owner: str, idempotency_key: str, method: str, path: str,
                         body: Any) -> idempotency.Stored | None:

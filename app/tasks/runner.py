@@ -233,7 +233,9 @@ class Runner:
     def settle(self, offer: Offer, claimed: Claimed | None) -> None:
         """After a claim on `offer` committed (or failed: `claimed` None): start the task it took,
         publish the events taking it wrote, and, with the last holder, let the next offer be made
-        (whoever settles an offer the scheduler did not make wakes it)."""
+        (whoever settles an offer the scheduler did not make wakes it, unless no room is left
+        that the scheduler could use: one more claim finding nothing costs the writer a
+        transaction)."""
         assert self._offer is offer
         offer.holders -= 1
         if offer.holders == 0:
@@ -429,8 +431,22 @@ class Runner:
         else:
             ending = [("response.output_text.done", {"text": job.text, "output_index": 0, "content_index": 0,
                                                      "item_id": job.item_id})]
-        if await self.write(_complete, job.task_id, last, ending, reason, usage) is None:
+        if await self._end_and_hand_over(job, last, ending, reason, usage) is None:
             await self.write(_cancelled, job.task_id)
+
+    async def _end_and_hand_over(self, job: Job, *end: Any) -> list[machine.Event] | None:
+        """Complete the task and, in the same commit, let the next one take its engine, free since
+        the generation ended: a queued task then starts without a commit of its own before it."""
+        self.jobs.pop(job.task_id)  # nothing of it can be stopped or hurried any more
+        offer, claimed = self.offer(), None
+        try:
+            events, claimed = await self.store.write(_complete_then_claim, offer, job.task_id, *end)
+            if events:
+                self.bus.publish(events)
+            return events
+        finally:
+            if offer is not None:
+                self.settle(offer, claimed)
 
     async def _restart_output(self, job: Job, resume_mode: str) -> None:
         """Drop the output written so far: the engine starts the text again (LMSP §11, `retry`).
@@ -620,6 +636,11 @@ def _complete(conn: sqlite3.Connection, task_id: str, last: Chunk, ending: list[
         finished_at=time.time())
     assert done is not None
     return saved + done
+
+
+def _complete_then_claim(conn: sqlite3.Connection, offer: Offer | None, task_id: str,
+                         *end: Any) -> tuple[list[machine.Event] | None, Claimed | None]:
+    return _complete(conn, task_id, *end), claim(conn, offer) if offer is not None else None
 
 
 def _fail(conn: sqlite3.Connection, task_id: str, code: str, message: str) -> list[machine.Event] | None:
