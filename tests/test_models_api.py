@@ -3,6 +3,7 @@ before anything loads them), changed and missing files, forgetting, load/unload,
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -372,6 +373,33 @@ async def test_idle_model_is_unloaded_by_the_housekeeping_task(api, service):
     # The housekeeping task looks every 5 s; the model has been idle for 1 s by the first look.
     await poll(unloaded, timeout=20, interval=0.25, what="the idle model to be unloaded")
     assert not engine_paths(service)
+
+
+async def test_a_model_in_use_is_not_unloaded_as_idle(api, service):
+    """Idle means since the last generation ended, not since the model was loaded: requests a
+    moment apart for longer than the idle time keep the model loaded (no reload between them)."""
+    resp = await api.patch("/v1/settings", json={"model_idle_ttl_seconds": 1})
+    assert resp.status == 200, await resp.text()
+    await say_hi(api)
+    engine = service.engines[0]
+    unloaded = []
+
+    async def watch() -> None:
+        while True:
+            if engine.model_path is None:
+                unloaded.append(time.monotonic())
+            await asyncio.sleep(0.02)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        start = time.monotonic()
+        while time.monotonic() - start < 6.5:  # past the housekeeping task's look at 5 s
+            await say_hi(api)
+            await asyncio.sleep(0.3)  # idle, but for less than the 1 s allowed
+    finally:
+        watcher.cancel()
+    assert not unloaded
+    assert engine.model_path is not None
 
 
 async def test_the_default_model_follows_the_app_when_it_moves(tmp_path: Path) -> None:

@@ -304,9 +304,11 @@ class Engine:
                     if msg["ev"] == "chunk":
                         ids.extend(msg["ids"])
                         emitted += len(msg["text"])
+                    # Idle time counts from the last message, before its yield: the runner stops
+                    # iterating at `done`, so nothing after that yield runs.
+                    self._last_used = time.monotonic()
                     yield msg
                     if msg["ev"] == "done":
-                        self._last_used = time.monotonic()
                         return
                 await self._survive(crashes, "generating with", file)
                 await self._load(file, crashes)
