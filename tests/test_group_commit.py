@@ -112,14 +112,17 @@ async def test_a_queued_task_starts_in_the_commit_that_ends_the_one_before_it(ap
     service.set_paused(True)
     ids = [(await start_background(api, {"input": f"Say {n}", "max_output_tokens": 1}))["task"]["id"]
            for n in range(5)]
-    before = service.store.commits
+    before, writes = service.store.commits, service.store.transactions
 
     service.set_paused(False)
     for task_id in ids:
         await wait_status(api, task_id, {"completed"})
 
-    # One claim takes the first; each of the five ends in a commit that takes the next.
+    # One claim takes the first; each of the five ends in a commit that takes the next. The only
+    # other write is the scheduler's look for more once the engine is free: no remote model
+    # exists, so no claim looks for remote tasks meanwhile.
     assert service.store.commits - before == 6
+    assert service.store.transactions - writes == 7
     for task_id in ids:
         evs = await events(api, task_id)
         check_sequence(evs)

@@ -19,6 +19,7 @@ from app.errors import Conflict, InvalidRequest
 from app.secrets import api_key_vault
 from app.store.store import Store
 from app.tasks.bus import EventBus
+from app.tasks.runner import Runner
 
 MAX_ENDPOINTS = 16
 ENDPOINT_FIELDS = {"base_url", "model", "api_key"}
@@ -31,6 +32,7 @@ class RemoteFacade:
     store: Store
     bus: EventBus
     upstreams: Upstreams
+    runner: Runner
 
     async def open_upstreams(self) -> None:
         """Read every remote model's endpoints, and their keys, into routing."""
@@ -70,6 +72,7 @@ class RemoteFacade:
             await self._drop_keys(endpoints)
             raise
         self.upstreams.set(model_id, endpoints)
+        self.runner.wake()  # the first remote model: remote room is offered from now on
         self.bus.publish([{"type": "models.changed"}])
         return self.remote_object(await self.store.read(models.get, model_id))
 

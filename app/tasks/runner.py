@@ -223,8 +223,10 @@ class Runner:
             self._offer.holders += 1
             return self._offer
         engine = self.idle_engine()
-        formats = [name for name, free in (("gguf", engine is not None),
-                                           ("remote", self.remote_running() < self.remote_capacity)) if free]
+        # No remote model, no remote task to look for: a claim that finds nothing still costs the
+        # writer a transaction, and would run after every task that ends.
+        remote = bool(self.upstreams.models) and self.remote_running() < self.remote_capacity
+        formats = [name for name, free in (("gguf", engine is not None), ("remote", remote)) if free]
         if not formats:
             return None
         self._offer = Offer(engine, engine.ready() if engine else None, formats, list(self.jobs), self._last_client)
