@@ -1,6 +1,6 @@
 """Benchmarks of issue 10 (not in the default run): streaming latency and decode speed against
-bare llama-cpp-python, short requests, request -> 202 alone and under 20 concurrent clients,
-and WAL bytes per generated token. Every ratio is against a baseline from the same run."""
+bare llama-cpp-python (also with llama.cpp on one thread, a core left to the service), short
+requests, request -> 202 alone and under 20 concurrent clients, and WAL bytes per generated token. Every ratio is against a baseline from the same run."""
 
 from __future__ import annotations
 
@@ -147,6 +147,13 @@ def service_stream(svc: Headless, tokens: int = TOKENS, **more: Any) -> Stream:
     return Stream(start, arrivals, tokens, (cpu_seconds(svc.proc.pid) - used) / tokens, reading / tokens)
 
 
+def paired(runs: list[Stream], bare: list[Stream]) -> str:
+    """Decode speed over bare's, round by round: each pair ran one after the other, so the drift
+    between rounds cancels out (the median of the ratios, and their spread)."""
+    ratios = sorted(r.decode / a.decode for r, a in zip(runs, bare))
+    return f"{statistics.median(ratios):.3f} (rounds {ratios[0]:.3f}-{ratios[-1]:.3f})"
+
+
 def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless, upstreams: Any) -> None:
     """With a peer for scale: llama-cpp-python's own server, same model, threads and mode,
     streamed straight (a server with no durability at all: what serving over HTTP costs here)."""
@@ -173,26 +180,20 @@ def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless, upst
         return (statistics.median(r.first for r in runs), statistics.median(gaps), pct(gaps, 0.99),
                 statistics.median(r.decode for r in runs), runs[0].tokens)
 
-    def ratio(runs: list[Stream]) -> str:
-        """Decode speed over bare's, round by round: each pair ran one after the other, so the
-        drift between rounds cancels out (the median of the ratios, and their spread)."""
-        ratios = sorted(r.decode / a.decode for r, a in zip(runs, bare))
-        return f"{statistics.median(ratios):.3f} (rounds {ratios[0]:.3f}-{ratios[-1]:.3f})"
-
     b, s, p, n = summary(bare), summary(served), summary(peered), summary(natived)
     deltas = statistics.median(len(r.gaps) + 1 for r in served)
     print(f"\n[bench] {TOKENS}-token stream, median of {ROUNDS} (bare llama-cpp-python | through the service, SSE):"
           f"\n  first text    {ms(b[0])} | {ms(s[0])}  (service - bare {ms(s[0] - b[0])})"
           f"\n  gap median    {ms(b[1])} | {ms(s[1])}"
           f"\n  gap p99       {ms(b[2])} | {ms(s[2])}  (p99 / bare median {s[2] / b[1]:.2f})"
-          f"\n  decode        {b[3]:.1f} | {s[3]:.1f} tokens/s  (ratio {ratio(served)}); "
+          f"\n  decode        {b[3]:.1f} | {s[3]:.1f} tokens/s  (ratio {paired(served, bare)}); "
           f"{b[4]} | {s[4]} tokens, {deltas:.0f} deltas"
           f"\n  service process CPU per token (decoding's cores are shared with it): "
           f"{statistics.median(r.cpu or 0.0 for r in served) * 1000:.2f} ms; the reading client's: "
           f"{statistics.median(r.reader or 0.0 for r in served) * 1000:.2f} ms"
           f"\n  peer, llama-cpp-python's own server ({'fast' if fast else 'safe'} mode, straight): first text "
           f"{ms(p[0])} (- bare {ms(p[0] - b[0])}), gap median {ms(p[1])}, p99 {ms(p[2])}, decode {p[3]:.1f} "
-          f"tokens/s (ratio to bare {ratio(peered)}; the service's decode / the peer's {s[3] / p[3]:.3f})"
+          f"tokens/s (ratio to bare {paired(peered, bare)}; the service's decode / the peer's {s[3] / p[3]:.3f})"
           f"\n  peer, llama.cpp's llama-server (straight): first text {ms(n[0])}, gap median {ms(n[1])}, p99 "
           f"{ms(n[2])}, decode {n[3]:.1f} tokens/s (ratio to bare {n[3] / b[3]:.3f}; to its own unstreamed "
           f"decode {n[3] / statistics.median(native_plain):.3f})"
@@ -224,6 +225,27 @@ def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless, upst
           f"{ms(per_request['service'])} per request (+{ms(per_request['service'] - per_request['bare'])}); "
           f"peer, llama-cpp-python's own server: {ms(per_request['peer'])} "
           f"(+{ms(per_request['peer'] - per_request['bare'])})")
+
+
+def test_decode_with_a_core_to_spare_vs_bare_llama_cpp(headless: Headless) -> None:
+    """llama.cpp on one thread on each side (at max_concurrent_tasks 2 each engine has one of
+    the two cores): the service's own work for every token (its commit, the stream) then runs on
+    a core decoding does not use. Beside the bench above, where all cores decode, it tells what
+    the service's work costs from what sharing decoding's cores costs."""
+    headless.start()
+    status, _ = headless.request("PATCH", "/v1/settings", {"max_concurrent_tasks": 2})
+    assert status == 200
+    assert headless.terminate() == 0
+    headless.start()  # an engine keeps the threads it started with
+    headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 4})  # the model loaded
+    llm = bare_llama(fast_works(), threads=1)
+    bare, served = [], []
+    for _ in range(ROUNDS):
+        bare.append(bare_stream(llm))
+        served.append(service_stream(headless))
+    print(f"\n[bench] {TOKENS}-token stream with llama.cpp on one thread on each side, median of {ROUNDS}: "
+          f"decode bare {statistics.median(r.decode for r in bare):.1f} | service "
+          f"{statistics.median(r.decode for r in served):.1f} tokens/s (ratio {paired(served, bare)})")
 
 
 def metric(svc: Headless, name: str) -> float | None:

@@ -25,11 +25,11 @@ def fast_works() -> bool:
     return subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, timeout=300).returncode == 0
 
 
-def bare_llama(fast: bool | None = None) -> Any:
+def bare_llama(fast: bool | None = None, threads: int | None = None) -> Any:
     """Plain llama-cpp-python: same model, context and threads as the service's engine, warm.
     `fast=False`: as in the engine's safe mode (no extra buffer types); by default the mode the
     service's engine ends up in on this CPU (`auto`: fast unless it crashes), so that a
-    baseline compares like with like."""
+    baseline compares like with like. `threads`: by default, as many as the engine uses alone."""
     from llama_cpp import Llama
 
     if fast is None:
@@ -40,7 +40,8 @@ def bare_llama(fast: bool | None = None) -> Any:
 
     backend.load()
     with extra_bufts(fast):
-        llm = Llama(model_path=str(paths.default_model_file()), n_ctx=4096, n_threads=os.cpu_count(), verbose=False)
+        llm = Llama(model_path=str(paths.default_model_file()), n_ctx=4096, n_threads=threads or os.cpu_count(),
+                    verbose=False)
     llm.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
     return llm
 
