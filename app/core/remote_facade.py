@@ -72,7 +72,7 @@ class RemoteFacade:
             await self._drop_keys(endpoints)
             raise
         self.upstreams.set(model_id, endpoints)
-        self.runner.wake()  # the first remote model: remote room is offered from now on
+        self.runner.wake()  # remote room is offered once a remote model exists (Runner.offer)
         self.bus.publish([{"type": "models.changed"}])
         return self.remote_object(await self.store.read(models.get, model_id))
 

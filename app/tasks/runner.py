@@ -433,16 +433,17 @@ class Runner:
         else:
             ending = [("response.output_text.done", {"text": job.text, "output_index": 0, "content_index": 0,
                                                      "item_id": job.item_id})]
-        if await self._end_and_hand_over(job, last, ending, reason, usage) is None:
+        if await self._end_and_hand_over(job.task_id, last, ending, reason, usage) is None:
             await self.write(_cancelled, job.task_id)
 
-    async def _end_and_hand_over(self, job: Job, *end: Any) -> list[machine.Event] | None:
+    async def _end_and_hand_over(self, task_id: str, last: Chunk, ending: list[calls.Event], reason: str,
+                                 usage: dict[str, Any]) -> list[machine.Event] | None:
         """Complete the task and, in the same commit, let the next one take its engine, free since
         the generation ended: a queued task then starts without a commit of its own before it."""
-        self.jobs.pop(job.task_id)  # nothing of it can be stopped or hurried any more
+        self.jobs.pop(task_id)  # nothing of it can be stopped or hurried any more
         offer, claimed = self.offer(), None
         try:
-            events, claimed = await self.store.write(_complete_then_claim, offer, job.task_id, *end)
+            events, claimed = await self.store.write(_complete_then_claim, offer, task_id, last, ending, reason, usage)
             if events:
                 self.bus.publish(events)
             return events
@@ -640,9 +641,10 @@ def _complete(conn: sqlite3.Connection, task_id: str, last: Chunk, ending: list[
     return saved + done
 
 
-def _complete_then_claim(conn: sqlite3.Connection, offer: Offer | None, task_id: str,
-                         *end: Any) -> tuple[list[machine.Event] | None, Claimed | None]:
-    return _complete(conn, task_id, *end), claim(conn, offer) if offer is not None else None
+def _complete_then_claim(conn: sqlite3.Connection, offer: Offer | None, task_id: str, last: Chunk,
+                         ending: list[calls.Event], reason: str,
+                         usage: dict[str, Any]) -> tuple[list[machine.Event] | None, Claimed | None]:
+    return _complete(conn, task_id, last, ending, reason, usage), claim(conn, offer) if offer is not None else None
 
 
 def _fail(conn: sqlite3.Connection, task_id: str, code: str, message: str) -> list[machine.Event] | None:

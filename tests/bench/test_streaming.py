@@ -1,6 +1,7 @@
 """Benchmarks of issue 10 (not in the default run): streaming latency and decode speed against
 bare llama-cpp-python (also with llama.cpp on one thread, a core left to the service), short
-requests, request -> 202 alone and under 20 concurrent clients, and WAL bytes per generated token. Every ratio is against a baseline from the same run."""
+requests, request -> 202 alone and under 20 concurrent clients, and WAL bytes per generated token.
+Every ratio is against a baseline from the same run."""
 
 from __future__ import annotations
 
