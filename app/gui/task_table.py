@@ -41,6 +41,8 @@ def elapsed(task: dict[str, Any], now: float) -> float | None:
 def format_seconds(seconds: float | None) -> str:
     if seconds is None:
         return "—"
+    if seconds < 10:  # most tasks of a small model take well under a second: "0 s" would say nothing
+        return f"{seconds:.1f} s"
     seconds = int(seconds)
     if seconds < 60:
         return f"{seconds} s"

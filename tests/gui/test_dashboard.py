@@ -50,7 +50,8 @@ async def test_task_row_follows_a_real_task_to_completed(session: Session, owner
     await until(lambda: cell(dash, task_id, PROGRESS) == "30 / 30", 10, "progress 30/30")
     model = dash.tasks.model
     assert model.index(model.row_of(task_id), PROGRESS).data(PROGRESS_ROLE) == (30, 30)  # what the bar draws
-    assert cell(dash, task_id, ELAPSED).endswith("s")
+    task = await session.service.task(owner, task_id)
+    assert cell(dash, task_id, ELAPSED) == f"{task['finished_at'] - task['started_at']:.1f} s"  # not "0 s"
     assert "busy" in seen_states and tray.state == "idle"
     # The detail pane streamed the same text the response holds, and logged the events.
     final = await session.service.response(owner, response["id"])
