@@ -162,13 +162,15 @@ async def test_an_engine_killed_between_requests_is_replaced_without_failing_the
     assert (await api.post("/v1/responses", json=SAY_HI)).status == 200
     engine = service.engines[0]
     assert engine.pid is not None
+    # Two where fast mode crashes on this CPU (AMX): the first load is retried in safe mode.
+    before = processes_started(caplog)
     os.kill(engine.pid, signal.SIGKILL)
     while engine.alive:
         await asyncio.sleep(0.01)
     resp = await api.post("/v1/responses", json=SAY_HI)
     assert resp.status == 200, await resp.text()
     assert (await resp.json())["output_text"].strip()
-    assert processes_started(caplog) == 2
+    assert processes_started(caplog) == before + 1
 
 
 async def test_engine_mode_setting(api: Any, service: AppService, monkeypatch: pytest.MonkeyPatch,
