@@ -1,30 +1,40 @@
-"""Decoding beside another busy program (a build, a browser tab): it slows down, it never stalls.
+"""Decoding beside another busy program (a build, a browser tab): it goes on at the speed one
+core gives, and gives the same answer.
 
-llama.cpp's threads wait for each other at every step of a token. Waiting by spinning for
-long, as they do by default, a thread burns its time slice while the sibling it waits for is
-not running: beside one busy program, on two cores, decoding fell from 80 tokens/s to one
-token every two seconds (tests/bench/test_cpu_load.py has the figures)."""
+llama.cpp's threads wait for each other at every step of a token, spinning (which is what an
+idle machine wants). Beside a busy program a thread spins away its time slice waiting for a
+sibling that is not running: on two cores plain llama-cpp-python fell from 70 tokens/s to one
+token every two seconds. The engine then decodes on one thread (app/engine/threads.py), which
+has nothing to wait for (tests/bench/test_cpu_load.py has the figures)."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from tests.conftest import Headless, Processes, busy_programs
 from tests.helpers import COUNT
 
 
-def tokens_per_second(svc: Headless) -> float:
+def generate(svc: Headless) -> tuple[float, str]:
+    """tokens/s and text of one 48-token task."""
     task = svc.complete({"input": COUNT, "temperature": 0, "max_output_tokens": 48}, timeout=240)
-    return float(task["progress"]["tokens_per_second"])
+    response: dict[str, Any] = svc.get(f"/v1/responses/{task['response_id']}")[1]
+    return float(task["progress"]["tokens_per_second"]), response["output_text"]
 
 
-def test_decoding_keeps_going_while_another_program_keeps_cores_busy(headless: Headless, procs: Processes) -> None:
+def test_decoding_beside_a_busy_program_keeps_the_speed_of_a_core_and_the_same_text(
+        headless: Headless, procs: Processes) -> None:
     headless.start()
-    tokens_per_second(headless)  # the model loaded and warm
-    idle = tokens_per_second(headless)
+    generate(headless)  # the model loaded and warm
+    idle, text = generate(headless)
     # Half the cores kept busy at the user's own priority: the engine's threads use them all.
     with busy_programs(procs, max(1, (os.cpu_count() or 2) // 2)):
-        beside = tokens_per_second(headless)
-    # About a third of the idle speed here (bare llama-cpp-python keeps a hundredth); a stall
-    # (threads spinning away their slices) is a hundredth.
-    assert beside >= 0.15 * idle, f"{beside:.1f} tokens/s beside busy programs, {idle:.1f} on an idle machine"
+        beside = [generate(headless) for _ in range(3)]
+    # One thread of two makes about 0.6 of the idle speed here; decoding on both, beside the busy
+    # program, made 0.36-0.44 of it with short spins and 0.02 with long ones. The first task may
+    # pay for a token on both threads before the engine switches.
+    best = max(speed for speed, _ in beside)
+    assert best >= 0.5 * idle, f"{best:.1f} tokens/s beside busy programs, {idle:.1f} on an idle machine"
+    # The thread count does not change what llama.cpp computes: the same greedy text.
+    assert [answer for _, answer in beside] == [text] * 3

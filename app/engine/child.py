@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from app.engine import grammar, models
 from app.engine.sampling import GrammarSampler
+from app.engine.threads import Threads
 
 if TYPE_CHECKING:
     from app.engine.embedder import Embedder
@@ -116,6 +117,7 @@ class Child:
         self.formatter: Any = None
         self.embedder: Embedder | None = None  # made on the first embeddings request
         self.n_threads = 1
+        self.threads: Threads | None = None  # how many of them decode, with the model
         self.inbox: deque[Message] = deque()
         self.fast = True  # extra buffer types on (fault injection needs to know)
         self.piece_bytes = 1
@@ -188,6 +190,7 @@ class Child:
                                                  bos_token=token_text(llm.token_bos()),
                                                  add_generation_prompt=True)
         self.llm = llm
+        self.threads = Threads(llm, self.n_threads)
         self.piece_bytes = longest_piece(llm)
         self.conn.send({"ev": "loaded", "n_ctx": llm.n_ctx(), "n_ctx_train": llm._model.n_ctx_train(),
                         "load_seconds": time.monotonic() - started, "warmup_seconds": warmup})
@@ -196,7 +199,7 @@ class Child:
         """Forget the loaded model (the embeddings context first: it uses the model)."""
         if self.embedder is not None:
             self.embedder.close()
-        self.embedder = self.llm = self.formatter = None
+        self.embedder = self.llm = self.formatter = self.threads = None
         self.body, self.plan = [], []
 
     def embed(self, msg: Message) -> None:
@@ -265,8 +268,8 @@ class Child:
         from llama_cpp import llama_vocab_is_eog
 
         job = msg["job"]
-        llm = self.llm
-        if llm is None:
+        llm, threads = self.llm, self.threads
+        if llm is None or threads is None:
             self.conn.send({"ev": "error", "job": job, "code": "model_not_loaded", "message": "No model is loaded."})
             return
         prompt = self.prompt_tokens(msg["messages"], job)
@@ -344,7 +347,7 @@ class Child:
                 emitted = safe
                 if count >= limit:
                     break
-                llm.eval([tok])
+                threads.eval([tok])
         text += decoder.decode(b"", final=True)
         if len(text) > emitted:
             self.conn.send({"ev": "chunk", "job": job, "ids": [], "text": text[emitted:], "last": True})
@@ -364,15 +367,16 @@ def shared_slices(plan: list[tuple[int, int]], body: list[int], done: list[tuple
     return reuse
 
 
-# llama.cpp's threads (OpenMP, libgomp) wait for each other at every step of a token. libgomp
-# spins 300,000 times before it sleeps: beside another busy program, a thread spins away its time
-# slice waiting for a sibling that is not running, and on two cores decoding fell from 80 tokens/s
-# to one token in two seconds. 1,000 spins (libgomp's own count for more threads than cores) cost
-# nothing on an idle machine and keep 25 tokens/s there (tests/bench/test_cpu_load.py).
-SPIN_COUNT = "1000"
+# llama.cpp's threads (OpenMP, libgomp) wait for each other at every step of a token: they spin
+# before they sleep, which is what decoding on an idle machine wants (libgomp's own 300,000 spins
+# and this count decode alike there; 1,000 cost 17-26 % on two cores of an Intel Xeon). Beside
+# another busy program spinning is what stalls decoding: app/engine/threads.py then decodes on
+# one thread. Fewer spins than libgomp's keep what a trial of all threads costs there short.
+SPIN_COUNT = "100000"
 # Inference keeps every core busy; the service and the GUI must still answer at once. A slightly
 # lower priority lets their threads run the moment they wake. More than this starves decoding
-# whenever other programs keep the cores busy (nice 10: 6 tokens/s beside two, nice 3: 19, nice 0: 26).
+# whenever other programs keep the cores busy (nice 10: 6 tokens/s beside two, nice 3: 19, nice 0: 26,
+# measured when both threads decoded beside them).
 NICENESS = 3
 
 
