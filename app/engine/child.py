@@ -312,7 +312,7 @@ class Child:
         steps = [cut for cut in plan if cut[0] >= reuse] + [(i, i + 1) for i in range(len(body), len(history))]
         for start, end in steps:
             fault("prompt", self.fast)
-            llm.eval(history[start:end])
+            threads.eval(history[start:end])
             if end <= len(body):
                 self.plan.append((start, end))
             if self.cancelled(job):
@@ -370,7 +370,7 @@ def shared_slices(plan: list[tuple[int, int]], body: list[int], done: list[tuple
 # llama.cpp's threads (OpenMP, libgomp) wait for each other at every step of a token: they spin
 # before they sleep, which is what decoding on an idle machine wants (libgomp's own 300,000 spins
 # and this count decode alike there; 1,000 cost 17-26 % on two cores of an Intel Xeon). Beside
-# another busy program spinning is what stalls decoding: app/engine/threads.py then decodes on
+# another busy program spinning is what stalls decoding: app/engine/threads.py then evaluates on
 # one thread. Fewer spins than libgomp's keep what a trial of all threads costs there short.
 SPIN_COUNT = "100000"
 # Inference keeps every core busy; the service and the GUI must still answer at once. A slightly
