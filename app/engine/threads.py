@@ -5,16 +5,16 @@ idle machine they should spin there rather than sleep: on two cores, sleeping af
 cost 17-26 % of decoding through the service on an Intel CPU whose `pause` is slow. But beside
 another busy program a spinning thread waits for a sibling that is not running, and decoding
 collapses (two threads with 100,000 spins beside one busy program: 1.2 tokens/s where one
-thread alone makes 40; a 700-token prompt: 10.4 s where one thread takes 4.4). So the threads
+thread alone makes 40; a 700-token prompt: 18-32 s where one thread takes 5). So the threads
 spin (child.SPIN_COUNT), and every batch the engine evaluates (a prompt slice, one token) is
 timed: the engine switches to one thread, which has no barrier to wait at, when that is faster.
 It tries the other count after a batch that took far longer than usual, and from time to time,
 less often each time the trial loses and the more it lost (every 30 s of evaluating at most:
 what a trial costs beside a busy program, and how long the engine may stay on one thread after
-that program ended). A trial runs on a batch of the size of the one before, so that the two compare. The
-clock is evaluating time: a task started after a pause does not open with a trial. The thread
-count does not change the numbers llama.cpp computes (each dot product is one thread's), so
-greedy output stays the same (tests/test_busy_machine.py).
+that program ended). A trial runs on a batch of the size of the one before, so that the two
+compare. The clock is evaluating time: a task started after a pause does not open with a
+trial. The thread count does not change the numbers llama.cpp computes (each dot product is
+one thread's), so greedy output stays the same (tests/test_busy_machine.py).
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ class Threads:
             self.llm.eval(tokens)
             return
         size = len(tokens)
-        if self.due and size == self.last:
+        # A trial of all threads beside a busy program costs what that count takes: on one token
+        # 0.15-0.8 s, on a prompt slice 2-3 s. So it waits for one token (every task has some).
+        if self.due and size == self.last and (self.using == self.most or size == 1):
             self.due, self.trying = False, True
             self._use(self._other())
         start = time.perf_counter()
