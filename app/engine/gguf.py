@@ -20,10 +20,12 @@ MAX_ELEMENTS = 1 << 62
 # llama.cpp's own limits (ggml/src/gguf.cpp: GGUF_MAX_STRING_LENGTH, GGUF_MAX_ARRAY_ELEMENTS):
 # a file past them is refused by its loader anyway, so we refuse it before looping over it.
 MAX_STRING_BYTES, MAX_ARRAY_COUNT = 1 << 30, 1 << 30
-# Strings are read one by one, a few microseconds each: the largest real tokenizer arrays hold a
-# few hundred thousand. 2^22 costs seconds (and can be cancelled); llama.cpp's 2^30 would cost
-# hours of our CPU for a file made to look valid.
-MAX_STRING_COUNT = 1 << 22
+# Strings (and arrays in arrays) are walked one by one, 0.1-0.4 us each: the largest real
+# tokenizers hold well under 2^20 (o200k: 200k tokens and 446k merges). This bounds them in the
+# whole header, together, not per array: a sparse file of many arrays of 2^22 empty strings cost
+# 44 h of our CPU for 1 TiB (the 2026-12-05 red-team report); this way the walk ends within a
+# second, even on a busy computer.
+MAX_WALKED = 1 << 21
 # The smallest a KV or tensor info can be on disk (1-byte key/name, 1-byte value or 1 dim):
 # a count that would need more bytes than the file has left is rejected without looping.
 MIN_KV, MIN_TENSOR = 8 + 1 + 4 + 1, 8 + 1 + 4 + 8 + 4 + 8
@@ -74,6 +76,7 @@ class _Reader:
     def __init__(self, f: BinaryIO, size: int, cancel: threading.Event | None = None) -> None:
         self._f, self.size, self._cancel = f, size, cancel
         self._buf, self._off, self._base = b"", 0, 0
+        self.walk_left = MAX_WALKED  # strings and arrays in arrays this header may still have
 
     @property
     def pos(self) -> int:
@@ -108,6 +111,26 @@ class _Reader:
             self._off += n
         else:  # drop the window; the next take() seeks, so a huge skip costs nothing
             self._base, self._buf, self._off = self.pos + n, b"", 0
+
+    def skip_strings(self, count: int, what: str) -> None:
+        """`count` strings, skipped. The one loop whose length the file chooses, so it runs over the
+        window's bytes directly (a cancel is noticed at each new window, every megabyte at most);
+        a string that crosses the window's edge takes the careful path."""
+        unpack = _U64.unpack_from
+        while count:
+            buf, off = self._buf, self._off
+            end = min(len(buf), self.size - self._base)  # never past the size measured
+            walked, start = 0, off
+            while off <= end - 8 and walked < count:
+                start = off
+                off += 8 + unpack(buf, off)[0]
+                walked += 1
+            if off > end:  # the last one ran past the window: back to its start
+                off, walked = start, walked - 1
+            self._off, count = off, count - walked
+            if count:
+                self.skip(self.str_len(what), what)
+                count -= 1
 
     def u32(self, what: str) -> int:
         return int(_U32.unpack(self.take(4, what))[0])
@@ -153,17 +176,20 @@ def _value(r: _Reader, vtype: int, what: str, depth: int = 0) -> str | int | flo
     count = r.u64(what)
     if etype not in _MIN_SIZE:
         raise GgufError(f"{what} is an array of unknown value type {etype}")
-    limit = MAX_ARRAY_COUNT if etype in _SCALARS else MAX_STRING_COUNT
-    if count > limit:
-        raise GgufError(f"array count {_num(count)} at offset {start} is over the limit of {_num(limit)} ({what})")
+    if etype in _SCALARS and count > MAX_ARRAY_COUNT:
+        raise GgufError(f"array count {_num(count)} at offset {start} is over the limit of "
+                        f"{_num(MAX_ARRAY_COUNT)} ({what})")
+    if etype not in _SCALARS and count > r.walk_left:
+        raise GgufError(f"array count {_num(count)} at offset {start} is over the limit of {MAX_WALKED:,} strings "
+                        f"and arrays in one header, {MAX_WALKED - r.walk_left} before it ({what})")
     if count * _MIN_SIZE[etype] > r.remaining:
         raise GgufError(f"array count {_num(count)} at offset {start} cannot fit in the file ({what})")
     if etype in _SCALARS:
         r.skip(count * _MIN_SIZE[etype], what)
-    elif etype == STRING:
-        elem = f"an element of {what}"  # built once: tokenizer arrays hold ~100k strings
-        for _ in range(count):
-            r.skip(r.str_len(elem), elem)
+        return None
+    r.walk_left -= count
+    if etype == STRING:
+        r.skip_strings(count, f"an element of {what}")
     else:
         for i in range(count):
             _value(r, ARRAY, f"{what}[{i}]", depth + 1)
