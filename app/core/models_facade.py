@@ -5,16 +5,20 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from app.engine import discovery, gguf, models
 from app.engine.engine import Engine, EngineError
 from app.engine.modes import EngineModes
-from app.errors import Conflict, InvalidRequest, LmspError
+from app.errors import Conflict, InvalidRequest, LmspError, TooManyRequests
 from app.store.store import Store
 from app.tasks.bus import EventBus
 from app.tasks.runner import Runner
+
+# Files validated and hashed at once: more would only share the same disk and cores.
+EXAMINERS = 2
 
 
 class ModelsFacade:
@@ -27,6 +31,7 @@ class ModelsFacade:
     modes: EngineModes
     model_load_seconds: float | None
     _examining: set[threading.Event]  # one per file being validated and hashed; set to stop it
+    _examiner: ThreadPoolExecutor     # EXAMINERS threads
 
     # RemoteFacade's (declared, not defined: a definition here would hide it)
     register_remote_model: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -80,12 +85,18 @@ class ModelsFacade:
         return await self.model(model_id)
 
     async def examine(self, path: str, progress: Any = None) -> models.ModelFile:
-        """models.examine on a thread that stops when the caller is cancelled (its client left)
-        or the service stops: a file made to look huge must cost neither hours nor a slow exit."""
+        """models.examine on a thread of its own small pool, that stops when the caller is cancelled
+        (its client left) or the service stops: a file made to look huge must cost neither hours
+        nor a slow exit, and files being hashed never take the threads that pairing requests,
+        engine reaping and the like need (the default pool: six threads on two cores)."""
+        if len(self._examining) >= EXAMINERS:
+            raise TooManyRequests("too_many_registrations", f"{EXAMINERS} model files are being validated and "
+                                  "hashed already; try again when one is done.", retry_after=10)
         cancel = threading.Event()
         self._examining.add(cancel)
         try:
-            return await asyncio.to_thread(models.examine, path, progress, cancel)
+            return await asyncio.get_running_loop().run_in_executor(self._examiner, models.examine, path, progress,
+                                                                    cancel)
         except gguf.Cancelled:
             raise LmspError("service_stopping", "The service is stopping.", status=503) from None
         finally:

@@ -13,6 +13,7 @@ import logging
 import sqlite3
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +25,7 @@ from app.core.downloads_facade import DownloadsFacade
 from app.core.embeddings import EmbeddingsFacade
 from app.core.ids import new_id
 from app.core.auth import Client
-from app.core.models_facade import ModelsFacade
+from app.core.models_facade import EXAMINERS, ModelsFacade
 from app.core.remote_facade import RemoteFacade
 from app.engine import models
 from app.engine.engine import Engine
@@ -81,6 +82,7 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         self._verified: dict[str, tuple[float, Client]] = {}  # token hash -> (when verified, its client)
         self._revocations = 0
         self._examining: set[threading.Event] = set()
+        self._examiner = ThreadPoolExecutor(EXAMINERS, thread_name_prefix="lmsp-examine")
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -106,6 +108,7 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         """Stop taking work, snapshot running work, close streams, close the store."""
         self.ready = False
         self.stop_examining()  # asyncio.run() waits for every thread at exit: they must end now
+        self._examiner.shutdown(wait=False)
         if self._janitor:
             self._janitor.cancel()
         await asyncio.gather(self.runner.stop(), self.downloads.stop())

@@ -30,6 +30,7 @@ import json
 import logging
 import sqlite3
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,6 +59,9 @@ class Downloads:
         self._stopping = False
         self._main: asyncio.Task[None] | None = None
         self._workers: set[asyncio.Task[None]] = set()
+        # The transfers and the hashing of a whole file take minutes: threads of their own, one a
+        # slot, so that they never hold the default pool the rest of the service needs.
+        self._threads = ThreadPoolExecutor(SLOTS, thread_name_prefix="lmsp-download")
 
     async def start(self) -> None:
         """Recovery for downloads, then the scheduler. Call after the store is open."""
@@ -85,6 +89,7 @@ class Downloads:
             await asyncio.wait(list(self._workers), timeout=grace)
         for worker in list(self._workers) + ([self._main] if self._main else []):
             worker.cancel()
+        self._threads.shutdown(wait=False)
 
     async def _schedule(self) -> None:
         while not self._stopping:
@@ -151,10 +156,10 @@ class Downloads:
         # Already in the cache (another tool, or an earlier download): verified, not fetched. A bad
         # one fails the task but stays: the cache is shared, and that file is not ours to delete.
         if blob.exists():
-            digest = await asyncio.to_thread(models.sha256_file, blob)
+            digest = await self._blocking(models.sha256_file, blob)
             partial = blob
         else:
-            fetching = asyncio.ensure_future(asyncio.to_thread(hub.fetch, remote, partial, token, transfer))
+            fetching = asyncio.ensure_future(self._blocking(hub.fetch, remote, partial, token, transfer))
             try:
                 await self._report(task_id, fetching, transfer, remote.size)
             finally:
@@ -172,7 +177,7 @@ class Downloads:
         if digest != "sha256:" + remote.sha256:
             return LmspError("digest_mismatch", f"{remote.file} arrived with {digest}, not the sha256:{remote.sha256} "
                              "the hub announced: it was deleted and not registered.")
-        found = await asyncio.to_thread(models.examine, str(partial), None, None, digest)
+        found = await self._blocking(models.examine, str(partial), None, None, digest)
         if partial != blob:
             await asyncio.to_thread(hub.place, remote, partial)
         found = dataclasses.replace(found, path=str(blob))
@@ -180,6 +185,9 @@ class Downloads:
             return "cancel"
         self.bus.publish([{"type": "models.changed"}])
         return None
+
+    def _blocking(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
 
     async def _report(self, task_id: str, fetching: asyncio.Future[Any], transfer: hub.Transfer, total: int) -> None:
         """While the transfer runs: a progress event a second; a cancel seen in the database stops it."""
