@@ -5,7 +5,7 @@ with the hub's headers (`X-Repo-Commit`, `X-Linked-Etag`: the LFS sha256, `X-Lin
 `ETag`) and `Range` support (206 with `Content-Range`), and the tree listing
 `/api/models/{repo}/tree/{revision}`. It serves real files (the default model) and counts the
 body bytes it sends. Faults on demand: a speed limit, a connection cut after some bytes, bytes
-that do not match the digest it announces.
+that do not match the digest it announces, more bytes than it announces, a commit that is a path.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ class FakeHub:
     bytes_per_second: float | None = None    # a speed limit, like a real line
     cut_after: int | None = None             # close the connection after this many body bytes, once
     corrupt: bool = False                    # flip a byte: the body no longer matches X-Linked-Etag
+    commit: str = COMMIT                     # the X-Repo-Commit it answers (a hostile hub's: a path)
+    extra: int = 0                           # zero bytes sent after the file, past the size it announced
     url: str = ""
 
     def __post_init__(self) -> None:
@@ -120,8 +122,9 @@ class FakeHub:
         if ranged:
             start = int(ranged.group(1))
             end = int(ranged.group(2)) if ranged.group(2) else end
-        headers = {"X-Repo-Commit": COMMIT, "X-Linked-Etag": f'"{found.sha256}"', "X-Linked-Size": str(found.size),
-                   "ETag": f'"{found.sha256}"', "Accept-Ranges": "bytes", "Content-Length": str(end - start + 1),
+        headers = {"X-Repo-Commit": self.commit, "X-Linked-Etag": f'"{found.sha256}"', "X-Linked-Size": str(found.size),
+                   "ETag": f'"{found.sha256}"', "Accept-Ranges": "bytes",
+                   "Content-Length": str(end - start + 1 + (self.extra if request.method == "GET" else 0)),
                    "Content-Type": "application/octet-stream"}
         if ranged:
             headers["Content-Range"] = f"bytes {start}-{end}/{found.size}"
@@ -149,5 +152,9 @@ class FakeHub:
                 position += len(chunk)
                 if self.bytes_per_second:
                     await asyncio.sleep(len(chunk) / self.bytes_per_second)
+        for at in range(0, self.extra, CHUNK):
+            await response.write(bytes(min(CHUNK, self.extra - at)))
+            if self.bytes_per_second:
+                await asyncio.sleep(CHUNK / self.bytes_per_second)
         await response.write_eof()
         return response

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sqlite3
 import subprocess
@@ -317,3 +318,66 @@ async def test_a_download_counts_as_queued_work(api: Any, service: Any, fake_hub
     err = await expect_error(resp, 429, "too_many_queued_tasks")
     assert resp.headers["Retry-After"].isdigit() and "max_queued_tasks_per_client" in err["message"], err
     assert fake_hub.bytes_sent == 0
+
+
+@pytest.mark.parametrize("revision", ["../../../../precious.txt", "/tmp/precious.txt", "a//b", ".hidden", "a\\b",
+                                      "main.lock", "v1..2", "refs/heads/"])
+async def test_a_revision_that_is_not_a_ref_name_is_refused(api: Any, fake_hub: FakeHub, tmp_path: Path,
+                                                            revision: str) -> None:
+    """A revision names a folder of the cache (refs/<revision>): "../" would leave it."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("a user's file")
+    resp = await api.post("/v1/models/downloads", json={"repo": REPO, "file": MODEL.name, "revision": revision})
+    await expect_error(resp, 400, "invalid_request", "revision")
+    assert fake_hub.requests == [] and (await (await api.get("/v1/tasks")).json())["data"] == []
+    assert precious.read_text() == "a user's file"
+
+
+async def test_a_hub_whose_commit_is_a_path_writes_nothing(api: Any, fake_hub: FakeHub, tmp_path: Path) -> None:
+    """A mirror (or whoever answers for HF_ENDPOINT) chooses X-Repo-Commit: the snapshot folder
+    snapshots/<commit>/ must not become a way out of the cache onto a user's file."""
+    mine = tmp_path / "mine" / MODEL.name
+    mine.parent.mkdir()
+    mine.write_text("a user's file")
+    fake_hub.commit = "../../../../mine"  # snapshots/../../../../mine/<file> is that file
+    resp = await api.post("/v1/models/downloads", json={"repo": REPO, "file": MODEL.name})
+    err = await expect_error(resp, 502, "hub_invalid_answer")
+    assert "40 hexadecimal" in err["message"], err
+    assert not mine.is_symlink() and mine.read_text() == "a user's file"
+    assert fake_hub.bytes_sent == 0 and blobs(tmp_path / "hf") == []
+
+
+async def test_a_hub_that_sends_more_than_it_announced_is_stopped_at_that_size(api: Any, fake_hub: FakeHub,
+                                                                              tmp_path: Path) -> None:
+    """The red team's hub announced 1 MiB and wrote 64 MiB to the disk before the library's size
+    check at the end: the bytes past the announced size are never written."""
+    size = HubFile(MODEL).size
+    fake_hub.extra, fake_hub.bytes_per_second = 40_000_000, 40e6
+    task = await start(api)
+    largest = 0
+    while (done := await (await api.get(f"/v1/tasks/{task['id']}")).json())["status"] not in ("completed", "failed"):
+        for partial in blobs(tmp_path / "hf"):
+            with contextlib.suppress(FileNotFoundError):  # removed when the download failed
+                largest = max(largest, partial.stat().st_size)
+        await asyncio.sleep(0.01)
+    assert done["status"] == "failed" and done["error"]["code"] == "download_failed", done
+    assert f"more than the {size:,} bytes it announced" in done["error"]["message"], done
+    assert 0 < largest <= size and blobs(tmp_path / "hf") == []
+
+
+async def test_downloads_not_yet_ended_count_against_the_free_space(api: Any, fake_hub: FakeHub, small_disk: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room for one copy: a second download of a file that needs as much is refused while the
+    first still needs its bytes, not accepted to fail when the disk fills."""
+    monkeypatch.setenv("HF_HOME", str(small_disk(int(HubFile(MODEL).size * 1.5 / 2**20))))
+    fake_hub.bytes_per_second = 10e6
+    first = await start(api)
+    resp = await api.post("/v1/models/downloads", json={"repo": REPO, "file": MODEL.name, "revision": COMMIT})
+    err = await expect_error(resp, 400, "insufficient_storage", "file")
+    assert "downloads under way or queued still need" in err["message"], err
+    assert [t["id"] for t in (await (await api.get("/v1/tasks")).json())["data"]] == [first["id"]]
+    await api.post(f"/v1/tasks/{first['id']}/cancel")
+    assert (await finished(api, first["id"]))["status"] == "cancelled"
+    second = await start(api, revision=COMMIT)  # the room is free again
+    await api.post(f"/v1/tasks/{second['id']}/cancel")
+    assert (await finished(api, second["id"]))["status"] == "cancelled"

@@ -10,7 +10,7 @@ from typing import Any
 from app.core.auth import Client
 from app.core.ids import new_id
 from app.engine import hub
-from app.errors import InvalidRequest, LmspError
+from app.errors import InvalidRequest
 from app.secrets import hub_token
 from app.store.store import Store
 from app.tasks import downloads, records
@@ -50,12 +50,10 @@ class DownloadsFacade:
         task_id = await self.store.read(downloads.unfinished, client.id, repo, file, revision)
         if task_id is None:
             remote = await asyncio.to_thread(hub.describe, repo, file, revision, await asyncio.to_thread(hub_token))
-            free = await asyncio.to_thread(free_bytes, hub.storage(repo))
-            if free < remote.size and not await asyncio.to_thread(hub.blob_path(remote).exists):
-                raise LmspError("insufficient_storage", f"{file} needs {remote.size / 1e6:,.0f} MB and the disk "
-                                f"holding {hub.storage(repo).parent} has {free / 1e6:,.0f} MB free.", param="file")
+            cached = await asyncio.to_thread(hub.blob_path(remote).exists)
+            free = None if cached else await asyncio.to_thread(free_bytes, hub.storage(repo))
             row = await self.store.write(downloads.create, self.settings, client.id, remote, new_id("task"),
-                                         new_id("dl"))
+                                         new_id("dl"), free)
             self.downloads.wake()
         else:
             row = await self.store.read(records.one_task, task_id)

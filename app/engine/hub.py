@@ -37,8 +37,8 @@ import httpx2
 from huggingface_hub import HfApi, RepoFile, constants, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, RemoteEntryNotFoundError,
                                     RepositoryNotFoundError, RevisionNotFoundError)
-from huggingface_hub.file_download import (_cache_commit_hash_for_specific_revision, _create_symlink, http_get,
-                                           repo_folder_name)
+from huggingface_hub.file_download import (_cache_commit_hash_for_specific_revision, _create_symlink,
+                                           _get_pointer_path, http_get, repo_folder_name)
 from huggingface_hub.utils import build_hf_headers, validate_repo_id
 
 from app.engine import discovery
@@ -51,7 +51,10 @@ constants.DOWNLOAD_CHUNK_SIZE = 256 * 1024
 
 SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*\Z")
-REVISION = re.compile(r"[^\x00-\x20\x7f]{1,255}\Z")  # git refs hold no spaces or control characters
+COMMIT = re.compile(r"[0-9a-f]{40}\Z")
+# What `git check-ref-format` refuses anywhere in a ref name: control characters, space, ~ ^ : ? * [ \,
+# "..", "@{". A revision names a folder of the cache (refs/<revision>): these rules keep it there.
+REF_REFUSED = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{")
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,8 @@ def blob_path(remote: Remote) -> Path:
 
 
 def pointer_path(remote: Remote) -> Path:
-    return storage(remote.repo) / "snapshots" / remote.commit / remote.file
+    """snapshots/<commit>/<file>, through the library's guard: a ValueError if it would leave snapshots/."""
+    return Path(_get_pointer_path(str(storage(remote.repo)), remote.commit, remote.file))
 
 
 def partial_path(remote: Remote, task_id: str) -> Path:
@@ -109,8 +113,14 @@ def check_repo(repo: Any) -> str:
 
 
 def check_revision(revision: Any) -> str:
-    if not isinstance(revision, str) or not REVISION.match(revision):
-        raise LmspError("invalid_request", "`revision` must be a branch, tag or commit.", param="revision")
+    """A git ref name (`git check-ref-format`'s rules): a branch, a tag, refs/pr/1 or a commit. It
+    becomes a path in the cache, so "../x", "/x", "a//b" and ".hidden" are refused, not cleaned."""
+    if (not isinstance(revision, str) or not 0 < len(revision) <= 255 or REF_REFUSED.search(revision)
+            or revision == "@" or revision.endswith(".")
+            or not all(part and not part.startswith(".") and not part.endswith(".lock")
+                       for part in revision.split("/"))):
+        raise LmspError("invalid_request", "`revision` must be a branch, tag or commit (a git ref name: no "
+                        "\"..\", no leading or trailing \"/\", no spaces or \\ ~ ^ : ? * [).", param="revision")
     return revision
 
 
@@ -143,6 +153,9 @@ def describe(repo: str, file: str, revision: str, token: str | None) -> Remote:
     if not meta.commit_hash or not meta.location:
         raise LmspError("hub_unavailable", f"{endpoint() or 'The hub'} did not answer like a Hugging Face hub.",
                         status=502)
+    if not COMMIT.match(meta.commit_hash):  # it names a folder of the cache: never a path of the hub's choosing
+        raise LmspError("hub_invalid_answer", f"{endpoint() or 'The hub'} gave {repo}/{file} a commit that is not "
+                        f"40 hexadecimal characters ({meta.commit_hash[:60]!r}): nothing was downloaded.", status=502)
     if not meta.etag or not SHA256.match(meta.etag) or not meta.size:
         raise LmspError("digest_unavailable", f"{file} is not stored with Git LFS: the hub gives no sha256 to "
                         "verify it against, so it is not downloaded.", param="file")
@@ -197,12 +210,17 @@ class _HashingWriter:
     The digest of one chunk is computed on a thread of its own while the next one arrives
     (hashlib releases the GIL): verifying costs no second pass and little transfer speed."""
 
-    def __init__(self, fh: BinaryIO, hasher: Any, transfer: Transfer) -> None:
-        self.fh, self.hasher, self.transfer = fh, hasher, transfer
+    def __init__(self, fh: BinaryIO, hasher: Any, transfer: Transfer, size: int) -> None:
+        self.fh, self.hasher, self.transfer, self.size = fh, hasher, transfer, size
         self._hashing = ThreadPoolExecutor(1, thread_name_prefix="lmsp-sha256")
         self._last: Future[None] | None = None
 
     def write(self, data: bytes) -> int:
+        # Not a byte past the size the hub announced: a hostile hub or CDN could otherwise fill the
+        # disk before `http_get` compares sizes at the end.
+        if self.fh.tell() + len(data) > self.size:
+            raise LmspError("download_failed", f"The hub sent more than the {self.size:,} bytes it announced: the "
+                            "download was stopped and its partial file deleted.")
         self.fh.write(data)
         self.digest_so_far()
         self._last = self._hashing.submit(self.hasher.update, data)
@@ -251,7 +269,7 @@ def fetch(remote: Remote, partial: Path, token: str | None, transfer: Transfer) 
             transfer.check()
         transfer.bytes = fh.tell()
         transfer.receiving = (transfer.bytes, time.monotonic())
-        writer = _HashingWriter(fh, hasher, transfer)
+        writer = _HashingWriter(fh, hasher, transfer, remote.size)
         headers = build_hf_headers(token=token)
         if urlparse(remote.url).netloc != urlparse(hf_hub_url(remote.repo, remote.file, endpoint=endpoint())).netloc:
             headers.pop("authorization", None)  # a signed CDN address: the hub token is not for it
@@ -273,9 +291,10 @@ def fetch(remote: Remote, partial: Path, token: str | None, transfer: Transfer) 
 
 def place(remote: Remote, partial: Path) -> Path:
     """Move a verified file into the cache as the library would; returns the blob's path."""
+    check_revision(remote.revision)  # again: a download asked for before revisions were checked
+    pointer = pointer_path(remote)
     blob = blob_path(remote)
     os.replace(partial, blob)
-    pointer = pointer_path(remote)
     pointer.parent.mkdir(parents=True, exist_ok=True)
     # The library's own cache writers (private names, pinned by our <3 requirement): the
     # relative snapshot symlink (a copy where symlinks are not allowed) and the ref file.

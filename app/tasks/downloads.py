@@ -232,10 +232,18 @@ def _download(conn: sqlite3.Connection, task_id: str) -> sqlite3.Row:
 
 
 def create(conn: sqlite3.Connection, settings: dict[str, Any], client_id: str, remote: hub.Remote, task_id: str,
-           request_id: str) -> dict[str, Any] | None:
-    """A new queued download, within the limits on queued work. Its request row in `responses`
-    carries who asked and when. The task as committed: the 202 says `queued` even when the
-    downloader has already taken it by the time the answer is written."""
+           request_id: str, free: int | None) -> dict[str, Any] | None:
+    """A new queued download, within the limits on queued work and the disk's `free` bytes (None:
+    the file is in the cache already) less what the downloads not yet ended still need: checked
+    here, in the transaction, so that downloads asked for together cannot overrun it either. Its
+    request row in `responses` carries who asked and when. The task as committed: the 202 says
+    `queued` even when the downloader has already taken it by the time the answer is written."""
+    if free is not None:
+        promised = promised_bytes(conn)
+        if free - promised < remote.size:
+            raise LmspError("insufficient_storage", f"{remote.file} needs {remote.size / 1e6:,.0f} MB and the disk "
+                            f"holding the hub cache has {free / 1e6:,.0f} MB free, {promised / 1e6:,.0f} MB of "
+                            "which the downloads under way or queued still need.", param="file")
     now = time.time()
     limits.store_request(conn, settings, request_id, client_id, f"{remote.repo}/{remote.file}",
                          json.dumps({"repo": remote.repo, "file": remote.file, "revision": remote.revision}),
@@ -247,6 +255,13 @@ def create(conn: sqlite3.Connection, settings: dict[str, Any], client_id: str, r
                  (task_id, remote.repo, remote.file, remote.revision, remote.commit, remote.sha256, remote.size,
                   str(hub.partial_path(remote, task_id))))
     return records.one_task(conn, task_id)
+
+
+def promised_bytes(conn: sqlite3.Connection) -> int:
+    """The bytes that the downloads not yet ended have still to write."""
+    marks = ",".join("?" * len(TERMINAL))
+    return int(conn.execute(f"SELECT COALESCE(SUM(MAX(d.total_bytes - d.bytes, 0)), 0) FROM downloads d JOIN tasks t "
+                            f"ON t.id = d.task_id WHERE t.status NOT IN ({marks})", TERMINAL).fetchone()[0])
 
 
 def unfinished(conn: sqlite3.Connection, client_id: str, repo: str, file: str, revision: str) -> str | None:
