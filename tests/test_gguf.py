@@ -375,13 +375,13 @@ def test_a_sparse_file_of_many_string_arrays_is_refused_within_a_second(tmp_path
     os.truncate(path, 1 << 40)
     cancel = threading.Event()
     threading.Timer(10, cancel.set).start()  # before the bound: minutes of walking, stopped here
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.thread_time()  # CPU time: the machine may be busy
     with pytest.raises(GgufError) as e:
         inspect(path, cancel)
-    took = time.perf_counter() - started
+    took, cpu = time.perf_counter() - started, time.thread_time() - cpu
     cancel.set()
-    print(f"\nthe 1 TiB file of 64 arrays of 2^20 strings was refused in {took:.2f} s: {e.value}")
-    assert took < 2.0 and "over the limit of 2,097,152 strings and arrays in one header" in str(e.value)
+    print(f"\nthe 1 TiB file of 64 arrays of 2^20 strings was refused in {took:.2f} s ({cpu:.2f} s of CPU): {e.value}")
+    assert cpu < 1.0 and "over the limit of 2,097,152 strings and arrays in one header" in str(e.value)
 
 
 def test_a_string_over_llama_cpp_s_limit_is_rejected(tmp_path: Path) -> None:
