@@ -84,9 +84,8 @@ async def test_an_unsatisfiable_schema_never_moves_the_model_to_safe_mode(
     (a refusal of the schema, or a failed task), the model keeps fast mode and the next works."""
     caplog.set_level(logging.INFO)
     schema = {"type": "object", "properties": {"v": {"type": "string", "pattern": "^\\u0000$"}}, "required": ["v"]}
-    resp = await api.post("/v1/responses", json={**structured(schema, tokens=8), "input": "Write v."})
-    assert resp.status != 200 or (await resp.json())["status"] != "failed", await resp.text()
-    assert processes_started(caplog) <= 1
+    await api.post("/v1/responses", json={**structured(schema, tokens=8), "input": "Write v."})
+    assert processes_started(caplog) <= 1  # was 3: fast, then safe twice
     assert await engine_of(service) == {"mode": "fast", "reason": None}
     assert await remembered(service) == []
     resp = await api.post("/v1/responses", json={**SAY_HI, "model": FAST})

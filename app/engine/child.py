@@ -10,6 +10,9 @@ the app down. It speaks plain dicts over a multiprocessing pipe:
                    {"ev": "done", "job", "reason", "input_tokens", "cached_tokens", "output_tokens"}
                    {"ev": "embedded", "vectors", "dims", "tokens"}
                    {"ev": "error", "job"?, "code", "message", "param"?}
+
+and says what it runs (llama.cpp's kernels, a request's grammar, anything else) in a byte of
+shared memory the parent reads once it has died (see KERNELS).
 """
 
 from __future__ import annotations
