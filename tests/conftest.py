@@ -344,3 +344,24 @@ def upstreams(tmp_path: Path, procs: Processes) -> Any:
         started = [Upstream(procs, tmp_path / f"upstream-{count + i}.log", **kwargs).start() for i in range(n)]
         return [upstream.ready() for upstream in started]
     return start
+
+
+# Requantizes with llama.cpp's own quantizer, in a process of its own (the tests never load llama.cpp).
+QUANTIZE = """import sys
+from llama_cpp import llama_cpp as lib
+params = lib.llama_model_quantize_default_params()
+params.ftype, params.allow_requantize = lib.LLAMA_FTYPE_MOSTLY_Q5_0, True
+sys.exit(lib.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))"""
+
+
+@pytest.fixture(scope="session")
+def fast_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model requantized to Q5_0 (100 MB, 2 s), which neither llama.cpp's AMX kernels
+    nor its weight repacking take: fast mode runs it on every CPU, so a test can watch a model stay
+    in fast mode where fast mode crashes on the default model (AMX: Sapphire Rapids)."""
+    from app import paths
+
+    made = tmp_path_factory.mktemp("fast-model") / "SmolLM2-135M-Instruct.Q5_0.gguf"
+    subprocess.run([sys.executable, "-c", QUANTIZE, str(paths.default_model_file()), str(made)], check=True,
+                   capture_output=True, timeout=300)
+    return made

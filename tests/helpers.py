@@ -4,13 +4,17 @@ the LMSP error body, and pairing a client through the real API (no shortcuts int
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Awaitable, Callable
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import aiohttp
+
+from app.core.service import AppService
 
 SAY_HI = {"input": "Say hi", "max_output_tokens": 8, "temperature": 0}
 # SmolLM2 answers this at length at temperature 0: the prompt for work that must still be
@@ -18,6 +22,17 @@ SAY_HI = {"input": "Say hi", "max_output_tokens": 8, "temperature": 0}
 COUNT = "Write the numbers from 1 to 1000 separated by commas."
 ALL_BUT_ADMIN = ["models:read", "models:write", "responses:read", "responses:write", "tasks:read",
                  "tasks:cancel", "metrics:read"]
+
+
+@contextlib.asynccontextmanager
+async def started(data_dir: Path) -> AsyncIterator[AppService]:
+    """A service on `data_dir` for one block, stopped at its end: tests that restart it use one each."""
+    service = AppService(data_dir)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
 
 
 async def poll(check: Callable[[], Awaitable[Any]], timeout: float = 60.0, interval: float = 0.05,

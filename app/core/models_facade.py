@@ -145,6 +145,20 @@ class ModelsFacade:
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)
 
+    async def forget_engine_mode(self, model_id: str) -> dict[str, Any]:
+        """Try fast mode again for a model that fell back to safe mode (LMSP §11): forgotten for
+        good, so its next load, after a restart too, runs in fast mode (and falls back again if
+        it still crashes). An idle engine holding it in safe mode lets it go now."""
+        row = await self.store.read(models.get, model_id)
+        if row["format"] == "remote":
+            raise InvalidRequest(f"{model_id!r} runs on other servers: it has no engine mode here.")
+        await self.modes.forget(row["digest"])
+        for engine in self._holding(row):
+            if engine.mode != self.modes.mode(row["digest"]) and not self.runner.busy(engine):
+                await engine.unload()
+        self.bus.publish([{"type": "models.changed"}])
+        return await self.model(model_id)
+
     async def unload_model(self, model_id: str) -> dict[str, Any]:
         row = await self.store.read(models.get, model_id)
         for engine in self._holding(row):

@@ -354,7 +354,9 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         await self.store.write(config.save, changes)
         self.settings = {**self.settings, **changes}
         self._apply_settings(changes)
-        self.bus.publish([{"type": "settings.changed", "changed": sorted(changes)}])
+        # `engine_mode` changes how every local model runs, as GET /v1/models and the Models tab show.
+        self.bus.publish([{"type": "settings.changed", "changed": sorted(changes)}]
+                         + [{"type": "models.changed"}] * ("engine_mode" in changes))
         return self.settings_view()
 
     def _apply_settings(self, changes: dict[str, Any]) -> None:

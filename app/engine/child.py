@@ -10,6 +10,9 @@ the app down. It speaks plain dicts over a multiprocessing pipe:
                    {"ev": "done", "job", "reason", "input_tokens", "cached_tokens", "output_tokens"}
                    {"ev": "embedded", "vectors", "dims", "tokens"}
                    {"ev": "error", "job"?, "code", "message", "param"?}
+
+and says what it runs (llama.cpp's kernels, a request's grammar, anything else) in a byte of
+shared memory the parent reads once it has died (see KERNELS).
 """
 
 from __future__ import annotations
@@ -40,15 +43,29 @@ WARMUP = ("You are a helpful assistant. Read the following note and answer the q
 
 
 def fault(point: str, extra_bufts: bool) -> None:
-    """For tests only (a user never sets it): LMSP_ENGINE_FAULT=<scope>:<point> makes this process
-    die by SIGSEGV at <point> (`warmup`, `prompt`, or `token<N>`: the N-th output token), as
-    llama.cpp's AMX kernels do on some CPUs. <scope> `fast` crashes only with extra buffer types
-    on (fast mode), `any` in every mode. Unset, this costs one dictionary lookup."""
+    """For tests only (a user never sets it): LMSP_ENGINE_FAULT=<scope>:<point>[:<signal>] makes
+    this process die by SIGSEGV (or the signal named, e.g. SIGABRT) at <point>: `warmup`, `prompt`,
+    `token<N>` (evaluating the N-th output token, for the next one; again when a resumed task
+    decodes its output so far), as llama.cpp's AMX kernels do on some CPUs, or
+    `grammar` (the request's grammar at work, as when llama.cpp throws from it). <scope> `fast`
+    crashes only with extra buffer types on (fast mode), `any` in every mode. Unset, this costs
+    one dictionary lookup."""
     spec = os.environ.get("LMSP_ENGINE_FAULT")
     if spec:
-        scope, _, where = spec.partition(":")
+        scope, where, how = (spec.split(":") + ["SIGSEGV"])[:3]
         if where == point and (scope == "any" or (scope == "fast" and extra_bufts)):
-            os.kill(os.getpid(), signal.SIGSEGV)
+            os.kill(os.getpid(), signal.Signals[how])
+
+
+# What the process is doing, in a byte of memory it shares with the parent, which reads it once
+# the process has died (app/engine/engine.py): fast mode changes only llama.cpp's compute kernels
+# (KERNELS: loading, the warm-up, reading a prompt, decoding a token), so only a crash there is
+# fast mode's to answer for. The request's grammar (GRAMMAR) runs the same code in either mode,
+# driven by what the request asked for (llama.cpp aborts when a grammar's stack runs empty);
+# OTHER is everything else (tokenizing, sampling, waiting for a request).
+OTHER, KERNELS, GRAMMAR = 0, 1, 2
+PHASES = ("outside llama.cpp's compute kernels", "in llama.cpp's compute kernels",
+          "in the grammar of the request's output format")
 
 
 # Prompts are evaluated in slices fixed by absolute position (see `grid_point`): fine at the
@@ -111,8 +128,9 @@ def extra_bufts(enabled: bool) -> Iterator[None]:
 
 
 class Child:
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, phase: Any) -> None:
         self.conn = conn
+        self.phase = phase  # a shared byte (multiprocessing's RawValue): one of OTHER, KERNELS, GRAMMAR
         self.llm: Any = None
         self.formatter: Any = None
         self.embedder: Embedder | None = None  # made on the first embeddings request
@@ -125,16 +143,22 @@ class Child:
         self.body: list[int] = []
         self.plan: list[tuple[int, int]] = []
 
+    def doing(self, phase: int) -> None:
+        """Say what runs from now on, before it runs: the parent reads it if this process dies."""
+        self.phase.value = phase
+
     def next_message(self) -> Message:
         return self.inbox.popleft() if self.inbox else self.conn.recv()
 
     def serve(self) -> None:
         while True:
+            self.doing(OTHER)
             msg = self.next_message()
             op = msg["op"]
             if op == "shutdown":
                 return
             if op == "load":
+                self.doing(KERNELS)  # loading, repacking the weights, the warm-up: all of it
                 self.load(msg)
             elif op == "unload":
                 self.drop()
@@ -250,10 +274,29 @@ class Child:
         sampler = self.llm._init_sampler(temp=float(msg.get("temperature", 1.0)), top_p=float(msg.get("top_p", 1.0)),
                                          top_k=0, min_p=0.0, repeat_penalty=1.0)
         if constraint:
+            self.doing(GRAMMAR)
             sampler = GrammarSampler(self.llm, sampler, grammar.gbnf(constraint))
         for tok in prefix:
             sampler.accept(tok)
+        self.doing(OTHER)
         return sampler
+
+    def compute(self, tokens: list[int], point: str) -> None:
+        """Evaluate `tokens` with llama.cpp's kernels, saying so first (see KERNELS)."""
+        assert self.threads is not None
+        self.doing(KERNELS)
+        fault(point, self.fast)
+        self.threads.eval(tokens)
+        self.doing(OTHER)
+
+    def sample(self, sampler: Any, constrained: bool) -> int:
+        """The next token; under a grammar, said first (see GRAMMAR)."""
+        if constrained:
+            self.doing(GRAMMAR)
+            fault("grammar", self.fast)
+        token = int(sampler.sample(self.llm._ctx, -1))
+        self.doing(OTHER)
+        return token
 
     def cancelled(self, job: str) -> bool:
         while self.conn.poll():
@@ -311,8 +354,8 @@ class Child:
         self.body = body
         steps = [cut for cut in plan if cut[0] >= reuse] + [(i, i + 1) for i in range(len(body), len(history))]
         for start, end in steps:
-            fault("prompt", self.fast)
-            threads.eval(history[start:end])
+            # A resumed task's output so far is decoded again here, token by token (see `fault`).
+            self.compute(history[start:end], "prompt" if end <= len(prompt) else f"token{end - len(prompt)}")
             if end <= len(body):
                 self.plan.append((start, end))
             if self.cancelled(job):
@@ -322,9 +365,10 @@ class Child:
         if msg.get("seed") is not None:
             llm.set_seed(int(msg["seed"]))
         sampler = self.sampler(msg, prefix)
+        constrained = bool(msg.get("constraint"))
         if count < limit:
             while True:
-                tok = sampler.sample(llm._ctx, -1)
+                tok = self.sample(sampler, constrained)
                 if self.cancelled(job):
                     reason = "cancelled"
                     break
@@ -332,7 +376,6 @@ class Child:
                     reason = "stop"
                     break
                 count += 1
-                fault(f"token{count}", self.fast)
                 text += decoder.decode(llm.detokenize([tok], prev_tokens=history))
                 history.append(tok)
                 cut = min((i for i in (text.find(s, max(0, emitted - hold)) for s in stops) if i >= 0), default=-1)
@@ -347,7 +390,7 @@ class Child:
                 emitted = safe
                 if count >= limit:
                     break
-                threads.eval([tok])
+                self.compute([tok], f"token{count}")
         text += decoder.decode(b"", final=True)
         if len(text) > emitted:
             self.conn.send({"ev": "chunk", "job": job, "ids": [], "text": text[emitted:], "last": True})
@@ -380,9 +423,10 @@ SPIN_COUNT = "100000"
 NICENESS = 3
 
 
-def main(conn: Connection, stderr: Connection | None = None) -> None:
+def main(conn: Connection, stderr: Connection | None, phase: Any) -> None:
     """Entry point of the child process. `stderr`: where its standard error goes (the parent
-    logs it), for what llama.cpp prints there, a failed assertion's reason among it."""
+    logs it), for what llama.cpp prints there, a failed assertion's reason among it. `phase`:
+    the byte it says what it does in (see KERNELS)."""
     if stderr is not None:
         os.dup2(stderr.fileno(), 2)
         stderr.close()
@@ -390,6 +434,6 @@ def main(conn: Connection, stderr: Connection | None = None) -> None:
     if hasattr(os, "nice"):  # POSIX only
         os.nice(NICENESS)
     try:
-        Child(conn).serve()
+        Child(conn, phase).serve()
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         pass  # the parent went away: nothing left to serve

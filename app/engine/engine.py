@@ -2,10 +2,13 @@
 
 The child's messages become items on an asyncio queue, read by the event loop when the pipe
 is readable (on Windows, by a thread), so the loop never waits on the pipe. If the child dies
-from a crash signal in fast mode and the setting is `auto`, the engine starts a fresh child in
-safe mode and carries on with the same load or generation from the tokens already produced
-(LMSP §11): the caller sees no failure. Other deaths, and a second crash in safe mode, are an
-`engine_crashed` error; the next request starts a fresh child.
+from a crash signal in llama.cpp's compute kernels (loading, warming up, reading a prompt,
+decoding: the child says which part runs, see child.KERNELS) in fast mode and the setting is
+`auto`, the engine starts a fresh child in safe mode and carries on with the same load or
+generation from the tokens already produced (LMSP §11): the caller sees no failure. Other
+deaths (a crash in the request's grammar, say), and a second crash in safe mode, are an
+`engine_crashed` error that changes no mode; the next request starts a fresh child in the mode
+the model runs in.
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ from app.engine.modes import FAST, SAFE, EngineModes
 log = logging.getLogger(__name__)
 Message = dict[str, Any]
 CRASHED: Message = {"ev": "error", "code": "engine_crashed", "message": "The inference process stopped unexpectedly."}
-# Deaths that point at llama.cpp's own code (a CPU kernel), not at someone killing the process.
+# Deaths that point at llama.cpp's own code, not at someone killing the process (SIGKILL from the
+# out-of-memory killer, SIGTERM). Which code is what the child said it ran (child.PHASES): in the
+# compute kernels, fast mode's paths may be at fault, and every one of these signals counts:
+# SIGSEGV/SIGBUS (AMX on Sapphire Rapids), SIGILL (AMX a virtual machine reports but refuses),
+# SIGFPE, and SIGABRT (a GGML_ASSERT in a repacking kernel). Elsewhere none counts: there
+# SIGABRT is mostly a C++ exception with nowhere to go, as when a request's grammar runs out of
+# ways to continue ("Unexpected empty grammar stack"), and safe mode would run the same code.
 CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 SAFE_CRASH_BUDGET = 2  # crashes in safe mode that end one load or generation
 
@@ -129,6 +138,8 @@ class Engine:
         self._job: str | None = None
         self._last_used = time.monotonic()
         self.exit_signal: int | None = None  # how the last child died, if by a signal
+        self.exit_phase = child.OTHER         # and what it was doing (child.PHASES)
+        self._phase: Any = None               # the byte the child says that in
         self._mode_asked = FAST  # the mode of the last load asked for
 
     @property
@@ -157,7 +168,9 @@ class Engine:
         parent, kid = ctx.Pipe()
         # Windows' pipes are handles, not descriptors to put in place of its stderr.
         errors, their_errors = ctx.Pipe(duplex=False) if os.name == "posix" else (None, None)
-        proc = ctx.Process(target=child.main, args=(kid, their_errors), name=f"lmsp-{self.name}", daemon=True)
+        self._phase = ctx.RawValue("B", child.OTHER)
+        proc = ctx.Process(target=child.main, args=(kid, their_errors, self._phase), name=f"lmsp-{self.name}",
+                           daemon=True)
         proc.start()
         kid.close()
         if errors is not None and their_errors is not None:
@@ -191,11 +204,12 @@ class Engine:
         return msg
 
     async def _reap(self) -> None:
-        self.exit_signal = None
+        self.exit_signal, self.exit_phase = None, child.OTHER
         if self._proc is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 1)
             code = self._proc.exitcode
             self.exit_signal = -code if code is not None and code < 0 else None
+            self.exit_phase = self._phase.value
             log.warning("%s process exited with code %s", self.name, code)
         self._proc = self._conn = None
         self.file = self.mode = None
@@ -203,14 +217,21 @@ class Engine:
     async def _survive(self, crashes: list[str], stage: str, file: Registered) -> None:
         """After the child died: decide whether to carry on (in safe mode) or fail.
         `crashes` holds the modes the child crashed in during this one request."""
-        sig = self.exit_signal
+        sig, phase = self.exit_signal, self.exit_phase
         path, mode = file.path, self._mode_asked
         name = signal.Signals(sig).name if sig else "no signal"
-        detail = (f"{self.name}: inference process killed by {name} while {stage} {path} in "
-                  f"{mode} mode (CPU: {cpu.summary()}; llama.cpp CPU backend: {self.cpu_variant or 'native'})")
+        detail = (f"{self.name}: inference process killed by {name} while {stage} {path} in {mode} mode, "
+                  f"{child.PHASES[phase]} (CPU: {cpu.summary()}; llama.cpp CPU backend: {self.cpu_variant or 'native'})")
         log.error("%s", detail)
         if sig not in CRASH_SIGNALS:
             raise EngineError(CRASHED["code"], CRASHED["message"])
+        if phase != child.KERNELS:
+            # Not fast mode's doing: safe mode runs the same code, and the cause may well be this
+            # request (its grammar). It fails alone; the next request gets a fresh child, in the
+            # mode the model runs in.
+            raise EngineError("engine_crashed", f"The inference engine crashed ({name}) {child.PHASES[phase]}, "
+                              "so this task stopped. Safe mode would not avoid that, and the model's engine mode "
+                              "is unchanged; the next request gets a fresh engine. The log has the details.")
         crashes.append(mode)
         if mode == FAST and self.modes.auto:
             await self.modes.fall_back(file.digest, (

@@ -252,7 +252,8 @@ class Desktop(QObject):
 
 
     def _safe_mode(self, event: dict[str, Any]) -> None:
-        """Said once per model and CPU: the engine remembers the choice, so this never repeats."""
+        """Said once per model, CPU and llama.cpp release: the engine remembers the choice, so this
+        repeats only after fast mode was tried again (an update, or Try fast mode again) and crashed."""
         names = ", ".join(event.get("models") or []) or "a model"
         self.tray.notify("Running in safe mode",
                          f"{names} crashed the fast inference engine on this CPU. It now runs in safe mode, "

@@ -26,6 +26,9 @@ ENGINE_HINT = "llama.cpp's fastest CPU paths for this processor."
 STATES = {"available": "Ready", "loaded": "Loaded", "missing": "File missing", "changed": "File changed on disk",
           "unreachable": "Unreachable"}
 REMOTE_HINT = "Served by other OpenAI-compatible servers: nothing to load here."
+FAST_AGAIN_HINT = ("This model crashed llama.cpp's fast paths on this computer and runs in safe mode. Try them "
+                   "again (after an update of LMSP Tray, say): if they still crash, it goes back to safe mode "
+                   "by itself and your tasks carry on.")
 
 
 def endpoint_line(endpoint: dict[str, Any]) -> str:
@@ -68,7 +71,8 @@ class ModelsTab(QWidget):
         for name, text, slot in (("add", "Add model file…", self.add_model_file),
                                  ("add-remote", "Add remote model…", self.add_remote),
                                  ("edit", "Edit…", self.edit_remote), ("remove", "Remove", self.remove),
-                                 ("load", "Load", self.load_selected), ("unload", "Unload", self.unload_selected)):
+                                 ("load", "Load", self.load_selected), ("unload", "Unload", self.unload_selected),
+                                 ("fast-mode", "Try fast mode again", self.try_fast_mode)):
             button = self.buttons[name] = QPushButton(text)
             button.clicked.connect(slot)
             row.addWidget(button)
@@ -84,6 +88,7 @@ class ModelsTab(QWidget):
         self.buttons["add-remote"].setToolTip("A model served by other OpenAI-compatible servers (llama.cpp, vLLM, "
                                               "Ollama, another LMSP Tray); its tasks are kept here")
         self.buttons["edit"].setToolTip("Change a remote model's endpoints")
+        self.buttons["fast-mode"].setToolTip(FAST_AGAIN_HINT)
         list_page(self, row, self.table, "Removing a model only forgets it here: the file itself is never deleted. "
                   "A loaded model stays in memory until it is unloaded or idle too long.")
         self.details = QLabel(objectName="model-details", wordWrap=True)  # the selected model, in full
@@ -127,6 +132,9 @@ class ModelsTab(QWidget):
         self.buttons["edit"].setEnabled(remote)
         self.buttons["load"].setEnabled(status == "available")
         self.buttons["unload"].setEnabled(status == "loaded")
+        # Only a fallback the engine remembers can be forgotten: the setting `safe` is the user's own.
+        self.buttons["fast-mode"].setEnabled(status is not None and model["engine"]["mode"] == "safe"
+                                             and self.session.service.settings["engine_mode"] == "auto")
         for name in ("load", "unload"):
             self.buttons[name].setToolTip(REMOTE_HINT if remote else "")
         where = endpoints_summary(model) if remote else model.get("path", "") if model else ""
@@ -201,6 +209,11 @@ class ModelsTab(QWidget):
         if model := self.selected():
             self.buttons["unload"].setEnabled(False)
             spawn(self._then_refresh(self.session.service.unload_model(model["id"])), self)
+
+    def try_fast_mode(self) -> None:
+        if model := self.selected():
+            self.buttons["fast-mode"].setEnabled(False)
+            spawn(self._then_refresh(self.session.service.forget_engine_mode(model["id"])), self)
 
     async def _then_refresh(self, work: Awaitable[Any]) -> None:
         """Buttons were disabled while the work ran; whatever happened, show the truth again."""

@@ -103,6 +103,10 @@ async def unload_model(request: web.Request) -> web.Response:
     return web.json_response(await request.app[SERVICE].unload_model(request.match_info["model_id"]))
 
 
+async def forget_engine_mode(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[SERVICE].forget_engine_mode(request.match_info["model_id"]))
+
+
 async def get_settings(request: web.Request) -> web.Response:
     return web.json_response(request.app[SERVICE].settings_view())
 

@@ -51,6 +51,7 @@ ROUTES: list[tuple[str, str, Handler, str | None]] = [
     ("DELETE", "/v1/models/{model_id}", a.delete_model, "models:write"),
     ("POST", "/v1/models/{model_id}/load", a.load_model, "models:write"),
     ("POST", "/v1/models/{model_id}/unload", a.unload_model, "models:write"),
+    ("DELETE", "/v1/models/{model_id}/engine-mode", a.forget_engine_mode, "admin"),
     ("GET", "/v1/settings", a.get_settings, "admin"),
     ("PATCH", "/v1/settings", a.patch_settings, "admin"),
     ("GET", "/metrics", a.get_metrics, "metrics:read"),

@@ -18,10 +18,8 @@ from PySide6.QtWidgets import QApplication
 
 from app.core.auth import Client
 from app.core.service import AppService
-from app.gui import async_ui
-from app.gui.bridge import Bridge
 from app.gui.session import Session
-from gui_helpers import URL, Until, settle, wait_until
+from gui_helpers import Until, attached, settle, wait_until
 
 
 def _qt_loop() -> asyncio.AbstractEventLoop:
@@ -72,18 +70,8 @@ async def owner(service: AppService) -> Client:
 @pytest.fixture
 async def session(service: AppService, qapp: QApplication) -> AsyncIterator[Session]:
     """The GUI's view of a real, started service (real store, real inference)."""
-    bridge = Bridge(service.bus)
-    live = Session(service, bridge)
-    await live.attach(URL)
-    yield live
-    # Leave nothing for Qt to run after the loop is gone: queued bridge events first, then
-    # the GUI's own coroutines (a detail pane still loading, a fetch of a stale row).
-    bridge.close()
-    await asyncio.sleep(0.05)
-    pending = list(async_ui._running)
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
+    async with attached(service) as live:
+        yield live
 
 
 @pytest.fixture(autouse=True)

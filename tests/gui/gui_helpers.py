@@ -14,6 +14,8 @@ from PySide6.QtWidgets import QApplication, QMenu
 from app.core.auth import Client
 from app.core.service import AppService
 from app.gui import async_ui
+from app.gui.bridge import Bridge
+from app.gui.session import Session
 
 URL = "http://127.0.0.1:11535"  # what the session shows; these tests need no HTTP server
 Until = Callable[..., Awaitable[Any]]
@@ -41,6 +43,25 @@ async def settle(timeout: float = 10.0) -> None:
 
 def visible(kind: type) -> list[Any]:
     return [w for w in QApplication.topLevelWidgets() if isinstance(w, kind) and w.isVisible()]
+
+
+@contextlib.asynccontextmanager
+async def attached(service: AppService) -> AsyncIterator[Session]:
+    """The GUI's view of a real, started service, for one block."""
+    bridge = Bridge(service.bus)
+    live = Session(service, bridge)
+    await live.attach(URL)
+    try:
+        yield live
+    finally:
+        # Leave nothing for Qt to run after the loop is gone: queued bridge events first, then
+        # the GUI's own coroutines (a detail pane still loading, a fetch of a stale row).
+        bridge.close()
+        await asyncio.sleep(0.05)
+        pending = list(async_ui._running)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def make_task(service: AppService, owner: Client, tokens: int = 30, text: str = "Name three colours.",
