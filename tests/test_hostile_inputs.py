@@ -12,9 +12,9 @@ would (a new endpoint's worst input is one more `@case`). For every case, on a f
    success (never a 5xx, never a wait past that time: the client then leaves);
 3. once the case's client has left, another app's 2-token /v1/responses completes within
    ENGINE_BOUND + its own idle time (measured first, in the same run);
-4. the service's RSS grows by at most the case's budget (default RSS_BUDGET), and the database and
-   its WAL by at most twice what the limits counted meanwhile, plus DISK_SLACK (twice: a row's
-   pages are in the WAL and, after a checkpoint, in the file too; the WAL is not truncated).
+4. the service's RSS grows by at most RSS_BUDGET, and the database and its WAL by at most twice
+   what the limits counted meanwhile, plus DISK_SLACK (twice: a row's pages are in the WAL and,
+   after a checkpoint, in the file too; the WAL is not truncated).
 
 A case that fails prints every figure it measured, so the failure says how far off it is.
 """
@@ -51,17 +51,16 @@ MODELER = ("models:write", "models:read")
 class Case:
     run: Callable[[Attack, Headless], None]
     scopes: tuple[str, ...]
-    rss_budget: float
 
 
 CASES: dict[str, Case] = {}
 
 
-def case(name: str, scopes: tuple[str, ...] = WRITER, rss_budget: float = RSS_BUDGET
+def case(name: str, scopes: tuple[str, ...] = WRITER
          ) -> Callable[[Callable[[Attack, Headless], None]], Callable[[Attack, Headless], None]]:
     """Register `run(attack, service)`, which sends one endpoint's worst input as `attack`."""
     def register(run: Callable[[Attack, Headless], None]) -> Callable[[Attack, Headless], None]:
-        CASES[name] = Case(run, scopes, rss_budget)
+        CASES[name] = Case(run, scopes)
         return run
     return register
 
@@ -158,16 +157,13 @@ def _embedding_batch(attack: Attack, _: Headless) -> None:
 
 @case("N8-ten-embeddings-under-idempotency-keys")
 def _stored_embeddings(attack: Attack, _: Headless) -> None:
-    """Each answer is ~25 MB of JSON: stored under its key for a day, outside every limit (the
-    disk bound of every case catches it). Cut after 45 s: the figures say how many were sent."""
-    texts = [str(i) for i in range(2048)]
-    stop = time.monotonic() + 45
+    """Each answer was stored under its key for a day, outside every limit: 2 048 short inputs
+    make 25 MB of JSON (red team N8: ten of them, 254 MiB). The disk bound of every case catches
+    it with 64 inputs a request (0.8 MB each; 2 048 took over a minute here, on a busy machine)."""
+    texts = [str(i) for i in range(64)]
     for i in range(10):
-        if time.monotonic() > stop:
-            attack.note(f"stopped after {i} requests (45 s)")
-            break
-        attack.send("/v1/embeddings", {"input": texts}, within=60, headers={"Idempotency-Key": f"hostile-{i}"},
-                    what=f"embeddings {i + 1}/10 (2 048 short inputs, Idempotency-Key)")
+        attack.send("/v1/embeddings", {"input": texts}, within=30, headers={"Idempotency-Key": f"hostile-{i}"},
+                    what=f"embeddings {i + 1}/10 (64 short inputs, Idempotency-Key)")
 
 
 def _open_streams(attack: Attack, task_id: str, count: int, receive_buffer: int | None = None
@@ -201,10 +197,11 @@ def _task_ended(attack: Attack, task_id: str, within: float) -> None:
     attack.bound(False, f"task {task_id} ended within {within:.0f} s")
 
 
-@case("N7-8MiB-instructions-and-10-streams-that-never-read", rss_budget=128)
+@case("N7-8MiB-instructions-and-10-streams-that-never-read")
 def _amplified_streams(attack: Attack, service: Headless) -> None:
     """Every event of the task carried the 8 MiB of instructions (disk), and each stream that does
-    not read held a page of them: +74 MiB per stream (red team N7)."""
+    not read held a page of them: +74 MiB per stream (red team N7). The streams' own bound is
+    5 MiB each; the request's own cost counts in the case's RSS budget."""
     created = attack.send("/v1/responses", {"instructions": "x" * (8 * MIB - 300), "input": "hi",
                                             "max_output_tokens": 1, "background": True},
                           within=10, what="8 MiB of instructions, in the background")
@@ -316,16 +313,16 @@ def test_worst_input_holds_neither_the_loop_nor_the_engine_nor_memory(
                     what="after the case, another app's 2-token response")
     finally:
         quiet, lag = probe.stop(since)
+    peak = max(lag.peak_rss_mib, rss_kib(headless.proc.pid) / 1024)  # the probe may have had no answer
     grew = stored_mib(headless.data_dir) - disk
     counted = counted_mib(headless.data_dir) - counted
     attack.note(f"{lag}; idle before: {quiet}")
-    attack.note(f"RSS {rss:.0f} -> peak {lag.peak_rss_mib:.0f} MiB; DB+WAL +{grew:.1f} MiB, limits counted "
+    attack.note(f"RSS {rss:.0f} -> peak {peak:.0f} MiB; DB+WAL +{grew:.1f} MiB, limits counted "
                 f"+{counted:.1f} MiB")
     attack.bound(lag.p100 <= LAG_BOUND and not lag.failures,
                  f"/health answered every 50 ms probe within {LAG_BOUND * 1000:.0f} ms (p100 {lag.p100 * 1000:.0f} "
                  f"ms, {lag.failures} unanswered)")
-    attack.bound(lag.peak_rss_mib - rss <= spec.rss_budget,
-                 f"RSS grew at most {spec.rss_budget:.0f} MiB (grew {lag.peak_rss_mib - rss:.0f} MiB)")
+    attack.bound(peak - rss <= RSS_BUDGET, f"RSS grew at most {RSS_BUDGET:.0f} MiB (grew {peak - rss:.0f} MiB)")
     attack.bound(grew <= 2 * counted + DISK_SLACK, f"DB+WAL grew at most 2 x {counted:.1f} + {DISK_SLACK:.0f} MiB "
                  f"(grew {grew:.1f} MiB)")
     print(f"\n{name}:\n  " + "\n  ".join(attack.figures))
