@@ -67,6 +67,12 @@ def case(name: str, scopes: tuple[str, ...] = WRITER
 
 # -- the cases ---------------------------------------------------------------------------------
 
+@case("control-an-ordinary-request")
+def _ordinary(attack: Attack, _: Headless) -> None:
+    """What every bound is measured against: an ordinary app's request passes them all."""
+    attack.send("/v1/responses", {"input": "Say hi", "max_output_tokens": 8}, within=10, what="an ordinary request")
+
+
 ITEMS = 60_000  # 3.5 MB of the smallest items: red team N2, 114 s of frozen service
 
 
