@@ -40,7 +40,7 @@ from tests.hostile import MIB, Attack, Probe, counted_mib, exchange, rss_kib, st
 
 LAG_BOUND = 0.100    # s: the slowest /health round trip while a case runs
 ENGINE_BOUND = 2.0   # s: beyond its idle time, for another app's 2-token response after the case
-RSS_BUDGET = 256.0   # MiB: the service's RSS growth over a case, unless the case says otherwise
+RSS_BUDGET = 256.0   # MiB: the service's RSS growth over a case (the probe samples it every 50 ms)
 DISK_SLACK = 4.0     # MiB: database and WAL growth beyond twice the bytes the limits counted
 TWO_TOKENS = {"input": "Say hi", "max_output_tokens": 2, "temperature": 0}
 WRITER = ("responses:write", "responses:read", "tasks:read", "tasks:cancel")
