@@ -297,19 +297,21 @@ class RemoteEngine:
         `upstream_error` when the upstreams refused the request itself)."""
         self.model_id, self.name = model["id"], f"remote:{model['id']}"
         self.gen, self.text, self.tokens = gen, gen.prefix_text, gen.prefix_tokens
-        deadline = time.monotonic() + self.upstreams.wait_seconds
+        deadline = time.monotonic() + self.upstreams.wait_seconds  # from this first try, whole
         pause = WAIT_FIRST
         while not self._cancelled.is_set():
             errors = await self._connect()
             if self._endpoint is not None:
                 break
-            if time.monotonic() + pause > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise EngineError("upstream_unavailable", f"No endpoint of {self.model_id!r} answered for "
                                   f"{self.upstreams.wait_seconds:.0f} s (setting remote_wait_seconds): "
                                   + " ".join(errors))
             await waiting("Waiting for an endpoint to answer: " + " ".join(errors))
             with contextlib.suppress(asyncio.TimeoutError):  # a cancel ends the pause at once
-                await asyncio.wait_for(self._cancelled.wait(), pause)
+                # The last pause is cut to the deadline, with one more try at it: never less.
+                await asyncio.wait_for(self._cancelled.wait(), min(pause, left))
             pause = min(pause * 2, WAIT_LAST)
         return False
 
