@@ -10,6 +10,8 @@ from typing import Any
 
 from app.engine.models import DEFAULT_MODEL_ID
 from tests.helpers import bearer, check_error, pair, raw
+from tests.hub_server import FakeHub
+from tests.test_downloads import MODEL, REPO, fake_hub, finished  # noqa: F401 (fake_hub: a fixture)
 from tests.test_gguf import make_gguf, valid_kvs, valid_tensors
 from tests.test_remote import KEY, register
 
@@ -48,6 +50,20 @@ async def test_an_app_forgets_only_the_models_it_registered(api: Any, tmp_path: 
     assert status == 201, text
     assert (await api.delete("/v1/models/seconds")).status == 200
     assert await listed(api) == {DEFAULT_MODEL_ID}
+
+
+async def test_a_downloaded_model_is_the_downloading_apps(api: Any, fake_hub: FakeHub) -> None:
+    _, first = await pair(api, MODELER, "First")
+    _, second = await pair(api, MODELER, "Second")
+    status, text = await as_app(api, first, "POST", "/v1/models/downloads", {"repo": REPO, "file": MODEL.name})
+    assert status == 202, text
+    done = await finished(api, json.loads(text)["id"])
+    assert done["status"] == "completed", done
+    model_id = done["download"]["model_id"]
+    status, text = await as_app(api, second, "DELETE", f"/v1/models/{model_id}")
+    check_error(status, text, 403, "not_model_creator")
+    status, text = await as_app(api, first, "DELETE", f"/v1/models/{model_id}")
+    assert status == 200, text
 
 
 async def test_an_app_can_neither_forget_nor_take_over_a_remote_model(api: Any, upstreams: Any,

@@ -302,7 +302,8 @@ def _complete(conn: sqlite3.Connection, task_id: str, found: models.ModelFile, s
     if events is None:
         return None
     creator = same_file["created_by"] if same_file else conn.execute(
-        "SELECT client_id FROM tasks WHERE id = ?", (task_id,)).fetchone()[0]
+        "SELECT r.client_id FROM tasks t JOIN responses r ON r.id = t.response_id WHERE t.id = ?",
+        (task_id,)).fetchone()[0]
     models.insert(conn, model_id, found, creator, replace=True)
     conn.execute("UPDATE downloads SET model_id = ?, bytes_per_second = NULL WHERE task_id = ?", (model_id, task_id))
     return events
