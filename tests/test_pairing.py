@@ -411,34 +411,32 @@ def test_cli_pairings_token_status_models_tasks(headless):
     assert cli(data_dir, "token").stdout.strip() == headless.token  # needs no running service
 
 
-def test_cli_shows_control_characters_escaped(headless):
-    """A pairing stored before names were checked (or written by anything else) still cannot
-    drive the owner's terminal: `lmsp-tray pairings` prints its control characters as escapes."""
+def shown_pairings(headless, name: str, code: str) -> str:
+    """What `lmsp-tray pairings` prints for an `admin` pairing request stored with `name` as it is
+    (stored before names were checked, or written by anything else)."""
     headless.start()
-    evil = "Editor\x1b[1A\x1b[2K\rFake  123-456  models:read\u202e\x07"
     with sqlite3.connect(headless.data_dir / "lmsp.sqlite3") as conn:
         conn.execute("INSERT INTO pairings(id, client_name, scopes, code, status, created_at, expires_at) "
-                     "VALUES ('pair_old', ?, '[\"admin\"]', '111-222', 'pending', ?, ?)",
-                     (evil, time.time(), time.time() + 300))
+                     "VALUES ('pair_old', ?, '[\"admin\"]', ?, 'pending', ?, ?)",
+                     (name, code, time.time(), time.time() + 300))
     done = cli(headless.data_dir, "pairings")
     assert done.returncode == 0, done.stderr
-    assert not any(unicodedata.category(c) in ("Cc", "Cf") for c in done.stdout.replace("\n", "")), done.stdout
-    assert "Editor\\u001b[1A\\u001b[2K\\u000dFake" in done.stdout and "\\u202e\\u0007" in done.stdout
-    row = next(line for line in done.stdout.splitlines() if "pair_old" in line)
+    return done.stdout
+
+
+def test_cli_shows_control_characters_escaped(headless):
+    """Even such a name cannot drive the owner's terminal: its control characters are printed as escapes."""
+    stdout = shown_pairings(headless, "Editor\x1b[1A\x1b[2K\rFake  123-456  models:read\u202e\x07", "111-222")
+    assert not any(unicodedata.category(c) in ("Cc", "Cf") for c in stdout.replace("\n", "")), stdout
+    assert "Editor\\u001b[1A\\u001b[2K\\u000dFake" in stdout and "\\u202e\\u0007" in stdout
+    row = next(line for line in stdout.splitlines() if "pair_old" in line)
     assert "111-222" in row and "admin" in row  # the real code and scope stay on the row, visible
 
 
 def test_cli_shows_the_code_and_scopes_before_the_app_name(headless):
-    """Whatever a name holds (one stored before names were checked), the row shows the real code
-    and scopes first: the name, last, cannot push them off a terminal's line."""
-    headless.start()
-    with sqlite3.connect(headless.data_dir / "lmsp.sqlite3") as conn:
-        conn.execute("INSERT INTO pairings(id, client_name, scopes, code, status, created_at, expires_at) "
-                     "VALUES ('pair_old', ?, '[\"admin\"]', '497-851', 'pending', ?, ?)",
-                     (SPOOF, time.time(), time.time() + 300))
-    done = cli(headless.data_dir, "pairings")
-    assert done.returncode == 0, done.stderr
-    header, row = done.stdout.splitlines()
+    """Whatever a name holds, the row shows the real code and scopes first: the name, last,
+    cannot push them off a terminal's line."""
+    header, row = shown_pairings(headless, SPOOF, "497-851").splitlines()
     assert header.split() == ["ID", "CODE", "SCOPES", "APP"]
     assert row.index("497-851") < row.index("admin") < row.index("123-456"), row
     assert row.index("admin") < 40, row  # on any terminal's first line
