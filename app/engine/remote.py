@@ -297,7 +297,7 @@ class RemoteEngine:
         `upstream_error` when the upstreams refused the request itself)."""
         self.model_id, self.name = model["id"], f"remote:{model['id']}"
         self.gen, self.text, self.tokens = gen, gen.prefix_text, gen.prefix_tokens
-        deadline = time.monotonic() + self.upstreams.wait_seconds  # from this first try, whole
+        deadline = time.monotonic() + self.upstreams.wait_seconds  # counted from the first try
         pause = WAIT_FIRST
         while not self._cancelled.is_set():
             errors = await self._connect()
@@ -310,7 +310,7 @@ class RemoteEngine:
                                   + " ".join(errors))
             await waiting("Waiting for an endpoint to answer: " + " ".join(errors))
             with contextlib.suppress(asyncio.TimeoutError):  # a cancel ends the pause at once
-                # The last pause is cut to the deadline, with one more try at it: never less.
+                # The last pause ends at the deadline, and one more try is made there: never sooner.
                 await asyncio.wait_for(self._cancelled.wait(), min(pause, left))
             pause = min(pause * 2, WAIT_LAST)
         return False
