@@ -129,6 +129,7 @@ def _pairings(client: Client, args: list[str]) -> int:
     if not waiting:
         print("No pairing requests are waiting.")
     else:
-        print(_table([["ID", "APP", "CODE", "SCOPES"]] + [
-            [p["id"], p["client_name"], p["code"], ",".join(p["scopes"])] for p in waiting]))
+        # The name last: whatever it holds, it cannot push the real code and scopes off the row.
+        print(_table([["ID", "CODE", "SCOPES", "APP"]] + [
+            [p["id"], p["code"], ",".join(p["scopes"]), p["client_name"]] for p in waiting]))
     return 0

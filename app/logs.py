@@ -25,6 +25,9 @@ TOKEN = re.compile(r"lmsp_(?:[A-Za-z0-9_\-]|\\x[0-9a-fA-F]{2})+")
 # Whatever follows "Bearer": the token of a malformed header, quoted or cut however a parser does it.
 BEARER = re.compile(r"(?i)(bearer\s+)\S+")
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# The HTTP client of remote endpoints and downloads: at INFO it logs every URL it fetches, the
+# hub's signed CDN links among them, and each endpoint probe every 30 s.
+QUIET = ("httpx2", "httpcore2")
 
 
 def redact(text: str) -> str:
@@ -167,4 +170,6 @@ def setup(folder: Path) -> Path:
     for handler in handlers:
         handler.addFilter(throttle)
     logging.basicConfig(level=os.environ.get("LMSP_LOG_LEVEL", "INFO"), handlers=handlers, force=True)
+    for name in QUIET:
+        logging.getLogger(name).setLevel(logging.WARNING)
     return file

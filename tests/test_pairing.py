@@ -197,6 +197,23 @@ async def test_control_and_format_characters_in_a_name_are_400(api, service, nam
     await request_pairing(api, "Éditeur 文字 ✓")  # ordinary letters and symbols of any script still pass
 
 
+# The red team's row: a fake code and scope, then the real ones pushed some 90 columns right.
+SPOOF = "Notes" + "\u3000" * 22 + " 123-456  models:read" + "\u3000" * 22
+
+
+@pytest.mark.parametrize("name", [SPOOF, "No\u00a0break", "Em\u2003space", "Thin\u2009space", "Hangul\u3164filler",
+                                  "Braille\u2800blank", "Za\u0301\u0302\u0303\u0304lgo"])
+async def test_blanks_other_than_the_space_and_stacked_accents_in_a_name_are_400(api, service, name):
+    """Wide or invisible blanks, and piles of combining marks, let a name pad or overdraw the row
+    that shows it, so that a fake code and scope stand where the real ones should."""
+    resp, text = await raw(api, "POST", "/v1/pairings", json={"client_name": name, "scopes": WORKER})
+    err = check_error(resp.status, text, 400, "invalid_request", "client_name")
+    assert "space" in err["message"]
+    assert await pairings_count(service) == 0
+    # Ordinary spaces, and the accents of real words (Vietnamese stacks two), still pass.
+    await request_pairing(api, "Nguye\u0302\u0303n's  notes")
+
+
 async def test_pairing_body_must_be_a_json_object(api, service):
     resp, text = await raw(api, "POST", "/v1/pairings", json=["responses:read"])
     check_error(resp.status, text, 400, "invalid_request")
@@ -394,18 +411,32 @@ def test_cli_pairings_token_status_models_tasks(headless):
     assert cli(data_dir, "token").stdout.strip() == headless.token  # needs no running service
 
 
-def test_cli_shows_control_characters_escaped(headless):
-    """A pairing stored before names were checked (or written by anything else) still cannot
-    drive the owner's terminal: `lmsp-tray pairings` prints its control characters as escapes."""
+def shown_pairings(headless, name: str, code: str) -> str:
+    """What `lmsp-tray pairings` prints for an `admin` pairing request stored with `name` as it is
+    (stored before names were checked, or written by anything else)."""
     headless.start()
-    evil = "Editor\x1b[1A\x1b[2K\rFake  123-456  models:read\u202e\x07"
     with sqlite3.connect(headless.data_dir / "lmsp.sqlite3") as conn:
         conn.execute("INSERT INTO pairings(id, client_name, scopes, code, status, created_at, expires_at) "
-                     "VALUES ('pair_old', ?, '[\"admin\"]', '111-222', 'pending', ?, ?)",
-                     (evil, time.time(), time.time() + 300))
+                     "VALUES ('pair_old', ?, '[\"admin\"]', ?, 'pending', ?, ?)",
+                     (name, code, time.time(), time.time() + 300))
     done = cli(headless.data_dir, "pairings")
     assert done.returncode == 0, done.stderr
-    assert not any(unicodedata.category(c) in ("Cc", "Cf") for c in done.stdout.replace("\n", "")), done.stdout
-    assert "Editor\\u001b[1A\\u001b[2K\\u000dFake" in done.stdout and "\\u202e\\u0007" in done.stdout
-    row = next(line for line in done.stdout.splitlines() if "pair_old" in line)
+    return done.stdout
+
+
+def test_cli_shows_control_characters_escaped(headless):
+    """Even such a name cannot drive the owner's terminal: its control characters are printed as escapes."""
+    stdout = shown_pairings(headless, "Editor\x1b[1A\x1b[2K\rFake  123-456  models:read\u202e\x07", "111-222")
+    assert not any(unicodedata.category(c) in ("Cc", "Cf") for c in stdout.replace("\n", "")), stdout
+    assert "Editor\\u001b[1A\\u001b[2K\\u000dFake" in stdout and "\\u202e\\u0007" in stdout
+    row = next(line for line in stdout.splitlines() if "pair_old" in line)
     assert "111-222" in row and "admin" in row  # the real code and scope stay on the row, visible
+
+
+def test_cli_shows_the_code_and_scopes_before_the_app_name(headless):
+    """Whatever a name holds, the row shows the real code and scopes first: the name, last,
+    cannot push them off a terminal's line."""
+    header, row = shown_pairings(headless, SPOOF, "497-851").splitlines()
+    assert header.split() == ["ID", "CODE", "SCOPES", "APP"]
+    assert row.index("497-851") < row.index("admin") < row.index("123-456"), row
+    assert row.index("admin") < 40, row  # on any terminal's first line

@@ -29,6 +29,9 @@ class Client:
         return self.is_admin or scope in self.scopes
 
 
+OWNER = Client(OWNER_ID, "Owner", frozenset({"admin"}))  # the desktop app acts as the owner
+
+
 def new_token() -> str:
     return "lmsp_" + secrets.token_urlsafe(32)  # 256 random bits
 

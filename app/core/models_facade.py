@@ -9,10 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from app.core.auth import OWNER, Client
 from app.engine import discovery, gguf, models
 from app.engine.engine import Engine, EngineError
 from app.engine.modes import EngineModes
-from app.errors import Conflict, InvalidRequest, LmspError, TooManyRequests
+from app.errors import Conflict, Forbidden, InvalidRequest, LmspError, TooManyRequests
 from app.store.store import Store
 from app.tasks.bus import EventBus
 from app.tasks.runner import Runner
@@ -34,7 +35,7 @@ class ModelsFacade:
     _examiner: ThreadPoolExecutor     # EXAMINERS threads
 
     # RemoteFacade's (declared, not defined: a definition here would hide it)
-    register_remote_model: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+    register_remote_model: Callable[[Client, dict[str, Any]], Awaitable[dict[str, Any]]]
     forget_remote_model: Callable[[str], Awaitable[None]]
     check_upstreams: Callable[[], Awaitable[None]]
     remote_object: Callable[[Any], dict[str, Any]]
@@ -57,9 +58,10 @@ class ModelsFacade:
             found["status"] = "changed"  # same file, size and mtime, but an engine found other bytes in it
         return {**found, "engine": self.modes.describe(row["digest"])}
 
-    async def register_model(self, body: Any, progress: Any = None) -> dict[str, Any]:
+    async def register_model(self, body: Any, progress: Any = None, client: Client = OWNER) -> dict[str, Any]:
+        """Register a file (or a remote model) on behalf of `client`, who may then remove it."""
         if isinstance(body, dict) and "remote" in body:
-            return await self.register_remote_model(body)
+            return await self.register_remote_model(client, body)
         if not isinstance(body, dict) or not isinstance(body.get("path"), str):
             raise InvalidRequest("`path` (an absolute file path) is required.", param="path")
         if set(body) - {"path", "id"}:
@@ -80,7 +82,7 @@ class ModelsFacade:
 
         found = await self.examine(body["path"], report)
         model_id = models.suggest_id(found.path) if model_id is None else model_id
-        await self.store.write(models.insert, model_id, found)
+        await self.store.write(models.insert, model_id, found, client.id)
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)
 
@@ -119,8 +121,13 @@ class ModelsFacade:
         """The engines that have this model loaded (none for a remote model: it has no path)."""
         return [e for e in self.engines if e.model_path is not None and e.model_path == row["path"]]
 
-    async def remove_model(self, model_id: str) -> None:
+    async def remove_model(self, model_id: str, client: Client = OWNER) -> None:
         row = await self.store.read(models.get, model_id)
+        if not client.is_admin and row["format"] == "remote":  # it holds the owner's API keys
+            raise Forbidden("insufficient_scope", "Removing a remote model needs the scope 'admin'.")
+        if not client.is_admin and row["created_by"] != client.id:
+            raise Forbidden("not_model_creator", f"The model {model_id!r} was registered by another app or by the "
+                            "owner: an app may remove only the models it registered.")
         for engine in self._holding(row):
             if not self.runner.busy(engine):
                 await engine.unload()

@@ -25,8 +25,28 @@ NOTIFY_EVERY_SECONDS = 60.0  # at most one desktop notification per requester in
 UNSAFE = ("Cc", "Cf", "Cs", "Zl", "Zp")
 
 
+# Blanks that are not U+0020 (U+3000 is two columns wide), and letters that show as blanks: a
+# name padded with them pushes the real code and scopes off a terminal's row, after fake ones.
+BLANK_LETTERS = {"\u115f", "\u1160", "\u2800", "\u3164", "\uffa0"}  # Hangul fillers, Braille blank
+MAX_MARKS = 3  # combining marks on one letter: Vietnamese needs two; a stack of dozens overdraws rows
+
+
 def unsafe(char: str) -> bool:
     return unicodedata.category(char) in UNSAFE
+
+
+def blank(char: str) -> bool:
+    return (unicodedata.category(char) == "Zs" and char != " ") or char in BLANK_LETTERS
+
+
+def stacked(text: str) -> bool:
+    """Whether more than MAX_MARKS combining marks follow one another anywhere in `text`."""
+    run = 0
+    for char in text:
+        run = run + 1 if unicodedata.category(char) in ("Mn", "Me") else 0
+        if run > MAX_MARKS:
+            return True
+    return False
 
 
 def shown(text: str) -> str:
@@ -46,6 +66,9 @@ def parse(body: Any) -> tuple[str, list[str]]:
     if any(unsafe(c) for c in name):
         raise InvalidRequest("`client_name` must not contain control or formatting characters (newlines, "
                              "escapes, direction overrides).", param="client_name")
+    if any(blank(c) for c in name) or stacked(name):
+        raise InvalidRequest("`client_name` may have no blanks but the ordinary space (no wide or no-break "
+                             f"spaces), and at most {MAX_MARKS} accents on a letter.", param="client_name")
     scopes = body.get("scopes")
     if not isinstance(scopes, list) or not scopes or not all(isinstance(s, str) and s in SCOPES for s in scopes):
         raise InvalidRequest(f"`scopes` must be a non-empty list drawn from {list(SCOPES)}.", param="scopes")

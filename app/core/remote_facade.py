@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.core.auth import Client
 from app.core.ids import new_id
 from app.engine import models
 from app.engine.remote import Endpoint, RemoteError, Upstreams, check_url, probe
@@ -54,7 +55,7 @@ class RemoteFacade:
         names = await _probe(self.upstreams, endpoint, "endpoint")
         return {"ok": True, "models": names, "latency_ms": round((time.monotonic() - started) * 1000, 1)}
 
-    async def register_remote_model(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def register_remote_model(self, client: Client, body: dict[str, Any]) -> dict[str, Any]:
         if set(body) - {"id", "remote"}:
             unknown = sorted(set(body) - {"id", "remote"})[0]
             raise InvalidRequest(f"Unknown parameter {unknown!r}.", param=unknown)
@@ -67,7 +68,7 @@ class RemoteFacade:
         endpoints = await self._checked_endpoints(body.get("remote"), [])
         await self._keep_keys(endpoints)
         try:
-            await self.store.write(_insert, model_id, endpoints)
+            await self.store.write(_insert, model_id, endpoints, client.id)
         except BaseException:
             await self._drop_keys(endpoints)
             raise
@@ -185,10 +186,11 @@ async def _probe(upstreams: Upstreams, endpoint: Endpoint, param: str) -> list[s
     return names
 
 
-def _insert(conn: sqlite3.Connection, model_id: str, endpoints: list[Endpoint]) -> None:
+def _insert(conn: sqlite3.Connection, model_id: str, endpoints: list[Endpoint], created_by: str) -> None:
     if conn.execute("SELECT 1 FROM models WHERE id = ?", (model_id,)).fetchone():
         raise Conflict("model_exists", f"A model with id {model_id!r} is already registered.")
-    conn.execute("INSERT INTO models(id, format, created_at) VALUES (?, 'remote', ?)", (model_id, time.time()))
+    conn.execute("INSERT INTO models(id, format, created_at, created_by) VALUES (?, 'remote', ?, ?)",
+                 (model_id, time.time(), created_by))
     _replace_endpoints(conn, model_id, endpoints)
 
 

@@ -142,7 +142,7 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
             return  # there, or the user gave its id to a model of their own
         # First start, or the app (and the model inside it) moved since: register it where it is now.
         found = await self.examine(str(path))
-        await self.store.write(models.insert, models.DEFAULT_MODEL_ID, found, True)
+        await self.store.write(models.insert, models.DEFAULT_MODEL_ID, found, auth.OWNER_ID, True)
         log.info("registered the default model %s at %s (%s)", models.DEFAULT_MODEL_ID, path, found.digest)
 
     async def purge(self, now: float | None = None) -> dict[str, int]:

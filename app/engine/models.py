@@ -146,7 +146,8 @@ def suggest_id(path: str) -> str:
     return (stem or "model")[:128]
 
 
-def insert(conn: sqlite3.Connection, model_id: str, found: ModelFile, replace: bool = False) -> None:
+def insert(conn: sqlite3.Connection, model_id: str, found: ModelFile, created_by: str, replace: bool = False) -> None:
+    """Register `found` as `model_id`, on behalf of the client `created_by`."""
     if not ID_PATTERN.match(model_id):
         raise InvalidRequest("A model id is 1-128 letters, digits and . _ : -", param="id")
     if conn.execute("SELECT 1 FROM models WHERE id = ?", (model_id,)).fetchone():
@@ -156,9 +157,9 @@ def insert(conn: sqlite3.Connection, model_id: str, found: ModelFile, replace: b
     meta = {"architecture": found.info.architecture, "name": found.info.name,
             "has_chat_template": found.info.has_chat_template}
     conn.execute("INSERT INTO models(id, path, size_bytes, mtime_ns, digest, context_length, metadata, created_at, "
-                 "device, inode) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                 "device, inode, created_by) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                  (model_id, found.path, found.size_bytes, found.mtime_ns, found.digest,
-                  found.info.context_length, json.dumps(meta), time.time(), found.device, found.inode))
+                  found.info.context_length, json.dumps(meta), time.time(), found.device, found.inode, created_by))
 
 
 def file_status(row: sqlite3.Row) -> str:

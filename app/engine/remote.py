@@ -26,11 +26,13 @@ from urllib.parse import urlsplit
 import httpx2
 
 from app.engine.engine import EngineError, Generation, Message, Waiting
+from app.logs import redact
 
 log = logging.getLogger(__name__)
 CONNECT_SECONDS = 5.0      # to open a connection or answer a probe
 STALL_SECONDS = 300.0      # the longest silence inside a stream before the upstream counts as gone
 WAIT_FIRST, WAIT_LAST = 0.5, 10.0  # seconds between rounds of tries while no endpoint answers
+QUOTED_CHARS = 1000        # of what an upstream says, in an error message
 
 
 class RemoteError(Exception):
@@ -60,6 +62,13 @@ class Endpoint:
     def url(self, path: str) -> str:
         return self.base_url.rstrip("/") + path
 
+    def quote(self, text: str) -> str:
+        """What the upstream said, without its key: some proxies and debug servers echo the request's
+        `Authorization` header in their errors, and these words reach the app and the database."""
+        if self.api_key:
+            text = text.replace(self.api_key, "[redacted]")
+        return redact(text)[:QUOTED_CHARS]  # cut after redacting: a cut key would escape it
+
     def mark(self, error: RemoteError | None) -> None:
         if error is None:
             if self.status != "available":
@@ -80,6 +89,9 @@ def check_url(base_url: Any) -> str:
     if not isinstance(base_url, str) or not base_url.strip():
         raise RemoteError("invalid_url", "`base_url` is required, e.g. http://gpu-box:8080/v1.")
     parts = urlsplit(base_url.strip())
+    if parts.username is not None or parts.password is not None:  # not echoed: it holds a password
+        raise RemoteError("invalid_url", "A base URL cannot carry a user name or password (user:password@host): "
+                          "every app that lists models would see it. Put the key in `api_key`.")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise RemoteError("invalid_url", f"{base_url!r} is not an http:// or https:// URL with a host.")
     if parts.query or parts.fragment:
@@ -109,15 +121,15 @@ def error_text(body: Any) -> str:
     error = body.get("error", body.get("detail", body)) if isinstance(body, dict) else body
     if isinstance(error, dict) and isinstance(error.get("message"), str):
         return error["message"]
-    return error if isinstance(error, str) else json.dumps(error)[:300]
+    return error if isinstance(error, str) else json.dumps(error)
 
 
-def upstream_message(response: httpx2.Response) -> str:
-    """The error message of an upstream's answer."""
+def upstream_message(endpoint: Endpoint, response: httpx2.Response) -> str:
+    """The error message of an upstream's answer, without the endpoint's key."""
     try:
-        return error_text(response.json())
+        return endpoint.quote(error_text(response.json()))
     except ValueError:
-        return response.text[:300] or response.reason_phrase
+        return endpoint.quote(response.text or response.reason_phrase)
 
 
 async def probe(client: httpx2.AsyncClient, endpoint: Endpoint) -> list[str]:
@@ -131,7 +143,7 @@ async def probe(client: httpx2.AsyncClient, endpoint: Endpoint) -> list[str]:
     where = endpoint.base_url
     if response.status_code in (401, 403):
         raise RemoteError("upstream_auth_failed", f"{where} refused the API key ({response.status_code}: "
-                          f"{upstream_message(response)}).")
+                          f"{upstream_message(endpoint, response)}).")
     try:
         listed = response.json()["data"] if response.status_code == 200 else None
         names = [m["id"] for m in listed] if isinstance(listed, list) else None
@@ -285,19 +297,21 @@ class RemoteEngine:
         `upstream_error` when the upstreams refused the request itself)."""
         self.model_id, self.name = model["id"], f"remote:{model['id']}"
         self.gen, self.text, self.tokens = gen, gen.prefix_text, gen.prefix_tokens
-        deadline = time.monotonic() + self.upstreams.wait_seconds
+        deadline = time.monotonic() + self.upstreams.wait_seconds  # counted from the first try
         pause = WAIT_FIRST
         while not self._cancelled.is_set():
             errors = await self._connect()
             if self._endpoint is not None:
                 break
-            if time.monotonic() + pause > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise EngineError("upstream_unavailable", f"No endpoint of {self.model_id!r} answered for "
                                   f"{self.upstreams.wait_seconds:.0f} s (setting remote_wait_seconds): "
                                   + " ".join(errors))
             await waiting("Waiting for an endpoint to answer: " + " ".join(errors))
             with contextlib.suppress(asyncio.TimeoutError):  # a cancel ends the pause at once
-                await asyncio.wait_for(self._cancelled.wait(), pause)
+                # The last pause ends at the deadline, and one more try is made there: never sooner.
+                await asyncio.wait_for(self._cancelled.wait(), min(pause, left))
             pause = min(pause * 2, WAIT_LAST)
         return False
 
@@ -358,8 +372,9 @@ class RemoteEngine:
             async with self.upstreams.client.stream("POST", url, headers=endpoint.headers(), json=body) as response:
                 if response.status_code != 200:
                     await response.aread()
-                    queue.put_nowait({"ev": "refused", "status": response.status_code, "message": (
-                        f"{endpoint.base_url} answered {response.status_code}: {upstream_message(response)}")})
+                    said = upstream_message(endpoint, response)
+                    queue.put_nowait({"ev": "refused", "status": response.status_code,
+                                      "message": f"{endpoint.base_url} answered {response.status_code}: {said}"})
                     return
                 endpoint.mark(None)
                 queue.put_nowait({"ev": "opened"})
@@ -373,10 +388,11 @@ class RemoteEngine:
                     try:
                         event = json.loads(line[5:])
                     except ValueError:
-                        sent_error = f"{endpoint.base_url} streamed something that is not JSON: {line[:100]!r}"
+                        sent_error = (f"{endpoint.base_url} streamed something that is not JSON: "
+                                      + endpoint.quote(repr(line))[:100])
                         continue
                     if not isinstance(event, dict) or "error" in event:
-                        sent_error = f"{endpoint.base_url}: {error_text(event)}"
+                        sent_error = f"{endpoint.base_url}: {endpoint.quote(error_text(event))}"
                         continue
                     text, finish, counted = reader(event)
                     if text:

@@ -59,7 +59,8 @@ async def register_model(request: web.Request) -> web.Response:
         require_admin(request, "Registering a remote model")
     try:
         # Validating and hashing can take minutes: if the client leaves, the work stops too.
-        registered = await unless_client_leaves(request, request.app[SERVICE].register_model(body))
+        registering = request.app[SERVICE].register_model(body, client=request[CLIENT])
+        registered = await unless_client_leaves(request, registering)
         return web.json_response(registered, status=201)
     except OSError as exc:  # the path itself is unusable: name too long, a directory we may not read...
         raise InvalidRequest(f"The model path cannot be used: {exc.strerror or exc}.", param="path") from None
@@ -91,7 +92,7 @@ async def hub_files(request: web.Request) -> web.Response:
 
 async def delete_model(request: web.Request) -> web.Response:
     model_id = request.match_info["model_id"]
-    await request.app[SERVICE].remove_model(model_id)
+    await request.app[SERVICE].remove_model(model_id, request[CLIENT])
     return web.json_response({"id": model_id, "object": "model", "deleted": True})
 
 

@@ -13,8 +13,9 @@ from app.server import admin as a
 from app.server import handlers as h
 from app.server.chat import chat_completions
 from app.server.gate import Gate
-from app.server.keys import BUSY, LATENCY, SCOPES, SERVICE
-from app.server.middleware import authorize, boundary, cors_headers, errors, idempotent, timing, working
+from app.server.keys import BUSY, HOSTS, LATENCY, SCOPES, SERVICE
+from app.server.middleware import (LOCAL_HOSTS, authorize, boundary, cors_headers, errors, idempotent, timing,
+                                   working)
 
 MAX_BODY = 8 * 1024 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -66,6 +67,7 @@ def make_app(service: AppService) -> web.Application:
     app[LATENCY] = LatencyHistogram()
     app[SCOPES] = {}
     app[BUSY] = set()
+    app[HOSTS] = set(LOCAL_HOSTS)
     app.on_response_prepare.append(cors_headers)
     for method, path, handler, scope in ROUTES:
         app.router.add_route(method, path, handler)
@@ -80,6 +82,16 @@ def _descriptors() -> int:
         return 1 << 30
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return 1 << 30 if soft == resource.RLIM_INFINITY else soft
+
+
+def advertised(host: str) -> str:
+    """The host part of the URL that reaches a service bound to `host`: bound to every address
+    (0.0.0.0, ::, ""), the service is reached on loopback; an IPv6 address goes in brackets."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
 
 
 class Server:
@@ -103,7 +115,8 @@ class Server:
         gate = Gate(self.runner.server, self.max_connections, self.app[BUSY])
         self.listener = await asyncio.get_running_loop().create_server(gate, host, port, backlog=128)
         bound = self.listener.sockets[0].getsockname()[1]  # the real port when port=0
-        shown = f"[{host}]" if ":" in host else host
+        shown = advertised(host)
+        self.app[HOSTS].add(shown.lower())  # a request to the URL in service.json is answered
         self.url = f"http://{shown}:{bound}"
         return self.url
 

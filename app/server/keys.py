@@ -14,5 +14,8 @@ SCOPES = web.AppKey("scopes", dict)
 LATENCY = web.AppKey("latency", LatencyHistogram)
 # The connections whose request is inside a handler: the gate never closes those to make room.
 BUSY = web.AppKey("busy", set)
+# The names a request's Host may give (besides the setting allowed_hosts): localhost, and the
+# address the service is bound to, which its own service.json names.
+HOSTS = web.AppKey("hosts", set)
 # What the request carries once `authorize` has let it through.
 CLIENT = web.RequestKey("client", Client)

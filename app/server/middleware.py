@@ -12,7 +12,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from app.errors import Forbidden, LmspError, Unauthorized
-from app.server.keys import BUSY, CLIENT, LATENCY, SCOPES, SERVICE
+from app.server.keys import BUSY, CLIENT, HOSTS, LATENCY, SCOPES, SERVICE
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -92,7 +92,7 @@ async def boundary(request: web.Request, handler: Handler) -> web.StreamResponse
     """DNS-rebinding defence (Host) and cross-site defence (Origin), before any work."""
     settings = request.app[SERVICE].settings
     host = _host_name(request.headers.get("Host", "")).lower()
-    if host not in LOCAL_HOSTS and host not in settings["allowed_hosts"]:
+    if host not in request.app[HOSTS] and host not in settings["allowed_hosts"]:
         return error_response(421, "misdirected_request", "This service only answers requests addressed to localhost.")
     origin = request.headers.get("Origin")
     if origin is not None and origin not in settings["allowed_origins"]:

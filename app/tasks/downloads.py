@@ -315,15 +315,19 @@ def _verifying(conn: sqlite3.Connection, task_id: str, total: int) -> list[machi
 
 def _complete(conn: sqlite3.Connection, task_id: str, found: models.ModelFile, suggested: str
               ) -> list[machine.Event] | None:
-    """Register the model and end the task, together: a completed download always is a model."""
-    same_file = conn.execute("SELECT id FROM models WHERE path = ?", (found.path,)).fetchone()
+    """Register the model and end the task, together: a completed download always is a model,
+    the downloading client's (a file registered before stays its registrant's)."""
+    same_file = conn.execute("SELECT id, created_by FROM models WHERE path = ?", (found.path,)).fetchone()
     taken = conn.execute("SELECT 1 FROM models WHERE id = ?", (suggested,)).fetchone()
     model_id = same_file["id"] if same_file else (f"{suggested}-{found.digest[7:15]}" if taken else suggested)
     events = machine.transition(conn, task_id, COMPLETED, [("download.completed", {"model_id": model_id})],
                                 finished_at=time.time())
     if events is None:
         return None
-    models.insert(conn, model_id, found, replace=True)
+    creator = same_file["created_by"] if same_file else conn.execute(
+        "SELECT r.client_id FROM tasks t JOIN responses r ON r.id = t.response_id WHERE t.id = ?",
+        (task_id,)).fetchone()[0]
+    models.insert(conn, model_id, found, creator, replace=True)
     conn.execute("UPDATE downloads SET model_id = ?, bytes_per_second = NULL WHERE task_id = ?", (model_id, task_id))
     return events
 
