@@ -1,5 +1,6 @@
-"""What one app's event streams can no longer do to everyone else: store its request again with
-each event, or make the service hold megabytes for each stream it does not read."""
+"""What one app's event streams can no longer do to everyone else: hold every connection, store
+its request again with each event, or make the service hold megabytes for each stream it does
+not read."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import socket
 import time
 from typing import Any
 
+import aiohttp
+
 from app.core.service import AppService
 from app.server import sse
+from app.server.app import Server
 from app.tasks import bus
 from tests.conftest import Headless, wait_until
 from tests.helpers import COUNT, SAY_HI, bearer, http, pair, pair_sync, poll
@@ -20,6 +24,55 @@ INSTRUCTIONS = "Be brief. " * (200 << 10)  # 2 MiB: far more than the model's co
 def _sse_request(task_id: str, token: str) -> bytes:
     return (f"GET /v1/tasks/{task_id}/events?stream=true HTTP/1.1\r\nHost: localhost\r\n"
             f"Authorization: Bearer {token}\r\n\r\n").encode()
+
+
+async def _status_line(reader: asyncio.StreamReader) -> bytes:
+    try:
+        return await asyncio.wait_for(reader.readline(), 10)
+    except (ConnectionError, TimeoutError):
+        return b""
+
+
+async def test_one_app_holding_all_the_streams_it_may_leaves_room_for_everyone_else(
+        api: Any, service: AppService) -> None:
+    """One paired app opens as many event streams as it can: past its share it is answered 429
+    with a Retry-After, and /health, the owner and a new pairing are still answered at once."""
+    assert (await api.patch("/v1/settings", json={"max_connections": 64})).status == 200  # a share of 8
+    service.set_paused(True)  # its task stays queued: the streams stay open
+    _, token = await pair(api, ["responses:write", "tasks:read"], name="Greedy app")
+    _, other = await pair(api, ["tasks:read"], name="Other app")
+    created = await (await api.post("/v1/responses", json={**SAY_HI, "background": True},
+                                    headers=bearer(token))).json()
+    server = Server(service)
+    url = await server.start("127.0.0.1", 0)
+    port = int(url.rsplit(":", 1)[1])
+    streams = []
+    try:
+        for _ in range(80):  # more than the whole cap
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_sse_request(created["task"]["id"], token))
+            streams.append((reader, writer))
+        answers = [await _status_line(reader) for reader, _ in streams]
+        assert sum(a.startswith(b"HTTP/1.1 200") for a in answers) == 8, answers
+        refused = [i for i, a in enumerate(answers) if a.startswith(b"HTTP/1.1 429")]
+        assert refused and all(a.startswith((b"HTTP/1.1 200", b"HTTP/1.1 429")) or a == b"" for a in answers)
+        head = (await asyncio.wait_for(streams[refused[-1]][0].readuntil(b"\r\n\r\n"), 10)).lower()
+        assert b"retry-after: 10" in head
+        async with aiohttp.ClientSession() as session:
+            for method, path, headers, body, want in (
+                    ("GET", "/health", {}, None, 200),
+                    ("GET", "/v1/models", bearer(api.token), None, 200),
+                    ("POST", "/v1/pairings", {}, {"client_name": "New app", "scopes": ["models:read"]}, 202),
+                    ("GET", f"/v1/tasks/{created['task']['id']}", bearer(token), None, 429),  # it holds its share
+                    ("GET", "/v1/tasks", bearer(other), None, 200)):
+                asked = time.monotonic()
+                async with session.request(method, url + path, headers=headers, json=body) as resp:
+                    assert resp.status == want, (path, resp.status, await resp.text())
+                assert time.monotonic() - asked < 2.0, path
+    finally:
+        for _, writer in streams:
+            writer.close()
+        await server.stop()
 
 
 async def test_a_task_stores_about_the_bytes_its_request_counts(api: Any, service: AppService) -> None:

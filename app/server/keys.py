@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from aiohttp import web
 
 from app.core.auth import Client
@@ -14,5 +16,7 @@ SCOPES = web.AppKey("scopes", dict)
 LATENCY = web.AppKey("latency", LatencyHistogram)
 # The connections whose request is inside a handler: the gate never closes those to make room.
 BUSY = web.AppKey("busy", set)
+# Requests being answered, by paired client (`gate.fair_share`).
+IN_FLIGHT = web.AppKey("in_flight", Counter)
 # What the request carries once `authorize` has let it through.
 CLIENT = web.RequestKey("client", Client)
