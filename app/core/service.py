@@ -265,22 +265,26 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         await self.store.write(idempotency.release, owner, idempotency_key)
 
     async def response(self, client: Client, response_id: str) -> dict[str, Any]:
-        return records.response_object(await self.owned(client, "response", response_id))
+        return records.response_object(await self.owned(client, "response", response_id, whole=True))
 
     async def input_items(self, client: Client, response_id: str, order: str = "desc", after: str | None = None,
                           limit: int = 20) -> dict[str, Any]:
         """The input a response's model saw (earlier turns included, instructions not), OpenAI's list shape."""
-        row = await self.owned(client, "response", response_id)
+        row = await self.owned(client, "response", response_id, whole=True)
         items = conversation.input_items(response_id, json.loads(row["request"]))
         return conversation.page(items, order, after, limit)
 
     async def task(self, client: Client, task_id: str) -> dict[str, Any]:
         return records.task_object(await self.owned(client, "task", task_id))
 
-    async def owned(self, client: Client, kind: str, ident: str) -> dict[str, Any]:
-        """The task row (with its response) of a task or response `client` may see; else 404."""
-        finder = records.one_task if kind == "task" else records.one_response
-        row = await self.store.read(finder, ident)
+    async def owned(self, client: Client, kind: str, ident: str, whole: bool = False) -> dict[str, Any]:
+        """The task row (with its response) of a task or response `client` may see; else 404.
+        Only what a task object shows, unless `whole`: the request and the output text are
+        megabytes, and every stream and cancel would load them again."""
+        if whole:
+            row = await self.store.read(records.one_task if kind == "task" else records.one_response, ident)
+        else:
+            row = await self.store.read(records.one_listed, "t.id" if kind == "task" else "t.response_id", ident)
         if row is None or (kind == "response" and row["kind"] != "response") or not (
                 client.is_admin or row["client_id"] == client.id):
             raise NotFound(kind, ident)  # another client's id looks exactly like a missing one
@@ -290,8 +294,8 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         await self.owned(client, "task", task_id)
         return await self.events_after(task_id, after)
 
-    async def events_after(self, task_id: str, after: int) -> list[dict[str, Any]]:
-        return await self.store.read(records.events_after, task_id, after)
+    async def events_after(self, task_id: str, after: int, max_bytes: int | None = None) -> list[dict[str, Any]]:
+        return await self.store.read(records.events_after, task_id, after, 1000, max_bytes)
 
     def feed(self, task_id: str, watch: bool) -> Feed:
         return self.bus.feed(task_id, watch)
@@ -312,14 +316,14 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
             raise Conflict("task_not_cancellable", f"Task {row['id']} has already ended.")
         self.bus.publish(events)
         (self.downloads if download else self.runner).cancel(row["id"])
-        return records.task_object(await self.store.read(records.one_task, row["id"]))
+        return records.task_object(await self.store.read(records.one_listed, "t.id", row["id"]))
 
     async def wait(self, task_id: str) -> dict[str, Any]:
         """Wait until the task is finished; returns its final row."""
         with self.feed(task_id, watch=False) as feed:
             row = await self.store.read(records.one_task, task_id)
             while row is not None and row["status"] not in TERMINAL:
-                event = await feed.queue.get()
+                event = await feed.get()
                 if event["type"] in TERMINAL_EVENTS or event["type"] == "service.stopping":
                     row = await self.store.read(records.one_task, task_id)
                     if event["type"] == "service.stopping":
@@ -442,7 +446,8 @@ def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_
                          json.dumps(req.metadata), time.time(), previous_response_id=req.previous_response_id,
                          store=int(req.store))
     events = machine.create(conn, task_id, response_id, on_restart, req.max_output_tokens)
-    response = events[-1]["response"]  # `queued` carries the response as it now stands
+    # `queued` carries the response as it now stands, but for what it echoes of the request
+    response = {**events[-1]["response"], **records.echoed(generation)}
     if key is not None and req.background:  # the key and the task it created commit together
         idempotency.finish(conn, client_id, key[0], 202, response, response_id)
     # Only room this task's kind of model can use is worth a claim here: other queued tasks are

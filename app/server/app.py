@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Awaitable, Callable
 
 from aiohttp import web
@@ -12,8 +13,8 @@ from app.core.service import AppService
 from app.server import admin as a
 from app.server import handlers as h
 from app.server.chat import chat_completions
-from app.server.gate import Gate
-from app.server.keys import BUSY, HOSTS, LATENCY, SCOPES, SERVICE
+from app.server.gate import Gate, cap, fair_share
+from app.server.keys import BUSY, HOSTS, IN_FLIGHT, LATENCY, SCOPES, SERVICE
 from app.server.middleware import (LOCAL_HOSTS, authorize, boundary, cors_headers, errors, idempotent, timing,
                                    working)
 
@@ -61,27 +62,19 @@ ROUTES: list[tuple[str, str, Handler, str | None]] = [
 
 
 def make_app(service: AppService) -> web.Application:
-    app = web.Application(middlewares=[working, timing, errors, boundary, authorize, idempotent],
+    app = web.Application(middlewares=[working, timing, errors, boundary, authorize, fair_share, idempotent],
                           client_max_size=MAX_BODY)
     app[SERVICE] = service
     app[LATENCY] = LatencyHistogram()
     app[SCOPES] = {}
     app[BUSY] = set()
     app[HOSTS] = set(LOCAL_HOSTS)
+    app[IN_FLIGHT] = Counter()
     app.on_response_prepare.append(cors_headers)
     for method, path, handler, scope in ROUTES:
         app.router.add_route(method, path, handler)
         app[SCOPES][(method, path)] = scope
     return app
-
-
-def _descriptors() -> int:
-    try:
-        import resource
-    except ImportError:  # Windows: sockets are not counted against a descriptor limit
-        return 1 << 30
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return 1 << 30 if soft == resource.RLIM_INFINITY else soft
 
 
 def advertised(host: str) -> str:
@@ -104,15 +97,10 @@ class Server:
         self.listener: asyncio.AbstractServer | None = None
         self.url = ""
 
-    def max_connections(self) -> int:
-        """The setting, but never more than a quarter of the file descriptors this process may
-        open: the rest are for the engine's pipes, the database and the logs."""
-        return min(self.service.settings["max_connections"], _descriptors() // 4)
-
     async def start(self, host: str, port: int) -> str:
         await self.runner.setup()
         assert self.runner.server is not None
-        gate = Gate(self.runner.server, self.max_connections, self.app[BUSY])
+        gate = Gate(self.runner.server, lambda: cap(self.service.settings), self.app[BUSY])
         self.listener = await asyncio.get_running_loop().create_server(gate, host, port, backlog=128)
         bound = self.listener.sockets[0].getsockname()[1]  # the real port when port=0
         shown = advertised(host)

@@ -1,5 +1,6 @@
 """The door every connection comes through, in front of aiohttp's own: a cap on open connections,
-and aiohttp's refusals of malformed requests answered in the LMSP error shape.
+each app's share of them, and aiohttp's refusals of malformed requests answered in the LMSP error
+shape.
 
 aiohttp accepts every connection and keeps it as long as its keep-alive timeout allows; it leaves
 limits to the application (aio-libs/aiohttp#675). Without one, idle or half-sent connections use up
@@ -10,15 +11,63 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from app.server.middleware import error_response
+from app.errors import TooManyRequests
+from app.server.keys import CLIENT, IN_FLIGHT, SERVICE
+from app.server.middleware import Handler, error_response
 
 log = logging.getLogger(__name__)
 HEADER_SECONDS = 10.0  # to send a whole request line and headers, or between two requests
+SHARE = 8  # one app may hold an eighth of the connections; all apps together, all but an eighth
+RETRY_SECONDS = 10  # a connection frees when a request or a stream ends
+
+
+def _descriptors() -> int:
+    try:
+        import resource
+    except ImportError:  # Windows: sockets are not counted against a descriptor limit
+        return 1 << 30
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 30 if soft == resource.RLIM_INFINITY else soft
+
+
+def cap(settings: dict[str, Any]) -> int:
+    """Connections open at once: the setting, but never more than a quarter of the file descriptors
+    this process may open (the rest are for the engine's pipes, the database and the logs)."""
+    return min(settings["max_connections"], _descriptors() // 4)
+
+
+@web.middleware
+async def fair_share(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A paired app's requests being answered (an event stream, until it ends) are limited: 1/SHARE
+    of the connection cap each, and all apps together leave 1/SHARE to the owner, /health and
+    pairing. The gate makes room by closing idle connections only, so one app holding every
+    connection with streams locked everyone out, the owner included; now its excess requests
+    are answered 429 and their connections go idle."""
+    client = request.get(CLIENT)
+    if client is None or client.is_admin:
+        return await handler(request)
+    counts = request.app[IN_FLIGHT]
+    limit = max(1, cap(request.app[SERVICE].settings) // SHARE)
+    if counts[client.id] >= limit:
+        raise TooManyRequests("too_many_connections", f"This client already has {limit} requests in progress "
+                              "(event streams included), its limit (an eighth of the setting max_connections). "
+                              "Close some, or wait until they end.", RETRY_SECONDS)
+    if sum(counts.values()) >= limit * (SHARE - 1):
+        raise TooManyRequests("too_many_connections", "Paired apps together have all the requests in progress "
+                              "the service keeps for them (the rest are for the owner, /health and pairing). "
+                              "Try again when some have ended.", RETRY_SECONDS)
+    counts[client.id] += 1
+    try:
+        return await handler(request)
+    finally:
+        counts[client.id] -= 1
+        if not counts[client.id]:
+            del counts[client.id]
 
 
 class _Refused(asyncio.Protocol):

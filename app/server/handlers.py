@@ -113,7 +113,7 @@ async def answer(request: web.Request, created: Created, key: str | None, stream
         async with contextlib.aclosing(events):
             async for event in events:
                 if event is not None and event["type"] in TERMINAL_EVENTS:
-                    at_end = event["response"]
+                    at_end = {**event["response"], **{k: response[k] for k in records.ECHOED}}  # the whole response
                     if key:
                         await service.remember(client.id, key, 200, at_end, response["id"])
                 yield event

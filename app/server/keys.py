@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from aiohttp import web
 
 from app.core.auth import Client
@@ -17,5 +19,7 @@ BUSY = web.AppKey("busy", set)
 # The names a request's Host may give (besides the setting allowed_hosts): localhost, and the
 # address the service is bound to, which its own service.json names.
 HOSTS = web.AppKey("hosts", set)
+# Requests being answered, by paired client (`gate.fair_share`).
+IN_FLIGHT = web.AppKey("in_flight", Counter)
 # What the request carries once `authorize` has let it through.
 CLIENT = web.RequestKey("client", Client)

@@ -18,11 +18,21 @@ from app.tasks import machine, records
 from app.tasks.states import TERMINAL
 
 HEARTBEAT_SECONDS = 15.0
+PAGE_BYTES = 256 * 1024  # of stored events a stream reads at a time
 
 
 def frame(event: dict[str, Any]) -> bytes:
     data = event.text if isinstance(event, records.Stored) else json.dumps(event, ensure_ascii=False)
     return f"id: {event['sequence_number']}\nevent: {event['type']}\ndata: {data}\n\n".encode()
+
+
+async def _logged(service: AppService, task_id: str, after: int) -> AsyncIterator[dict[str, Any]]:
+    """The stored events after `after`, read PAGE_BYTES at a time: a reader that stops reading
+    holds one page, not the task's whole log."""
+    while page := await service.events_after(task_id, after, PAGE_BYTES):
+        for event in page:
+            yield event
+        after = page[-1]["sequence_number"]
 
 
 async def follow(service: AppService, task_id: str, after: int,
@@ -31,29 +41,27 @@ async def follow(service: AppService, task_id: str, after: int,
     event (or when the service stops). Yields None when `heartbeat` seconds pass in silence."""
     with service.feed(task_id, watch=True) as feed:
         last = after
-        while True:  # replay, page by page
-            batch = await service.events_after(task_id, last)
-            for event in batch:
+        async with contextlib.aclosing(_logged(service, task_id, after)) as replay:
+            async for event in replay:
                 yield event
                 last = event["sequence_number"]
                 if event["type"] in TERMINAL_EVENTS:
                     return
-            if len(batch) < 1000:
-                break
         if last == after and await service.store.read(machine.status_of, task_id) in (*TERMINAL, None):
             # Nothing replayed: asked for events after the terminal one (e.g. a reconnect with its
             # Last-Event-ID), or the task is gone: nothing more will ever come, so end instead of
             # sending heartbeats forever. (A replay without the terminal event shows the task was
             # not over: its status and last event commit together.) Whatever came after the replay
             # is here now.
-            for event in await service.events_after(task_id, last):
-                yield event
+            async with contextlib.aclosing(_logged(service, task_id, last)) as rest:
+                async for event in rest:
+                    yield event
             return
         while True:  # live
             try:
                 # asyncio.timeout, not wait_for: no task is made for each event.
                 async with asyncio.timeout(heartbeat):
-                    event = await feed.queue.get()
+                    event = await feed.get()
             except TimeoutError:
                 yield None
                 continue
@@ -61,11 +69,18 @@ async def follow(service: AppService, task_id: str, after: int,
                 return
             if event["sequence_number"] <= last:
                 continue
-            for missed in await service.events_after(task_id, last) if event["sequence_number"] > last + 1 else [event]:
-                yield missed
-                last = missed["sequence_number"]
-                if missed["type"] in TERMINAL_EVENTS:
-                    return
+            # A reader behind its feed (which then keeps only the newest event) reads the rest from the log.
+            missed = _logged(service, task_id, last) if event["sequence_number"] > last + 1 else _just(event)
+            async with contextlib.aclosing(missed):
+                async for event in missed:
+                    yield event
+                    last = event["sequence_number"]
+                    if event["type"] in TERMINAL_EVENTS:
+                        return
+
+
+async def _just(event: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    yield event
 
 
 async def stream_task(request: web.Request, service: AppService, task_id: str, after: int, *,

@@ -76,18 +76,39 @@ class EventBus:
         self._on_watch.append(started)
 
 
+FEED_BYTES = 1024 * 1024  # of live events queued for one reader (an event's size: its stored text)
+
+
+def _size(event: Event) -> int:
+    return len(getattr(event, "text", ""))
+
+
 class Feed:
-    """The live events of one task, queued for one reader; a slow reader only delays itself."""
+    """The live events of one task, queued for one reader; a slow reader only delays itself.
+    One that falls FEED_BYTES behind finds only the newest event queued: the gap in sequence
+    numbers tells it to read what it missed from the log (`sse.follow`), so a reader that does
+    not read holds at most FEED_BYTES here, however long the task."""
 
     def __init__(self, bus: EventBus, task_id: str, watch: bool) -> None:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._bytes = 0
         self._task_id = task_id
         self._stop = bus.listen(self._on_event)
         self._unwatch = bus.watch(task_id) if watch else None
 
     def _on_event(self, event: Event) -> None:
         if event.get("task_id") == self._task_id or event["type"] == "service.stopping":
+            if self._bytes + _size(event) > FEED_BYTES:
+                while not self.queue.empty():
+                    self.queue.get_nowait()
+                self._bytes = 0
             self.queue.put_nowait(event)
+            self._bytes += _size(event)
+
+    async def get(self) -> Event:
+        event = await self.queue.get()
+        self._bytes -= _size(event)
+        return event
 
     def close(self) -> None:
         self._stop()

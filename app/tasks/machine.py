@@ -16,7 +16,7 @@ from app.tasks import records
 from app.tasks.states import ALLOWED, QUEUED
 
 # Put this value under "response" in an event's fields to embed the response as it stands
-# after the update, in the same transaction.
+# after the update, in the same transaction (as `records.in_event` shows it).
 RESPONSE = object()
 
 Event = dict[str, Any]
@@ -69,7 +69,7 @@ def _update(conn: sqlite3.Connection, task_id: str, sources: tuple[str, ...],
     if any(fields.get("response") is RESPONSE for _, fields in events):
         joined = records.one_task(conn, task_id)
         assert joined is not None
-        snapshot = records.response_object(joined)
+        snapshot = records.in_event(records.response_object(joined))
         events = [(etype, {**fields, "response": snapshot} if fields.get("response") is RESPONSE else fields)
                   for etype, fields in events]
     return [_append(conn, task, first + i, etype, fields, now, task["attempt"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 from typing import Any, Mapping
@@ -41,6 +42,12 @@ def one_task(conn: sqlite3.Connection, task_id: str) -> dict[str, Any] | None:
 
 def one_response(conn: sqlite3.Connection, response_id: str) -> dict[str, Any] | None:
     return _with_output(conn, joined(conn, "t.response_id = ?", (response_id,)))
+
+
+def one_listed(conn: sqlite3.Connection, column: str, ident: str) -> dict[str, Any] | None:
+    """What a task object shows of the task whose `column` (t.id or t.response_id) is `ident`."""
+    row = conn.execute(f"{LISTED} WHERE {column} = ?", (ident,)).fetchone()
+    return dict(row) if row else None
 
 
 def message_id(response_id: str) -> str:
@@ -108,12 +115,30 @@ def response_object(row: Mapping[str, Any]) -> dict[str, Any]:
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "background": bool(row["background"]), "metadata": json.loads(row["metadata"]),
         "previous_response_id": row["previous_response_id"], "store": bool(row["store"]),
-        "instructions": request.get("instructions"), "max_output_tokens": row["max_output_tokens"],
+        "max_output_tokens": row["max_output_tokens"],
         "temperature": request.get("temperature"), "top_p": request.get("top_p"),
-        "tools": request.get("tools", []), "tool_choice": request.get("tool_choice", "auto"),
-        "parallel_tool_calls": False, "text": {"format": request.get("format", {"type": "text"})},
+        "tool_choice": request.get("tool_choice", "auto"), "parallel_tool_calls": False,
         "task": {"id": row["id"], "status": row["status"], "on_restart": row["on_restart"]},
+        **echoed(request),
     }
+
+
+# What a response echoes of its request, as long as the client made it: megabytes of
+# `instructions`, `tools` and `text.format` schema.
+ECHOED = ("instructions", "tools", "text")
+
+
+def echoed(request: Mapping[str, Any]) -> dict[str, Any]:
+    return {"instructions": request.get("instructions"), "tools": request.get("tools", []),
+            "text": {"format": request.get("format", {"type": "text"})}}
+
+
+def in_event(response: Mapping[str, Any]) -> dict[str, Any]:
+    """A response as its lifecycle events carry it: without what it echoes of the request. A task
+    has several such events, each stored and replayed to every reader; with the echo, 8 MiB of
+    instructions were stored 4 times more per task than the limits counted, and a stream that did
+    not read held them all (74 MiB). The response itself (GET /v1/responses/{id}) has them."""
+    return {key: value for key, value in response.items() if key not in ECHOED}
 
 
 class Stored(dict[str, Any]):
@@ -128,7 +153,17 @@ class Stored(dict[str, Any]):
         return event
 
 
-def events_after(conn: sqlite3.Connection, task_id: str, after: int, limit: int = 1000) -> list[Stored]:
-    rows = conn.execute("SELECT data FROM task_events WHERE task_id = ? AND sequence_number > ? "
-                        "ORDER BY sequence_number LIMIT ?", (task_id, after, limit)).fetchall()
-    return [Stored.parse(r["data"]) for r in rows]
+def events_after(conn: sqlite3.Connection, task_id: str, after: int, limit: int = 1000,
+                 max_bytes: int | None = None) -> list[Stored]:
+    """Up to `limit` events after `after`, and no more after the one that reaches `max_bytes` of
+    text (at least one, whatever its size)."""
+    page: list[Stored] = []
+    size = 0
+    with contextlib.closing(conn.execute("SELECT data FROM task_events WHERE task_id = ? AND sequence_number > ? "
+                                         "ORDER BY sequence_number LIMIT ?", (task_id, after, limit))) as rows:
+        for row in rows:  # read one by one: the rows past the budget are never loaded
+            page.append(Stored.parse(row["data"]))
+            size += len(row["data"])
+            if max_bytes is not None and size >= max_bytes:
+                break
+    return page
