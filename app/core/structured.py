@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any, Callable
 
-from app.engine.grammar import Converted
+from app.engine.grammar import Converted, too_large
 from app.errors import InvalidRequest, LmspError
 
 TEXT = {"type": "text"}
@@ -125,11 +125,13 @@ def parse(body: dict[str, Any], convert: Convert) -> dict[str, Any]:
     schemas += [(f"tools[{i}].parameters", tool["parameters"]) for i, tool in enumerate(tools)]
     if forced:  # each function's schema passed alone; together only a clash of `$defs` names could fail
         schemas.append(("tools", call_schema(forced)))
-    converted = convert([schema for _, schema in schemas]) if schemas else []
-    for (param, _), (reason, _) in zip(schemas, converted):
-        if reason is not None:
-            raise LmspError("unsupported_schema", f"This schema cannot be enforced while decoding: {reason}.",
-                            param=param, status=400)
+    refusals = [(param, reason) for param, schema in schemas if (reason := too_large(schema))]
+    if not refusals:  # a schema past the limits is not sent to the worker (pickling it holds the loop too)
+        converted = convert([schema for _, schema in schemas]) if schemas else []
+        refusals = [(param, reason) for (param, _), (reason, _) in zip(schemas, converted) if reason]
+    if refusals:
+        raise LmspError("unsupported_schema", f"This schema cannot be enforced while decoding: {refusals[0][1]}.",
+                        param=refusals[0][0], status=400)
     if forced:
         out["constraint"] = {"type": "json_schema", "schema": schemas[-1][1], "gbnf": converted[-1][1]}
         out["call"] = True

@@ -98,7 +98,7 @@ def convert(schema: Any) -> Converted:
     """(why the grammar cannot enforce `schema`, "") or (None, its grammar). Loads llama.cpp:
     run it in the grammar worker, whose budget bounds what the limits here do not."""
     try:
-        reason = _too_large(schema) or _check(schema, "#")
+        reason = too_large(schema) or _check(schema, "#")
     except (TypeError, AttributeError, RecursionError):  # e.g. a list where a schema object belongs
         return "it is not a well-formed JSON schema", ""
     if reason is not None:
@@ -130,8 +130,9 @@ def _llama_parses(text: str) -> bool:
     return True
 
 
-def _too_large(schema: Any) -> str | None:
-    """Whether `schema` holds more properties or choices than the limits, in one linear walk."""
+def too_large(schema: Any) -> str | None:
+    """Why `schema` holds more properties or choices than the limits, or None: one linear walk,
+    in Python (a thread doing it leaves the event loop its turns, as a C call does not)."""
     properties = choices = 0
     nodes = [schema]
     while nodes:

@@ -9,6 +9,8 @@ A crash in llama.cpp's parser takes only the worker with it.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing
 import os
 import threading
@@ -23,6 +25,7 @@ START_SECONDS = 60.0  # to start the worker (Python, then llama.cpp), not counte
 
 
 def _serve(conn: Connection) -> None:
+    _name_process(b"lmsp-grammar")
     # llama.cpp's parser prints each grammar it cannot parse, whole, to stderr: not to the app's log.
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     grammar.convert({"type": "object"})  # load the converter and llama.cpp before taking work
@@ -33,6 +36,12 @@ def _serve(conn: Connection) -> None:
         except (EOFError, KeyboardInterrupt):
             return  # the app went away
         conn.send(grammar.convert_all(schemas))
+
+
+def _name_process(name: bytes) -> None:
+    """The name `ps -o comm` and /proc/<pid>/comm show (Linux), so that it is not taken for an engine."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, name, 0, 0, 0)  # PR_SET_NAME
 
 
 class GrammarWorker:
