@@ -205,11 +205,13 @@ class Headless:
         return self.proc.wait(timeout=30)
 
     def engine_pids(self) -> list[int]:
-        """The engine children: multiprocessing's spawned processes (not its resource tracker)."""
+        """The engine children: multiprocessing's spawned processes (not its resource tracker, nor
+        the grammar worker)."""
         assert self.proc is not None
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(pid) for pid in out.split()
-                if b"--multiprocessing-fork" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+                if b"--multiprocessing-fork" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                and Path(f"/proc/{pid}/comm").read_text().strip() != "lmsp-grammar"]
 
 
 @pytest.fixture

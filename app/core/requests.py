@@ -15,6 +15,9 @@ KNOWN = {"model", "input", "instructions", "max_output_tokens", "temperature", "
          "stream_options", "prompt_cache_key", "safety_identifier", "top_logprobs", "max_tool_calls"}
 ROLES = {"system", "developer", "user", "assistant"}
 CALL_ITEMS = {"function_call", "function_call_output"}
+# Input items in one request. A conversation that long is far past any model's context here;
+# the cap keeps the cost of reading a request (all of it in one 8 MiB body) small and linear.
+MAX_ITEMS = 10_000
 
 
 @dataclass
@@ -69,10 +72,13 @@ def _messages(value: Any) -> list[dict[str, str]]:
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise InvalidRequest("`input` must be a string or a non-empty list of messages.", param="input")
+    if len(value) > MAX_ITEMS:
+        raise InvalidRequest(f"`input` has {len(value)} items; at most {MAX_ITEMS} are allowed.", param="input")
     out = []
+    calls: dict[str, str] = {}  # call_id -> the function of the first call with it, so far
     for i, item in enumerate(value):
         if isinstance(item, dict) and item.get("type") in CALL_ITEMS:
-            out.append(structured.item_message(item, value[:i], f"input[{i}]"))
+            out.append(structured.item_message(item, calls, f"input[{i}]"))
             continue
         if not isinstance(item, dict) or item.get("role") not in ROLES:
             raise InvalidRequest(f"Each message needs a role, one of {sorted(ROLES)}.", param=f"input[{i}].role")
@@ -81,7 +87,9 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
-def parse(body: Any) -> ResponseRequest:
+def parse(body: Any, convert: structured.Convert) -> ResponseRequest:
+    """The request, checked; its schemas converted with `convert`. Costs time linear in the
+    body, and up to the grammar worker's budget: run it off the event loop."""
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     for key in body:
@@ -141,5 +149,5 @@ def parse(body: Any) -> ResponseRequest:
         raise InvalidRequest("A background response must be stored: `store: false` needs `background: false`.",
                              param="store")
     return ResponseRequest(model, messages, max_tokens, float(temperature), float(top_p), seed, stop, metadata,
-                           flags["stream"], flags["background"], on_restart, instructions, structured.parse(body),
-                           previous, flags["store"])
+                           flags["stream"], flags["background"], on_restart, instructions,
+                           structured.parse(body, convert), previous, flags["store"])

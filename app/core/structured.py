@@ -12,21 +12,16 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
-from app.engine import grammar
+from app.engine.grammar import Converted, too_large
 from app.errors import InvalidRequest, LmspError
 
 TEXT = {"type": "text"}
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
-
-
-def _unsupported(schema: Any, param: str) -> None:
-    reason = grammar.unsupported(schema)
-    if reason is not None:
-        raise LmspError("unsupported_schema", f"This schema cannot be enforced while decoding: {reason}.",
-                        param=param, status=400)
+# Schemas to grammars: app/engine/grammar_worker.py, or `grammar.convert_all` where no loop waits.
+Convert = Callable[[list[Any]], list[Converted]]
 
 
 def _format(text: Any) -> dict[str, Any]:
@@ -46,7 +41,6 @@ def _format(text: Any) -> dict[str, Any]:
         raise InvalidRequest("`text.format.schema` must be a JSON schema object.", param="text.format.schema")
     if not isinstance(fmt.get("strict", False), (bool, type(None))):
         raise InvalidRequest("`text.format.strict` must be true or false.", param="text.format.strict")
-    _unsupported(fmt["schema"], "text.format.schema")
     out = {"type": "json_schema", "name": fmt["name"], "schema": fmt["schema"], "strict": bool(fmt.get("strict"))}
     if isinstance(fmt.get("description"), str):
         out["description"] = fmt["description"]
@@ -63,7 +57,6 @@ def _tool(tool: Any, param: str) -> dict[str, Any]:
         parameters = NO_PARAMETERS
     if not isinstance(parameters, dict):
         raise InvalidRequest("`parameters` must be a JSON schema object.", param=f"{param}.parameters")
-    _unsupported(parameters, f"{param}.parameters")
     description = tool.get("description")
     if description is not None and not isinstance(description, str):
         raise InvalidRequest("`description` must be a string.", param=f"{param}.description")
@@ -119,39 +112,51 @@ def _moved(node: Any, prefix: str) -> Any:
             for k, v in node.items()}
 
 
-def parse(body: dict[str, Any]) -> dict[str, Any]:
-    """The request's structured-output and tool fields, checked, as stored with it."""
+def parse(body: dict[str, Any], convert: Convert) -> dict[str, Any]:
+    """The request's structured-output and tool fields, checked, as stored with it: the grammar
+    of its constraint too, converted once here."""
     fmt = _format(body.get("text"))
     tools = _tools(body.get("tools"))
     choice = _choice(body.get("tool_choice"), tools)
     out: dict[str, Any] = {"format": fmt, "tools": tools, "tool_choice": choice}
     forced = tools if choice == "required" else [t for t in tools if isinstance(choice, dict)
                                                  and t["name"] == choice["name"]]
+    schemas = [("text.format.schema", fmt["schema"])] if fmt["type"] == "json_schema" else []
+    schemas += [(f"tools[{i}].parameters", tool["parameters"]) for i, tool in enumerate(tools)]
+    if forced:  # each function's schema passed alone; together only a clash of `$defs` names could fail
+        schemas.append(("tools", call_schema(forced)))
+    refusals = [(param, reason) for param, schema in schemas if (reason := too_large(schema))]
+    if not refusals:  # a schema past the limits is not sent to the worker (pickling it holds the loop too)
+        converted = convert([schema for _, schema in schemas]) if schemas else []
+        refusals = [(param, reason) for (param, _), (reason, _) in zip(schemas, converted) if reason]
+    if refusals:
+        raise LmspError("unsupported_schema", f"This schema cannot be enforced while decoding: {refusals[0][1]}.",
+                        param=refusals[0][0], status=400)
     if forced:
-        schema = call_schema(forced)
-        # Each function's schema passed alone; together only a clash of `$defs` names could fail.
-        _unsupported(schema, "tools")
-        out["constraint"] = {"type": "json_schema", "schema": schema}
+        out["constraint"] = {"type": "json_schema", "schema": schemas[-1][1], "gbnf": converted[-1][1]}
         out["call"] = True
-    elif fmt["type"] != "text":
-        out["constraint"] = fmt if fmt["type"] == "json_object" else {"type": "json_schema", "schema": fmt["schema"]}
+    elif fmt["type"] == "json_object":
+        out["constraint"] = fmt
+    elif fmt["type"] == "json_schema":
+        out["constraint"] = {"type": "json_schema", "schema": fmt["schema"], "gbnf": converted[0][1]}
     return out
 
 
-def item_message(item: dict[str, Any], earlier: list[Any], param: str) -> dict[str, str]:
+def item_message(item: dict[str, Any], calls: dict[str, str], param: str) -> dict[str, str]:
     """A `function_call` or `function_call_output` input item as a chat message. A call reads
     as the JSON the model writes for one; its result as a user turn naming the function
-    (every chat template knows user turns; not all know a `tool` role)."""
+    (every chat template knows user turns; not all know a `tool` role). `calls`: the calls
+    before this item (call_id -> name); a call is added to it."""
     if item["type"] == "function_call":
-        name, arguments = item.get("name"), item.get("arguments")
-        if not isinstance(name, str) or not isinstance(arguments, str) or not isinstance(item.get("call_id"), str):
+        name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+        if not isinstance(name, str) or not isinstance(arguments, str) or not isinstance(call_id, str):
             raise InvalidRequest("A function_call item needs `call_id`, `name` and `arguments` (a JSON string).",
                                  param=param)
+        calls.setdefault(call_id, name)
         return {"role": "assistant", "content": f'{{"name": {json.dumps(name)}, "arguments": {arguments}}}'}
     call_id, output = item.get("call_id"), item.get("output")
     if not isinstance(call_id, str) or not isinstance(output, str):
         raise InvalidRequest("A function_call_output item needs `call_id` and `output` (a string).", param=param)
-    name = next((x.get("name") for x in earlier if isinstance(x, dict) and x.get("type") == "function_call"
-                 and x.get("call_id") == call_id), None)
-    source = f"The function {name}" if isinstance(name, str) else f"The function call {call_id}"
+    name = calls.get(call_id)
+    source = f"The function {name}" if name is not None else f"The function call {call_id}"
     return {"role": "user", "content": f"{source} returned: {output}"}

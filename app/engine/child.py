@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Iterator
 
 from app.engine import grammar, models
-from app.engine.sampling import GrammarSampler
+from app.engine.sampling import DeadEnd, GrammarSampler
 from app.engine.threads import Threads
 
 if TYPE_CHECKING:
@@ -294,9 +294,10 @@ class Child:
         if constrained:
             self.doing(GRAMMAR)
             fault("grammar", self.fast)
-        token = int(sampler.sample(self.llm._ctx, -1))
-        self.doing(OTHER)
-        return token
+        try:
+            return int(sampler.sample(self.llm._ctx, -1))
+        finally:
+            self.doing(OTHER)
 
     def cancelled(self, job: str) -> bool:
         while self.conn.poll():
@@ -364,11 +365,19 @@ class Child:
                 return
         if msg.get("seed") is not None:
             llm.set_seed(int(msg["seed"]))
-        sampler = self.sampler(msg, prefix)
+        try:
+            sampler = self.sampler(msg, prefix)
+        except ValueError as exc:  # a grammar llama.cpp cannot parse (a request stored before they were checked)
+            self.conn.send({"ev": "error", "job": job, "code": "unsupported_schema", "message": str(exc)})
+            return
         constrained = bool(msg.get("constraint"))
         if count < limit:
             while True:
-                tok = self.sample(sampler, constrained)
+                try:
+                    tok = self.sample(sampler, constrained)
+                except DeadEnd as exc:  # the task fails; what it wrote so far stays written
+                    self.conn.send({"ev": "error", "job": job, "code": "unsupported_schema", "message": str(exc)})
+                    return
                 if self.cancelled(job):
                     reason = "cancelled"
                     break

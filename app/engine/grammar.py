@@ -1,8 +1,9 @@
 """JSON constraints as llama.cpp grammars (GBNF), from llama-cpp-python's own converter.
 
 A constraint is `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema",
-"schema": {...}}`. The server checks a schema with `unsupported` before it accepts a request;
-the engine child turns the constraint into a grammar with `gbnf` when it generates.
+"schema": {...}, "gbnf": "..."}`. The server converts a schema with `convert` before it accepts
+a request, in a worker process with a time budget (app/engine/grammar_worker.py), and stores
+the grammar in the constraint: the engine child (`gbnf`) does not convert it again.
 
 llama-cpp-python's `json_schema_to_gbnf` raises on some schemas but silently ignores many
 keywords (`minimum`, `multipleOf`, `uniqueItems`, unknown `format`s, `not`, ...), and in most
@@ -22,6 +23,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from app.engine.gbnf import dead_end
+
 JSON_OBJECT = {"type": "json_object"}
 # Keywords that never change which documents are valid.
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
@@ -37,6 +40,14 @@ JSON_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F]'
 MAX_COUNT = 1000
 COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
 QUANTIFIER = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
+# The converter's cost grows with the square of an object's properties (their cube when they
+# are optional), and llama.cpp's cost per token with the enum values and branches open at once.
+MAX_PROPERTIES = 1000  # across the schema
+# Enum values and anyOf/oneOf branches across the schema: a country list fits. Under greedy decoding
+# of SmolLM2 with 2 cores busy, 100 values cost 0.1 s a token, 250 0.17 s, 1,000 0.35-0.64 s.
+MAX_CHOICES = 256
+MAX_GRAMMAR = 100_000  # characters of grammar
+Converted = tuple[str | None, str]  # (why the grammar cannot enforce a schema, "") or (None, its grammar)
 
 
 @cache
@@ -57,10 +68,12 @@ def _converter() -> ModuleType:
 
 
 def gbnf(constraint: dict[str, Any]) -> str:
-    """The grammar text for a constraint."""
+    """The grammar text for a constraint: the one converted when the request was accepted."""
     module = _converter()
     if constraint["type"] == "json_object":
         return str(module.JSON_GBNF)
+    if "gbnf" in constraint:
+        return str(constraint["gbnf"])
     text = module.json_schema_to_gbnf(json.dumps(constraint["schema"]))
     return "\n".join(line.replace(CHAR_RULE, JSON_CHAR, 1) if line.startswith(CHAR_RULE) else line
                      for line in text.split("\n"))
@@ -68,16 +81,76 @@ def gbnf(constraint: dict[str, Any]) -> str:
 
 def unsupported(schema: Any) -> str | None:
     """Why the grammar cannot express `schema`, or None when it can."""
+    return convert(schema)[0]
+
+
+def convert_all(schemas: list[Any]) -> list[Converted]:
+    """Each schema's `convert`, up to the first refusal (which refuses the request)."""
+    results = []
+    for schema in schemas:
+        results.append(convert(schema))
+        if results[-1][0] is not None:
+            break
+    return results
+
+
+def convert(schema: Any) -> Converted:
+    """(why the grammar cannot enforce `schema`, "") or (None, its grammar). Loads llama.cpp:
+    run it in the grammar worker, whose budget bounds what the limits here do not."""
     try:
-        reason = _check(schema, "#")
+        reason = too_large(schema) or _check(schema, "#")
     except (TypeError, AttributeError, RecursionError):  # e.g. a list where a schema object belongs
-        return "it is not a well-formed JSON schema"
-    if reason is None:
-        try:
-            gbnf({"type": "json_schema", "schema": schema})
-        except Exception as exc:  # a third-party converter on any input: whatever it raises is a refusal
-            reason = f"the grammar converter rejects it ({exc or type(exc).__name__})"
-    return reason
+        return "it is not a well-formed JSON schema", ""
+    if reason is not None:
+        return reason, ""
+    try:
+        text = gbnf({"type": "json_schema", "schema": schema})
+    except Exception as exc:  # a third-party converter on any input: whatever it raises is a refusal
+        return f"the grammar converter rejects it ({exc or type(exc).__name__})", ""
+    if len(text) > MAX_GRAMMAR:
+        return f"its grammar has {len(text)} characters, more than {MAX_GRAMMAR}", ""
+    if not _llama_parses(text):
+        return ("llama.cpp cannot parse its grammar (a `pattern` with an escape it does not know, "
+                "such as `\\s` or `\\.`?)"), ""
+    try:
+        reason = dead_end(text)
+    except (AssertionError, IndexError, KeyError, ValueError):  # grammar syntax the converter does not write
+        reason = "its grammar could not be checked"
+    return (reason, "") if reason else (None, text)
+
+
+def _llama_parses(text: str) -> bool:
+    """Whether llama.cpp's own parser takes the grammar (no vocabulary is needed for that)."""
+    import llama_cpp
+
+    sampler = llama_cpp.llama_sampler_init_grammar(None, text.encode(), b"root")
+    if not sampler:
+        return False
+    llama_cpp.llama_sampler_free(sampler)
+    return True
+
+
+def too_large(schema: Any) -> str | None:
+    """Why `schema` holds more properties or choices than the limits, or None: one linear walk,
+    in Python (a thread doing it leaves the event loop its turns, as a C call does not)."""
+    properties = choices = 0
+    nodes = [schema]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("properties"), dict):
+                properties += len(node["properties"])
+            for key in ("enum", "anyOf", "oneOf"):
+                if isinstance(node.get(key), list):
+                    choices += len(node[key])
+            nodes.extend(node.values())
+        elif isinstance(node, list):
+            nodes.extend(node)
+    if properties > MAX_PROPERTIES:
+        return f"it has {properties} properties, more than {MAX_PROPERTIES}"
+    if choices > MAX_CHOICES:
+        return f"it has {choices} enum values and anyOf/oneOf branches, more than {MAX_CHOICES}"
+    return None
 
 
 def _extra(node: dict[str, Any], allowed: set[str], where: str) -> str | None:

@@ -16,6 +16,10 @@ import math
 from typing import Any
 
 
+class DeadEnd(Exception):
+    """The grammar allows no token: the output so far cannot be finished."""
+
+
 class GrammarSampler:
     def __init__(self, llm: Any, chain: Any, gbnf: str) -> None:
         import llama_cpp
@@ -57,6 +61,10 @@ class GrammarSampler:
             self.all.copy_logits(logits)
             candidates = ctypes.byref(self.all.candidates)
             self.lib.llama_sampler_apply(self.grammar, candidates)
+            if np.isneginf(self.all.candidates_data.logit[:self.all.candidates.size]).all():
+                # Sampling would still pick a token, and llama.cpp aborts the process when the
+                # grammar is told to accept it ("Unexpected empty grammar stack").
+                raise DeadEnd("The schema allows no further text here (e.g. a `pattern` that matches nothing).")
             self.lib.llama_sampler_apply(self.chain.sampler, candidates)
             token = int(self.all.candidates.data[self.all.candidates.selected].id)
         self.lib.llama_sampler_accept(self.grammar, token)

@@ -189,7 +189,7 @@ def _include_usage(body: dict[str, Any]) -> bool:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     key = request.headers.get("Idempotency-Key")
-    translated, names = as_response_request(body)
+    translated, names = await request.app[SERVICE].off_loop(as_response_request, body)
     usage = _include_usage(body)
     try:
         created = await request.app[SERVICE].create_response(request[CLIENT], translated, key,

@@ -17,6 +17,7 @@ from app.server.keys import BUSY, CLIENT, HOSTS, LATENCY, SCOPES, SERVICE
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "[::1]"}
+DECODE_ON_LOOP = 64 * 1024  # bytes of JSON decoded in a couple of milliseconds; larger ones on a reader thread
 BODY_SECONDS = 10.0  # to send a whole body once its headers are in (loopback sends 8 MiB in milliseconds)
 CORS_ORIGIN = web.RequestKey("cors_origin", str)  # set once the Origin passed the check
 
@@ -160,6 +161,12 @@ async def read_json(request: web.Request) -> Any:
         raise ConnectionResetError("the connection closed before its body arrived") from None
     finally:
         busy.add(request.protocol)
+    if len(raw) < DECODE_ON_LOOP:
+        return _decoded(raw)
+    return await request.app[SERVICE].off_loop(_decoded, raw)
+
+
+def _decoded(raw: bytes) -> Any:
     try:
         value = json.loads(raw or b"null")
         # `"\ud800"` parses into a str that is not text: it cannot be stored or hashed (I-JSON forbids it).

@@ -1,0 +1,92 @@
+"""Schemas converted to grammars in a process of their own, within a time budget.
+
+llama-cpp-python's converter costs O(n²) to O(n³) on some schemas (900 properties: 37 s), and
+llama.cpp's grammar parser is native code run on what a client sent: neither belongs on the
+event loop, nor in the engine. The worker does both (`grammar.convert`); schemas that take it
+longer than BUDGET are refused, and the worker is killed and started again for the next ones.
+A crash in llama.cpp's parser takes only the worker with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from app.engine import grammar
+from app.engine.grammar import Converted
+
+BUDGET = 2.0  # seconds for one request's schemas
+START_SECONDS = 60.0  # to start the worker (Python, then llama.cpp), not counted in the budget
+
+
+def _serve(conn: Connection) -> None:
+    _name_process(b"lmsp-grammar")
+    # llama.cpp's parser prints each grammar it cannot parse, whole, to stderr: not to the app's log.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    grammar.convert({"type": "object"})  # load the converter and llama.cpp before taking work
+    conn.send("ready")
+    while True:
+        try:
+            schemas = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return  # the app went away
+        conn.send(grammar.convert_all(schemas))
+
+
+def _name_process(name: bytes) -> None:
+    """The name `ps -o comm` and /proc/<pid>/comm show (Linux), so that it is not taken for an engine."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, name, 0, 0, 0)  # PR_SET_NAME
+
+
+class GrammarWorker:
+    """Blocking: call `convert` off the event loop. Requests take their turn."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+
+    def convert(self, schemas: list[Any]) -> list[Converted]:
+        """Each schema's result, up to the first refusal. Over the budget, or if the worker
+        dies, the first schema carries the refusal."""
+        with self._lock:
+            try:
+                conn = self._started()
+                conn.send(schemas)
+                if conn.poll(BUDGET):
+                    return list(conn.recv())
+                reason = f"converting it to a grammar takes longer than {BUDGET:.0f} s"
+            except (EOFError, OSError):
+                reason = "the grammar converter failed on it"
+            self.stop()
+            return [(reason, "")]
+
+    def _started(self) -> Connection:
+        if self._proc is not None and self._proc.is_alive() and self._conn is not None:
+            return self._conn
+        self.stop()
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that runs Qt and threads
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_serve, args=(theirs,), name="lmsp-grammar", daemon=True)
+        proc.start()
+        theirs.close()
+        self._proc, self._conn = proc, ours
+        if not ours.poll(START_SECONDS) or ours.recv() != "ready":
+            raise OSError("the grammar worker did not start")
+        return ours
+
+    def stop(self) -> None:
+        """End the worker now (also while another thread waits on it: that one sees it die)."""
+        proc, conn = self._proc, self._conn
+        self._proc = self._conn = None
+        if proc is not None:
+            proc.kill()
+            proc.join()
+        if conn is not None:
+            conn.close()
