@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
-import gc
 import json
 import logging
 import multiprocessing
@@ -70,12 +69,6 @@ class Lifecycle:
     async def _serve(self) -> str:
         # Recovery (inside service.start) finishes before the port is even open.
         await self.service.start()
-        # What start-up made (modules, the app's objects) lives as long as the process: out of the
-        # collector's sight, a full collection no longer pauses the loop for tens of milliseconds
-        # (a stall in every stream and a 202 that waits). Collected first (no garbage is kept),
-        # before the port opens: no request waits for that one collection.
-        gc.collect()
-        gc.freeze()
         settings = self.service.settings
         host = self.host or settings["host"]
         port = settings["port"] if self.port is None else self.port
