@@ -4,11 +4,11 @@ It runs in its own process so that a bad model file or a crash inside llama.cpp 
 the app down. It speaks plain dicts over a multiprocessing pipe:
 
   parent -> child  {"op": "load", "file", "n_ctx", "n_threads", "safe"} | {"op": "generate", "job", ...}
-                   {"op": "embed", "texts", "dimensions"} | {"op": "cancel", "job"} | {"op": "shutdown"}
+                   {"op": "embed", "job", "texts", "dimensions"} | {"op": "cancel", "job"} | {"op": "shutdown"}
   child -> parent  {"ev": "backend", "cpu_variant"} then {"ev": "loaded", ...}
                    {"ev": "chunk", "job", "ids", "text", "last"?} (`last`: no token follows, `done` does)
                    {"ev": "done", "job", "reason", "input_tokens", "cached_tokens", "output_tokens"}
-                   {"ev": "embedded", "vectors", "dims", "tokens"}
+                   {"ev": "embedded", "vectors", "dims", "tokens"} | {"ev": "cancelled"} (an embed's)
                    {"ev": "error", "job"?, "code", "message", "param"?}
 
 and says what it runs (llama.cpp's kernels, a request's grammar, anything else) in a byte of
@@ -234,11 +234,13 @@ class Child:
             from app.engine.embedder import Embedder  # numpy too: imported where it is used, as llama_cpp is
 
             try:
-                self.embedder = Embedder(self.llm, self.n_threads)
+                self.embedder = Embedder(self.llm, self.n_threads, self.piece_bytes)
             except ValueError as exc:  # llama.cpp could not make the context (memory)
                 self.conn.send({"ev": "error", "code": "embeddings_unavailable", "message": str(exc)})
                 return
-        self.conn.send(self.embedder.embed(msg["texts"], msg.get("dimensions")))
+        threads = self.threads.using if self.threads else self.n_threads
+        self.conn.send(self.embedder.embed(msg["texts"], msg.get("dimensions"), threads,
+                                           lambda: self.cancelled(msg["job"])))
 
     def prompt_tokens(self, messages: list[Message], job: str) -> list[int] | str | None:
         """The prompt as tokens, or why it cannot fit, or None if cancelled meanwhile. Only the

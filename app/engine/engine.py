@@ -136,6 +136,8 @@ class Engine:
         self._inbox: asyncio.Queue[Message] | None = None
         self._lock = asyncio.Lock()  # one request to the child at a time
         self._job: str | None = None
+        self._embedding: str | None = None  # the child's embedding job, while it has one
+        self._left: set[str] = set()  # embedding jobs whose clients left
         self._last_used = time.monotonic()
         self.exit_signal: int | None = None  # how the last child died, if by a signal
         self.exit_phase = child.OTHER         # and what it was doing (child.PHASES)
@@ -337,15 +339,36 @@ class Engine:
     async def embed(self, file: Registered, texts: list[str], dimensions: int | None) -> Message:
         """Embed `texts` with the model in `file`, loading it if needed. It waits its turn on the
         same lock as a generation: it runs between two, never during one. The `embedded` message,
-        with `fresh` set if the model had to be loaded. Raises EngineError."""
+        with `fresh` set if the model had to be loaded. Raises EngineError.
+        Cancelled (its client left), it stops the child at its next batch (within a second); the
+        lock is held until the child has said so, so that nobody takes its answer for their own."""
+        job = f"embed{next(self._ids)}"
+        work = asyncio.ensure_future(self._embed(job, file, texts, dimensions))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            self._left.add(job)
+            if self._embedding == job:
+                self._tell_child({"op": "cancel", "job": job})
+            work.add_done_callback(lambda done: done.cancelled() or done.exception())  # nobody waits for it
+            raise
+
+    async def _embed(self, job: str, file: Registered, texts: list[str], dimensions: int | None) -> Message:
         async with self._lock:
-            loaded = await self._load(file, [])
-            self._send({"op": "embed", "texts": texts, "dimensions": dimensions})
-            msg = await self._next()
-            if msg["ev"] != "embedded":
-                raise EngineError(msg["code"], msg["message"], msg.get("param"))
-            self._last_used = time.monotonic()
-            return {**msg, "fresh": not loaded.get("cached")}
+            try:
+                loaded = None if job in self._left else await self._load(file, [])
+                if loaded is None or job in self._left:  # its client left before the child had it
+                    return {"ev": "cancelled"}
+                self._embedding = job
+                self._send({"op": "embed", "job": job, "texts": texts, "dimensions": dimensions})
+                msg = await self._next()
+            finally:
+                self._left.discard(job)
+                self._embedding = None
+        if msg["ev"] == "error":
+            raise EngineError(msg["code"], msg["message"], msg.get("param"))
+        self._last_used = time.monotonic()
+        return {**msg, "fresh": not loaded.get("cached")}
 
     def idle_for(self) -> float:
         return time.monotonic() - self._last_used
@@ -353,10 +376,14 @@ class Engine:
     def cancel(self) -> None:
         """Ask the running generation to stop; it ends with reason `cancelled` within a token."""
         self._cancelled = True
-        job = self._job
-        if job and self._conn is not None and self.alive:
+        if self._job:
+            self._tell_child({"op": "cancel", "job": self._job})
+
+    def _tell_child(self, msg: Message) -> None:
+        """Send if there is a child to hear it (a cancel for a job it finished is ignored)."""
+        if self._conn is not None and self.alive:
             try:
-                self._conn.send({"op": "cancel", "job": job})
+                self._conn.send(msg)
             except OSError:
                 pass
 

@@ -186,7 +186,8 @@ async def input_items(request: web.Request) -> web.Response:
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].embed(await read_json(request)))
+    body = await read_json(request)
+    return web.json_response(await unless_client_leaves(request, request.app[SERVICE].embed(body)))
 
 
 async def cancel_response(request: web.Request) -> web.Response:

@@ -180,6 +180,9 @@ def _decoded(raw: bytes) -> Any:
 
 
 OWN_KEYS = ("/v1/responses", "/v1/chat/completions")
+# Answers computed again at no cost to anything stored, and too big to keep for a day (the vectors
+# of 2,048 inputs are ~25 MB): the key guards the request while it runs, and a retry computes it anew.
+RECOMPUTED = ("/v1/embeddings",)
 
 
 @web.middleware
@@ -203,9 +206,10 @@ async def idempotent(request: web.Request, handler: Handler) -> web.StreamRespon
     except BaseException:
         await asyncio.shield(service.forget(client.id, key))  # nothing done: a retry may run it
         raise
-    if isinstance(response, web.Response) and response.content_type == "application/json" and response.body:
+    if (isinstance(response, web.Response) and response.content_type == "application/json" and response.body
+            and request.path not in RECOMPUTED):
         body = json.loads(bytes(response.body))  # type: ignore[arg-type]
         await service.remember(client.id, key, response.status, body)
     else:
-        await service.forget(client.id, key)  # a stream is not stored; a retry runs again
+        await service.forget(client.id, key)  # a stream or a RECOMPUTED answer is not stored; a retry runs again
     return response
