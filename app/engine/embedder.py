@@ -8,28 +8,22 @@ reuses, survives an embedding request. The pooling is the model's own where the 
 generative model such as SmolLM2). Vectors are cut to `dimensions` if asked, then L2-normalised.
 It runs on the child's one thread, between generations, never during one.
 
-Inputs are decoded in batches, short ones packed together, each of as many tokens (up to SLICE)
-as the last batch's pace says take BATCH_SECONDS: a cancel is seen between two, within a second
-on a busy computer too (where a batch of SLICE tokens took 15-35 s). A generative model's attention is
-causal, so a long input is cut into slices that carry on from its cache, and this code sums its
+Inputs are decoded in batches of SLICE tokens, short ones packed together: a cancel is seen
+between two, within a second on a busy computer too (where a batch of 512 tokens took 15-35 s).
+The batches are the same whatever the computer's pace, so the same texts give the same vectors.
+A generative model's attention is causal, so a long input is cut into slices that carry on from its cache, and this code sums its
 token embeddings itself (the mean, once normalised); a model with its own pooling sees each input
 whole in one batch, as its pooling needs.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
-SLICE = 512  # tokens per decode at most
-BATCH_SECONDS = 0.5
-FIRST_BATCH = 64  # tokens, before the pace is known
-# Tokens per decode at least: a busy computer stalls each decode for up to 1-2 s whatever its size,
-# which a pace taken from one would answer with ever smaller batches, and each stalls again.
-LEAST = 32
-SEQUENCES = 256  # inputs in one batch at most (llama.cpp's limit)
+SLICE = 64  # tokens per decode at most: what a cancel waits for (0.5-2.5 s beside a busy program)
+SEQUENCES = SLICE  # inputs in one batch at most: llama.cpp wants no more sequences than a batch has tokens
 BUDGET_CONTEXTS = 8  # a request's inputs together hold at most this many contexts' worth of tokens
 TOKENIZE_CHECK = 64  # inputs tokenized between two looks for a cancel
 
@@ -60,7 +54,6 @@ class Embedder:
         self.llm = llm
         self.limit = llm.n_ctx()
         self.piece_bytes = piece_bytes
-        self.size = FIRST_BATCH  # tokens the next batch takes (cut inputs; whole ones may be longer)
         self.ctx = _internals.LlamaContext(model=llm._model, params=params, verbose=False)
         self.batch = _internals.LlamaBatch(n_tokens=params.n_batch, embd=0, n_seq_max=1, verbose=False)
 
@@ -116,19 +109,19 @@ class Embedder:
         return inputs
 
     def _batches(self, inputs: list[list[int]]) -> Iterator[list[tuple[int, int, int]]]:
-        """Lists of (input, start, end): runs of tokens to decode together, in order, `self.size`
-        tokens at most (read anew for each batch). Inputs are cut into slices unless the model pools
+        """Lists of (input, start, end): runs of tokens to decode together, in order, SLICE
+        tokens at most. Inputs are cut into slices unless the model pools
         them whole: then one that does not fit the room left starts a batch, alone if longer."""
         pieces: list[tuple[int, int, int]] = []
         size = 0
         for index, tokens in enumerate(inputs):
             start = 0
             while start < len(tokens):
-                if size >= self.size or len(pieces) == SEQUENCES or (
-                        self.whole and pieces and size + len(tokens) > self.size):
+                if size >= SLICE or len(pieces) == SEQUENCES or (
+                        self.whole and pieces and size + len(tokens) > SLICE):
                     yield pieces
                     pieces, size = [], 0
-                end = len(tokens) if self.whole else min(len(tokens), start + self.size - size)
+                end = len(tokens) if self.whole else min(len(tokens), start + SLICE - size)
                 pieces.append((index, start, end))
                 size, start = size + end - start, end
         if pieces:
@@ -149,10 +142,7 @@ class Embedder:
                 b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = inputs[index][pos], pos, 1, True
                 b.seq_id[j][0] = index % SEQUENCES
                 b.n_tokens += 1
-        started = time.monotonic()
         self.ctx.decode(self.batch)
-        pace = b.n_tokens / max(time.monotonic() - started, 1e-3)
-        self.size = max(LEAST, min(SLICE, int(pace * BATCH_SECONDS)))
         n_embd = sums.shape[1]
         rows = None if self.whole else np.ctypeslib.as_array(llama_cpp.llama_get_embeddings(self.ctx.ctx),
                                                             shape=(b.n_tokens, n_embd))
