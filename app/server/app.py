@@ -19,6 +19,10 @@ from app.server.middleware import (LOCAL_HOSTS, authorize, boundary, cors_header
                                    working)
 
 MAX_BODY = 8 * 1024 * 1024
+# Connections the kernel holds until the loop accepts them. When one app opens hundreds at once,
+# a shorter queue overflows and a newcomer's connection (/health, the owner) is retried by TCP
+# only a second later; the gate, not the kernel, is where connections are refused.
+BACKLOG = 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # One table: every route, and the scope it needs (None: open to any local caller).
@@ -101,7 +105,7 @@ class Server:
         await self.runner.setup()
         assert self.runner.server is not None
         gate = Gate(self.runner.server, lambda: cap(self.service.settings), self.app[BUSY])
-        self.listener = await asyncio.get_running_loop().create_server(gate, host, port, backlog=128)
+        self.listener = await asyncio.get_running_loop().create_server(gate, host, port, backlog=BACKLOG)
         bound = self.listener.sockets[0].getsockname()[1]  # the real port when port=0
         shown = advertised(host)
         self.app[HOSTS].add(shown.lower())  # a request to the URL in service.json is answered
