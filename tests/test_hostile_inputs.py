@@ -172,6 +172,15 @@ def _stored_embeddings(attack: Attack, _: Headless) -> None:
                     what=f"embeddings {i + 1}/10 (64 short inputs, Idempotency-Key)")
 
 
+@case("N8b-the-largest-embedding-answer")
+def _largest_embedding_answer(attack: Attack, _: Headless) -> None:
+    """The most inputs a request may have, answered as lists of numbers: 2 048 of them make 1.2
+    million floats, 26 MB of JSON, which one json.dumps call on the loop took 1.3 s to write. Here
+    1 024 inputs of a letter each (13 MB), to spare the case a minute of embedding on a busy machine."""
+    attack.send("/v1/embeddings", {"input": [chr(97 + i % 26) for i in range(1024)], "encoding_format": "float"},
+                within=60, what="1 024 one-letter inputs, answered as floats")
+
+
 def _open_streams(attack: Attack, task_id: str, count: int, receive_buffer: int | None = None
                   ) -> list[socket.socket]:
     """`count` connections following the task's events, none of which reads."""
