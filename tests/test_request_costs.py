@@ -17,7 +17,7 @@ from app.core.requests import MAX_ITEMS
 from app.core.service import AppService
 from app.engine import grammar
 from app.engine.grammar_worker import BUDGET
-from tests.helpers import SAY_HI, expect_error
+from tests.helpers import SAY_HI, bearer, expect_error, pair
 
 LAG = 0.1  # the slowest /health round trip allowed while a costly request is read, in seconds
 
@@ -139,7 +139,7 @@ async def test_a_grammar_with_no_way_on_fails_its_task_without_killing_the_engin
         api: Any, service: AppService, monkeypatch: pytest.MonkeyPatch) -> None:
     # A request stored before these checks existed carries a schema they now refuse: converted
     # here without them, as it was then.
-    monkeypatch.setattr(service.grammars, "convert", lambda schemas: [
+    monkeypatch.setattr(service.grammars, "convert", lambda schemas, app="": [
         (None, grammar.gbnf({"type": "json_schema", "schema": s})) for s in schemas])
     assert (await api.post("/v1/responses", json=SAY_HI)).status == 200
     engine = service.engines[0]
@@ -153,3 +153,26 @@ async def test_a_grammar_with_no_way_on_fails_its_task_without_killing_the_engin
     assert (await (await api.get("/v1/models/smollm2-135m-instruct")).json())["engine"] == mode
     again = await api.post("/v1/responses", json=SAY_HI)
     assert again.status == 200 and (await again.json())["output_text"]
+
+
+async def test_one_app_s_costly_schemas_hold_up_neither_other_apps_nor_itself_twice(api: Any) -> None:
+    """Schemas take their turn in one grammar worker. Eight costly ones sent at once by one app
+    (red team, second look: 3.3 s each, budget and restart) made another app's plain 2-token
+    request wait 28.6 s. Now an app has one conversion at a time (the next: 429), and the others'
+    requests do not queue behind it."""
+    greedy, plain = await pair(api, ["responses:write"], "Greedy"), await pair(api, ["responses:write"], "Plain")
+    colliding = {"type": "object", "properties": {"a" + chr(0x100 + i): {} for i in range(900)}}
+    await api.post("/v1/responses", json=SAY_HI)  # the model is loaded: what is timed below is waiting
+    costly = [api.post("/v1/responses", json={"input": "hi", "text": json_schema({**colliding, "title": str(i)})},
+                       headers=bearer(greedy[1])) for i in range(8)]
+    pending = [asyncio.ensure_future(request) for request in costly]
+    await asyncio.sleep(0.5)  # they are in
+    started = time.monotonic()
+    resp = await api.post("/v1/responses", json={**SAY_HI, "max_output_tokens": 2}, headers=bearer(plain[1]))
+    waited = time.monotonic() - started
+    assert resp.status == 200, await resp.text()
+    answers = await asyncio.gather(*pending)
+    assert sorted(answer.status for answer in answers) == [400] + [429] * 7, [answer.status for answer in answers]
+    assert all(answer.headers.get("Retry-After") for answer in answers if answer.status == 429)
+    # One conversion ahead of it at most (the budget and a worker's restart), not eight.
+    assert waited < 2 * BUDGET + 5, waited

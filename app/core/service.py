@@ -8,6 +8,7 @@ recovery (§11.3), retention, and only then the runner. `ready` turns true at th
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import logging
@@ -229,7 +230,7 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         as it was queued. With an idempotency key, a repeat gets the first request's answer instead.
         `sent`: the body as the client sent it, when `body` was translated from it (chat
         completions): the key is bound to what was sent."""
-        req = await self.off_loop(requests.parse, body, self.grammars.convert)
+        req = await self.off_loop(requests.parse, body, functools.partial(self.grammars.convert, app=client.id))
         model_id = req.model or models.DEFAULT_MODEL_ID
         on_restart = req.on_restart or (self.settings["default_on_restart"] if req.background else "fail")
         key = None
