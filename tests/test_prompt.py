@@ -10,9 +10,11 @@ from typing import Any, Iterator
 import pytest
 
 from app import paths
+from app.core.requests import MAX_ITEMS
+from app.engine import child as engine_child
 from app.engine import models
 from app.engine.child import Child
-from tests.helpers import SAY_HI
+from tests.helpers import SAY_HI, expect_error
 from tests.test_api import wait_status
 
 
@@ -20,7 +22,7 @@ from tests.test_api import wait_status
 def child() -> Iterator[Child]:
     """The engine child's code, in this process, with the default model loaded."""
     mine, theirs = multiprocessing.Pipe()
-    kid = Child(theirs)
+    kid = Child(theirs, multiprocessing.RawValue("B", engine_child.OTHER))  # the byte saying what it runs
     path = paths.default_model_file()
     st = path.stat()
     file = models.Registered(str(path), models.sha256_file(path), st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
@@ -67,7 +69,11 @@ def test_an_input_too_big_for_the_context_is_refused_before_tokenizing(child: Ch
 
 
 async def test_a_huge_request_fails_fast_and_frees_the_engine(api: Any) -> None:
-    body = {"input": [{"role": "user", "content": "hi"}] * 200_000, "background": True}
+    # Past MAX_ITEMS items a request is refused as it is read; at the most it may have, it is
+    # accepted and fails at the engine when it counts what cannot fit.
+    resp = await api.post("/v1/responses", json={"input": [{"role": "user", "content": "hi"}] * 200_000})
+    await expect_error(resp, 400, "invalid_request", "input")
+    body = {"input": [{"role": "user", "content": "hi"}] * MAX_ITEMS, "background": True}
     started = time.perf_counter()
     resp = await api.post("/v1/responses", json=body)
     assert resp.status == 202, await resp.text()

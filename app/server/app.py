@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from collections import Counter
 from typing import Awaitable, Callable
 
@@ -19,10 +21,12 @@ from app.server.middleware import (LOCAL_HOSTS, authorize, boundary, cors_header
                                    working)
 
 MAX_BODY = 8 * 1024 * 1024
-# Connections the kernel holds until the loop accepts them. When one app opens hundreds at once,
-# a shorter queue overflows and a newcomer's connection (/health, the owner) is retried by TCP
-# only a second later; the gate, not the kernel, is where connections are refused.
-BACKLOG = 1024
+# asyncio accepts up to `backlog` connections at each wake-up, a descriptor each at once, and asks
+# the kernel for a queue of the same length. The batch stays short (1,024 at once used up a 1,024
+# descriptor limit), the queue is made longer: when one app opened 300 connections at once, a
+# queue of 128 overflowed and the next /health waited a second for TCP to retry. The gate, not the
+# kernel, is where connections are refused.
+ACCEPT_BATCH, QUEUE = 128, 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # One table: every route, and the scope it needs (None: open to any local caller).
@@ -91,6 +95,13 @@ def advertised(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _lengthen_queue(fd: int) -> None:
+    """listen() once more on a listening socket, through a duplicate of its descriptor (asyncio
+    hides the socket's own listen()), with the longer QUEUE."""
+    with socket.socket(fileno=os.dup(fd)) as again:
+        again.listen(QUEUE)
+
+
 class Server:
     """The app on a TCP port, embedded in whatever loop runs (asyncio or Qt's via qasync)."""
 
@@ -105,7 +116,9 @@ class Server:
         await self.runner.setup()
         assert self.runner.server is not None
         gate = Gate(self.runner.server, lambda: cap(self.service.settings), self.app[BUSY])
-        self.listener = await asyncio.get_running_loop().create_server(gate, host, port, backlog=BACKLOG)
+        self.listener = await asyncio.get_running_loop().create_server(gate, host, port, backlog=ACCEPT_BATCH)
+        for listening in self.listener.sockets:
+            _lengthen_queue(listening.fileno())
         bound = self.listener.sockets[0].getsockname()[1]  # the real port when port=0
         shown = advertised(host)
         self.app[HOSTS].add(shown.lower())  # a request to the URL in service.json is answered
