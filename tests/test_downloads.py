@@ -381,3 +381,15 @@ async def test_downloads_not_yet_ended_count_against_the_free_space(api: Any, fa
     second = await start(api, revision=COMMIT)  # the room is free again
     await api.post(f"/v1/tasks/{second['id']}/cancel")
     assert (await finished(api, second["id"]))["status"] == "cancelled"
+
+
+async def test_a_hub_home_given_relative_to_the_start_folder_still_makes_a_model(
+        api: Any, fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF_HOME=hf from the folder the app started in: the download completed, then failed as its
+    file was registered ("The model path must be absolute")."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HOME", "hf")
+    done = await finished(api, (await start(api))["id"])
+    assert done["status"] == "completed", done
+    model = await (await api.get(f"/v1/models/{done['download']['model_id']}")).json()
+    assert Path(model["path"]).is_absolute() and Path(model["path"]).is_relative_to(tmp_path / "hf"), model

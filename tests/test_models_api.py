@@ -190,33 +190,43 @@ async def test_register_a_directory_or_a_bad_id(api, service, tmp_path, copy_of_
     assert await model_rows(service) == 1
 
 
-async def test_files_being_hashed_never_hold_up_a_pairing_request(api, service, tmp_path):
+async def test_files_being_hashed_never_hold_up_a_pairing_request_nor_the_owner(api, service, tmp_path):
     """Registrations run on a small pool of their own. The red team's six at once (1 TiB each:
     hours of work) filled the default pool, min(32, cores + 4) threads, that a pairing request
-    needs: it got no answer in 30 s. Past the pool's two, a registration is refused at once."""
+    needs: it got no answer in 30 s. An app has one file validated at a time and apps together
+    two; past that a registration is refused at once, and the owner's own file still goes in
+    (two apps held both places and the owner's 192-byte file got 429)."""
     big = tmp_path / "big.gguf"
     big.write_bytes(make_gguf(valid_kvs()))
     os.truncate(big, 1 << 40)  # sparse: hashing it would take many minutes
+    small = tmp_path / "small.gguf"
+    small.write_bytes(make_gguf(valid_kvs()))
+    apps = [(await pair(api, ["models:write"], f"App {i}"))[1] for i in range(3)]
     pool = min(32, (os.cpu_count() or 1) + 4)
-    registering = [asyncio.ensure_future(api.post("/v1/models", json={"path": str(big), "id": f"big{i}"}))
-                   for i in range(pool)]
+    registering = [asyncio.ensure_future(api.post("/v1/models", json={"path": str(big), "id": f"big{i}"},
+                                                  headers=bearer(apps[0]))) for i in range(pool)]
+    registering += [asyncio.ensure_future(api.post("/v1/models", json={"path": str(big), "id": f"other{i}"},
+                                                   headers=bearer(token))) for i, token in enumerate(apps[1:])]
     try:
         await asyncio.sleep(1)
         started = time.monotonic()
         resp, text = await asyncio.wait_for(raw(api, "POST", "/v1/pairings", json={
             "client_name": "Innocent App", "scopes": ["models:read"]}), 10)
         took = time.monotonic() - started
-        print(f"\na pairing request beside {pool} registrations of 1 TiB files answered in {took:.3f} s")
+        print(f"\na pairing request beside {pool + 2} registrations of 1 TiB files answered in {took:.3f} s")
         assert resp.status == 202 and took < 1.0, text
         refused = [await r.result().json() for r in registering if r.done()]
-        assert len(refused) == pool - 2 and {e["error"]["code"] for e in refused} == {"too_many_registrations"}
+        # the first app's first file and the second app's run: the first app's others and the third's wait
+        assert len(refused) == pool and {e["error"]["code"] for e in refused} == {"too_many_registrations"}
         assert all(r.result().headers["Retry-After"].isdigit() for r in registering if r.done())
+        mine = await asyncio.wait_for(api.post("/v1/models", json={"path": str(small), "id": "mine"}), 30)
+        assert mine.status == 201, await mine.text()
     finally:
         for r in registering:
             r.cancel()  # the clients leave: their hashing stops
         await asyncio.gather(*registering, return_exceptions=True)
         await poll(lambda: asyncio.sleep(0, not service._examining), what="the hashing to stop")
-    assert await model_rows(service) == 1
+    assert await model_rows(service) == 2
 
 
 async def test_invalid_model_files_are_refused_before_anything_loads_them(api, service, tmp_path):

@@ -18,7 +18,8 @@ from app.store.store import Store
 from app.tasks.bus import EventBus
 from app.tasks.runner import Runner
 
-# Files validated and hashed at once: more would only share the same disk and cores.
+# Files that paired apps may have validated and hashed at once, one each at most (more would only
+# share the same disk and cores); the owner's go beside them, on a thread kept for them.
 EXAMINERS = 2
 
 
@@ -31,8 +32,8 @@ class ModelsFacade:
     runner: Runner
     modes: EngineModes
     model_load_seconds: float | None
-    _examining: set[threading.Event]  # one per file being validated and hashed; set to stop it
-    _examiner: ThreadPoolExecutor     # EXAMINERS threads
+    _examining: dict[threading.Event, str | None]  # file being examined: set to stop it -> its app (None: owner)
+    _examiner: ThreadPoolExecutor     # EXAMINERS + 1 threads
 
     # RemoteFacade's (declared, not defined: a definition here would hide it)
     register_remote_model: Callable[[Client, dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -80,22 +81,28 @@ class ModelsFacade:
             if progress:
                 loop.call_soon_threadsafe(progress, done, total)
 
-        found = await self.examine(body["path"], report)
+        found = await self.examine(body["path"], report, client)
         model_id = models.suggest_id(found.path) if model_id is None else model_id
         await self.store.write(models.insert, model_id, found, client.id)
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)
 
-    async def examine(self, path: str, progress: Any = None) -> models.ModelFile:
+    async def examine(self, path: str, progress: Any = None, client: Client = OWNER) -> models.ModelFile:
         """models.examine on a thread of its own small pool, that stops when the caller is cancelled
         (its client left) or the service stops: a file made to look huge must cost neither hours
         nor a slow exit, and files being hashed never take the threads that pairing requests,
-        engine reaping and the like need (the default pool: six threads on two cores)."""
-        if len(self._examining) >= EXAMINERS:
-            raise TooManyRequests("too_many_registrations", f"{EXAMINERS} model files are being validated and "
-                                  "hashed already; try again when one is done.", retry_after=10)
+        engine reaping and the like need (the default pool: six threads on two cores). A paired
+        app has one file examined at a time and apps together EXAMINERS; the owner is not held
+        up by them (two apps' 1 TiB files made the owner's 192-byte one wait 20 minutes)."""
+        app = None if client.is_admin else client.id
+        if app is not None and app in self._examining.values():
+            raise TooManyRequests("too_many_registrations", "A model file of this app is being validated and hashed "
+                                  "already; register the next one when it is done.", retry_after=10)
+        if app is not None and sum(who is not None for who in self._examining.values()) >= EXAMINERS:
+            raise TooManyRequests("too_many_registrations", f"{EXAMINERS} model files of apps are being validated "
+                                  "and hashed already; try again when one is done.", retry_after=10)
         cancel = threading.Event()
-        self._examining.add(cancel)
+        self._examining[cancel] = app
         try:
             return await asyncio.get_running_loop().run_in_executor(self._examiner, models.examine, path, progress,
                                                                     cancel)
@@ -103,7 +110,7 @@ class ModelsFacade:
             raise LmspError("service_stopping", "The service is stopping.", status=503) from None
         finally:
             cancel.set()  # cancelled while the thread runs: it stops at its next read
-            self._examining.discard(cancel)
+            del self._examining[cancel]
 
     def stop_examining(self) -> None:
         for cancel in list(self._examining):

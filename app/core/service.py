@@ -85,8 +85,8 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         self._touched: dict[str, float] = {}
         self._verified: dict[str, tuple[float, Client]] = {}  # token hash -> (when verified, its client)
         self._revocations = 0
-        self._examining: set[threading.Event] = set()
-        self._examiner = ThreadPoolExecutor(EXAMINERS, thread_name_prefix="lmsp-examine")
+        self._examining: dict[threading.Event, str | None] = {}
+        self._examiner = ThreadPoolExecutor(EXAMINERS + 1, thread_name_prefix="lmsp-examine")
         self.grammars = GrammarWorker()
         # Reading requests, whose cost grows with their size: off the loop, on threads of their own
         # (a wait on the grammar worker must not hold a thread the default executor's users need).

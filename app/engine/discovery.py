@@ -86,11 +86,13 @@ def huggingface(hub: Path) -> list[Found]:
 
 
 def hub_cache(home: Path | None = None, env: dict[str, str] | None = None) -> Path:
-    """The Hugging Face hub cache, where huggingface_hub reads and writes models."""
+    """The Hugging Face hub cache, where huggingface_hub reads and writes models: an absolute path
+    (a relative HF_HOME, from the folder the app started in, made every download fail once done:
+    a model is registered by its absolute path)."""
     home = home or Path.home()
     env = dict(os.environ) if env is None else env
     hf_home = Path(env.get("HF_HOME") or home / ".cache" / "huggingface")
-    return Path(env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or hf_home / "hub")
+    return Path(env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or hf_home / "hub").absolute()
 
 
 def discover(home: Path | None = None, env: dict[str, str] | None = None) -> list[Found]:
