@@ -42,3 +42,23 @@ def test_the_gui_reaches_state_only_through_the_facade() -> None:
     """No SQL from the GUI: not the store, not the engine, not the runner."""
     assert offenders(("gui",), ("sqlite3", "app.store", "app.engine", "app.tasks.runner", "app.tasks.machine",
                                 "app.tasks.records")) == []
+
+
+# The floors, lowest first: a module imports from its own floor and those below, never above.
+FLOORS = [("errors", "paths", "secrets", "events", "logs", "display", "resources"), ("store",), ("engine",),
+          ("tasks",), ("core",), ("server", "gui"), ("main", "cli", "pull", "__main__")]
+
+
+def floor(module: str) -> int:
+    """The floor of `app.x...` (or of a file's path below app/, as `x/...`)."""
+    top = module.removeprefix("app.").split(".")[0].split("/")[0].removesuffix(".py")
+    return next(i for i, names in enumerate(FLOORS) if top in names)
+
+
+def test_no_module_imports_from_a_floor_above_its_own() -> None:
+    """The order errors/paths/secrets/events < store < engine < tasks < core < server, gui < main.
+    The event bus lives on the ground floor: the engine reported to it from below tasks/."""
+    upward = sorted(f"{file}: {name}" for file, names in imports("").items() if file != "__init__.py"
+                    for name in names if name.startswith("app.") and floor(name) > floor(file))
+    assert upward == []
+    assert offenders(("server",), ("app.gui",)) == [] and offenders(("gui",), ("app.server",)) == []

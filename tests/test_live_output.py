@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 from app.engine.engine import Engine, Generation
 from app.store import db
 from app.tasks import output, runner
-from app.tasks.bus import EventBus
+from app.events import EventBus
 from app.tasks.states import TERMINAL
 
 from tests.helpers import COUNT, poll

@@ -14,7 +14,7 @@ import aiohttp
 from app.core.service import AppService
 from app.server import sse
 from app.server.app import Server
-from app.tasks import bus
+from app import events as bus
 from tests.conftest import Headless, wait_until
 from tests.helpers import COUNT, SAY_HI, bearer, http, pair, pair_sync, poll
 

@@ -9,7 +9,7 @@ from typing import Any
 from app.core import auth, pairing
 from app.errors import Conflict, NotFound
 from app.store.store import Store
-from app.tasks.bus import EventBus
+from app.events import EventBus
 
 
 class AccessFacade:

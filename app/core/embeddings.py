@@ -15,7 +15,7 @@ from app.engine import models
 from app.engine.engine import Engine, EngineError
 from app.errors import InvalidRequest, LmspError
 from app.store.store import Store
-from app.tasks.bus import EventBus
+from app.events import EventBus
 from app.tasks.runner import Runner
 
 KNOWN = {"model", "input", "encoding_format", "dimensions", "user"}

@@ -15,7 +15,7 @@ from app.engine.engine import Engine, EngineError
 from app.engine.modes import EngineModes
 from app.errors import Conflict, Forbidden, InvalidRequest, LmspError, TooManyRequests
 from app.store.store import Store
-from app.tasks.bus import EventBus
+from app.events import EventBus
 from app.tasks.runner import Runner
 
 # Files that paired apps may have validated and hashed at once, one each at most (more would only

@@ -19,7 +19,7 @@ from app.engine.remote import Endpoint, RemoteError, Upstreams, check_url, probe
 from app.errors import Conflict, InvalidRequest
 from app.secrets import api_key_vault
 from app.store.store import Store
-from app.tasks.bus import EventBus
+from app.events import EventBus
 from app.tasks.runner import Runner
 
 MAX_ENDPOINTS = 16

@@ -39,7 +39,7 @@ from app.secrets import hub_token, make_private, owner_vault
 from app.store import config
 from app.store.store import Store
 from app.tasks import downloads, limits, machine, records, recovery, retention
-from app.tasks.bus import EventBus, Feed
+from app.events import EventBus, Feed
 from app.tasks.runner import Claimed, Offer, Runner, claim
 from app.tasks.states import TERMINAL
 

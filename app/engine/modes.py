@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from app.engine import cpu
 from app.store.store import Store
-from app.tasks.bus import EventBus
+from app.events import EventBus
 
 log = logging.getLogger(__name__)
 FAST, SAFE = "fast", "safe"

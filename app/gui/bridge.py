@@ -11,7 +11,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, Qt, Signal
 
-from app.tasks.bus import EventBus
+from app.events import EventBus
 
 
 class Bridge(QObject):

@@ -38,7 +38,7 @@ from app.engine import hub, models
 from app.errors import LmspError
 from app.store.store import Store
 from app.tasks import limits, machine, records
-from app.tasks.bus import EventBus
+from app.events import EventBus
 from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING, TERMINAL
 
 log = logging.getLogger(__name__)

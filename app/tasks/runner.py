@@ -32,7 +32,7 @@ from app.engine.remote import RemoteEngine, Upstreams
 from app.errors import LmspError, StoreError
 from app.store.store import Store
 from app.tasks import calls, machine, output, records
-from app.tasks.bus import EventBus
+from app.events import EventBus
 from app.tasks.machine import RESPONSE
 from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING
 
