@@ -165,6 +165,7 @@ async def test_safe_mode_decided_under_another_llama_cpp_is_not_applied(
     db.close()
 
     caplog.set_level(logging.INFO)
+    caplog.clear()  # count the second service's engine starts only (the level may be INFO already)
     async with started(data) as second:
         assert (await second.model(DEFAULT_MODEL_ID))["engine"] == {"mode": "fast", "reason": None}
         # Fast mode gets its chance; here it still crashes, so the engine falls back again,
