@@ -33,7 +33,7 @@ class Owner(BaseModel):
                                     {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 3},
                                     {"type": ["string", "null"]}, {"enum": ["a", "b"]}, {"type": "object"}])
 def test_schemas_the_grammar_enforces_are_accepted(schema: dict[str, Any]) -> None:
-    assert grammar.unsupported(schema) is None
+    assert grammar.convert(schema)[0] is None
     assert "root ::=" in grammar.gbnf({"type": "json_schema", "schema": schema})
 
 
@@ -50,7 +50,7 @@ def test_schemas_the_grammar_enforces_are_accepted(schema: dict[str, Any]) -> No
     ({"$defs": [1]}, "well-formed"),
 ])
 def test_what_the_grammar_would_ignore_is_refused_with_the_reason(schema: dict[str, Any], why: str) -> None:
-    reason = grammar.unsupported(schema)
+    reason = grammar.convert(schema)[0]
     assert reason is not None and why in reason, reason
 
 
@@ -88,7 +88,7 @@ def test_forced_calls_are_one_schema_over_name_and_arguments() -> None:
     tools = [{"type": "function", "name": "owner", "parameters": Owner.model_json_schema()},
              {"type": "function", "name": "ping"}]
     parsed = structured.parse({"tools": tools, "tool_choice": "required"}, grammar.convert_all)
-    assert parsed["call"] and grammar.unsupported(parsed["constraint"]["schema"]) is None
+    assert parsed["call"] and grammar.convert(parsed["constraint"]["schema"])[0] is None
     assert parsed["tools"][1]["parameters"] == structured.NO_PARAMETERS
     named = structured.parse({"tools": tools, "tool_choice": {"type": "function", "name": "ping"}}, grammar.convert_all)
     assert named["constraint"]["schema"]["properties"]["name"] == {"const": "ping"}

@@ -79,11 +79,6 @@ def gbnf(constraint: dict[str, Any]) -> str:
                      for line in text.split("\n"))
 
 
-def unsupported(schema: Any) -> str | None:
-    """Why the grammar cannot express `schema`, or None when it can."""
-    return convert(schema)[0]
-
-
 def convert_all(schemas: list[Any]) -> list[Converted]:
     """Each schema's `convert`, up to the first refusal (which refuses the request)."""
     results = []
