@@ -24,7 +24,7 @@ fi
 # instruction-set level, the best loaded at run time (GGML_BACKEND_DL, GGML_CPU_ALL_VARIANTS;
 # the Makefile builds llama-cpp-python so). pip's default build is native: a single
 # libggml-cpu for this machine's CPU, which dies with "illegal instruction" on older CPUs.
-variants_dir="$("$PYTHON" -c 'from app.engine import backend; print(backend.variants_dir() or "")')"
+variants_dir="$("$PYTHON" -c 'from app.engine.child import backend; print(backend.variants_dir() or "")')"
 variants=""
 [ -z "$variants_dir" ] || variants="$(cd "$variants_dir" && ls | grep -E '^libggml-cpu-[a-z0-9_]+\.(so|dylib|dll)$' | sort)"
 if [ -z "$variants_dir" ] && [ "$(uname -m)" = x86_64 ]; then  # (other CPUs: not set up here yet)

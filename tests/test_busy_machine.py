@@ -5,7 +5,7 @@ llama.cpp's threads wait for each other at every step of a token, spinning (whic
 idle machine wants). Beside a busy program a thread spins away its time slice waiting for a
 sibling that is not running: on two cores plain llama-cpp-python fell from 70 tokens/s to one
 token every two seconds, and a 700-token prompt took 18-32 s where one thread takes 5. The
-engine then evaluates on one thread (app/engine/threads.py), which has nothing to wait for
+engine then evaluates on one thread (app/engine/child/threads.py), which has nothing to wait for
 (tests/bench/test_cpu_load.py has the figures)."""
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ import random
 from typing import Any
 
 from app.core.service import TERMINAL_EVENTS, AppService
-from app.engine import models
-from app.engine.engine import Generation
-from app.engine.models import DEFAULT_MODEL_ID
+from app.engine.registry import models
+from app.engine.parent.engine import Generation
+from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.errors import Conflict
 from app.tasks.states import TERMINAL
 from tests.helpers import poll

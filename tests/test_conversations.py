@@ -12,7 +12,7 @@ from typing import Any
 import openai
 
 from app.core.service import AppService
-from app.engine.models import DEFAULT_MODEL_ID
+from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.tasks.retention import UNSTORED_GRACE_SECONDS
 from tests.conftest import Headless
 from tests.helpers import bearer, expect_error, pair, pair_sync, raw

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from app.core.service import AppService
-from app.engine.discovery import discover
+from app.engine.registry.discovery import discover
 from tests.test_gguf import make_gguf
 
 GGUF = make_gguf({"general.architecture": "llama", "general.name": "Tiny", "llama.context_length": 256})
@@ -71,7 +71,7 @@ async def test_picked_models_are_registered_in_place(service: AppService, tmp_pa
                                                      monkeypatch: object) -> None:
     home = tmp_path / "home"
     files = _machine(home)
-    monkeypatch.setattr("app.engine.discovery.Path.home", lambda: home)  # type: ignore[attr-defined]
+    monkeypatch.setattr("app.engine.registry.discovery.Path.home", lambda: home)  # type: ignore[attr-defined]
     offered = await service.discover_models()
     ollama = next(m for m in offered if m["name"] == "tiny:latest")
     assert ollama["registered"] is False and ollama["suggested_id"] == "tiny:latest"

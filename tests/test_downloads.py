@@ -17,7 +17,7 @@ import pytest
 
 from app import paths
 from app.core.service import AppService
-from app.engine import discovery
+from app.engine.registry import discovery
 from app.tasks import retention
 from tests.conftest import Headless, wait_until
 from tests.helpers import SAY_HI, expect_error, poll

@@ -8,7 +8,7 @@ from typing import Any
 
 import openai
 
-from app.engine.models import DEFAULT_MODEL_ID
+from app.engine.registry.models import DEFAULT_MODEL_ID
 from tests.conftest import Headless
 from tests.helpers import bearer, expect_error, pair, pair_sync, raw
 

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from app.core.service import AppService
-from app.engine import cpu
-from app.engine.models import DEFAULT_MODEL_ID
+from app.engine.parent import cpu
+from app.engine.registry.models import DEFAULT_MODEL_ID
 from tests.helpers import SAY_HI, expect_error
 from tests.test_api import check_sequence, deltas, events, start_background, wait_status
 from tests.test_gguf import T, make_gguf

@@ -8,7 +8,7 @@ release it was made under, and the person can forget it (DELETE /v1/models/{id}/
 tests/gui/test_models_fast_mode.py does it from the Models tab.
 
 Crashes are real (LMSP_ENGINE_FAULT: the engine child kills itself by the signal named, at the
-point named; see app/engine/child.py), and so is the abort an unsatisfiable schema causes. The
+point named; see app/engine/child/main.py), and so is the abort an unsatisfiable schema causes. The
 model is the default one requantized (`fast_model`): fast mode runs it on every CPU, those where
 the default model's fast mode crashes (AMX) included."""
 
@@ -24,8 +24,8 @@ import pytest
 
 from app import paths
 from app.core.service import AppService
-from app.engine import modes
-from app.engine.models import DEFAULT_MODEL_ID
+from app.engine.parent import modes
+from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.server.app import make_app
 from tests.helpers import SAY_HI, expect_error, started
 from tests.test_engine_modes import SLOW, bus_events, processes_started  # noqa: F401

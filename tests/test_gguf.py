@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from app.engine.gguf import Cancelled, GgufError, GgufInfo, inspect
+from app.engine.registry.gguf import Cancelled, GgufError, GgufInfo, inspect
 
 
 # --- a tiny GGUF writer, so tests can build valid files and then break them on purpose ----------

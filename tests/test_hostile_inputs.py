@@ -33,7 +33,7 @@ from typing import Callable
 
 import pytest
 
-from app.engine.models import DEFAULT_MODEL_ID
+from app.engine.registry.models import DEFAULT_MODEL_ID
 from tests.conftest import Headless, Processes
 from tests.helpers import pair_sync
 from tests.hostile import MIB, Attack, Probe, counted_mib, exchange, rss_kib, stored_mib

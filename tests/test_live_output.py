@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from app.engine.engine import Engine, Generation
+from app.engine.parent.engine import Engine, Generation
 from app.store import db
 from app.tasks import output, runner
 from app.events import EventBus

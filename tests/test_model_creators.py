@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from app.engine.models import DEFAULT_MODEL_ID
+from app.engine.registry.models import DEFAULT_MODEL_ID
 from tests.helpers import bearer, check_error, pair, raw
 from tests.hub_server import FakeHub
 from tests.test_downloads import MODEL, REPO, fake_hub, finished  # noqa: F401 (fake_hub: a fixture)

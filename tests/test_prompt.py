@@ -11,9 +11,9 @@ import pytest
 
 from app import paths
 from app.core.requests import MAX_ITEMS
-from app.engine import child as engine_child
-from app.engine import models
-from app.engine.child import Child
+from app.engine.child import main as engine_child
+from app.engine.registry import models
+from app.engine.child.main import Child
 from tests.helpers import SAY_HI, expect_error
 from tests.test_api import wait_status
 

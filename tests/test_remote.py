@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from app.engine.models import DEFAULT_MODEL_ID
+from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.tasks.states import LOADING, RUNNING, TERMINAL
 from tests.conftest import Headless, wait_until
 from tests.helpers import COUNT, expect_error, http, pair, pair_sync, poll

@@ -15,8 +15,8 @@ import pytest
 
 from app.core.requests import MAX_ITEMS
 from app.core.service import AppService
-from app.engine import grammar
-from app.engine.grammar_worker import BUDGET
+from app.engine.constraints import grammar
+from app.engine.constraints.grammar_worker import BUDGET
 from tests.helpers import SAY_HI, bearer, expect_error, pair
 
 LAG = 0.1  # the slowest /health round trip allowed while a costly request is read, in seconds

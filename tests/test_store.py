@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import pytest
 
 from app.core.service import AppService
-from app.engine import models
+from app.engine.registry import models
 from app.errors import StoreError
 from app.server.app import make_app
 from app.store import config, db

@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel
 
 from app.core import structured
-from app.engine import grammar
+from app.engine.constraints import grammar
 from app.errors import LmspError
 from app.tasks.calls import CallStream, item
 

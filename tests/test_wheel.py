@@ -118,7 +118,7 @@ def test_the_installed_wheel_serves_shows_its_icons_and_generates(tmp_path: Path
     figures["first generation"] = time.monotonic() - started
     assert status == 200 and body["error"] is None and body["output_text"].strip(), body
     # The engine runs the venv's llama.cpp: its libllama and one of its CPU variants (the wheel
-    # installs those in site-packages/bin/; app/engine/backend.py).
+    # installs those in site-packages/bin/; app/engine/child/backend.py).
     (engine,) = svc.engine_pids()
     maps = Path(f"/proc/{engine}/maps").read_text()
     assert re.search(re.escape(str(site / "llama_cpp" / "lib")) + r"/libllama\.so", maps), maps

@@ -18,8 +18,8 @@ import uvicorn
 from llama_cpp.server.app import create_app
 from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-from app.engine import backend
-from app.engine.child import extra_bufts
+from app.engine.child import backend
+from app.engine.child.main import extra_bufts
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from app.core.auth import Client
 from app.core.ids import new_id
-from app.engine import hub
+from app.engine.net import hub
 from app.errors import InvalidRequest
 from app.secrets import hub_token
 from app.store.store import Store

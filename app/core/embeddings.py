@@ -11,8 +11,8 @@ import asyncio
 import base64
 from typing import Any
 
-from app.engine import models
-from app.engine.engine import Engine, EngineError
+from app.engine.registry import models
+from app.engine.parent.engine import Engine, EngineError
 from app.errors import InvalidRequest, LmspError
 from app.store.store import Store
 from app.events import EventBus

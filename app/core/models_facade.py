@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from app.core.auth import OWNER, Client
-from app.engine import discovery, gguf, models
-from app.engine.engine import Engine, EngineError
-from app.engine.modes import EngineModes
+from app.engine.registry import discovery, gguf, models
+from app.engine.parent.engine import Engine, EngineError
+from app.engine.parent.modes import EngineModes
 from app.errors import Conflict, Forbidden, InvalidRequest, LmspError, TooManyRequests
 from app.store.store import Store
 from app.events import EventBus

@@ -14,8 +14,8 @@ from typing import Any
 
 from app.core.auth import Client
 from app.core.ids import new_id
-from app.engine import models
-from app.engine.remote import Endpoint, RemoteError, Upstreams, check_url, probe
+from app.engine.registry import models
+from app.engine.net.remote import Endpoint, RemoteError, Upstreams, check_url, probe
 from app.errors import Conflict, InvalidRequest
 from app.secrets import api_key_vault
 from app.store.store import Store

@@ -29,11 +29,11 @@ from app.core.ids import new_id
 from app.core.auth import Client
 from app.core.models_facade import EXAMINERS, ModelsFacade
 from app.core.remote_facade import RemoteFacade
-from app.engine import models
-from app.engine.engine import Engine
-from app.engine.grammar_worker import GrammarWorker
-from app.engine.modes import EngineModes
-from app.engine.remote import Upstreams
+from app.engine.registry import models
+from app.engine.parent.engine import Engine
+from app.engine.constraints.grammar_worker import GrammarWorker
+from app.engine.parent.modes import EngineModes
+from app.engine.net.remote import Upstreams
 from app.errors import Conflict, InvalidRequest, LmspError, NotFound
 from app.secrets import hub_token, make_private, owner_vault
 from app.store import config

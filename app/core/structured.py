@@ -14,13 +14,13 @@ import json
 import re
 from typing import Any, Callable
 
-from app.engine.grammar import Converted, too_large
+from app.engine.constraints.grammar import Converted, too_large
 from app.errors import InvalidRequest, LmspError
 
 TEXT = {"type": "text"}
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
-# Schemas to grammars: app/engine/grammar_worker.py, or `grammar.convert_all` where no loop waits.
+# Schemas to grammars: app/engine/constraints/grammar_worker.py, or `grammar.convert_all` where no loop waits.
 Convert = Callable[[list[Any]], list[Converted]]
 
 

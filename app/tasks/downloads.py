@@ -18,7 +18,7 @@ cancelled download leaves no partial file (removed when it ends, and again at st
 
 "Pause new tasks" holds generations only: it is about the engines, and a download uses none.
 
-The hub side (metadata, the transfer, the cache layout) is app/engine/hub.py.
+The hub side (metadata, the transfer, the cache layout) is app/engine/net/hub.py.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from app.engine import hub, models
+from app.engine.net import hub
+from app.engine.registry import models
 from app.errors import LmspError
 from app.store.store import Store
 from app.tasks import limits, machine, records

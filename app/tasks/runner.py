@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from app.engine import models
-from app.engine.engine import Engine, EngineError, Generation, Runs
-from app.engine.modes import EngineModes
-from app.engine.remote import RemoteEngine, Upstreams
+from app.engine.registry import models
+from app.engine.parent.engine import Engine, EngineError, Generation, Runs
+from app.engine.parent.modes import EngineModes
+from app.engine.net.remote import RemoteEngine, Upstreams
 from app.errors import LmspError, StoreError
 from app.store.store import Store
 from app.tasks import calls, machine, output, records

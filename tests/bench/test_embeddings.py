@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from app import paths
-from app.engine.models import DEFAULT_MODEL_ID
+from app.engine.registry.models import DEFAULT_MODEL_ID
 from tests.conftest import Headless
 
 SENTENCES = [f"Sentence number {i} is about {topic}." for i, topic in
@@ -32,8 +32,8 @@ def bare_rate(fast: bool) -> float:
     import llama_cpp
     from llama_cpp import Llama
 
-    from app.engine import backend
-    from app.engine.child import extra_bufts
+    from app.engine.child import backend
+    from app.engine.child.main import extra_bufts
 
     backend.load()
     with extra_bufts(fast):

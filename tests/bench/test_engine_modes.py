@@ -12,8 +12,8 @@ import time
 import pytest
 
 from app.core.service import AppService
-from app.engine import backend
-from app.engine.models import DEFAULT_MODEL_ID
+from app.engine.child import backend
+from app.engine.registry.models import DEFAULT_MODEL_ID
 from tests.bench.test_throughput import PROMPT, bare_tokens_per_second, fast_works
 
 

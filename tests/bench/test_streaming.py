@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from app.core.service import AppService
-from app.engine.engine import Generation
-from app.engine.remote import Endpoint, chat_request
+from app.engine.parent.engine import Generation
+from app.engine.net.remote import Endpoint, chat_request
 from tests.bench.test_throughput import PROMPT, bare_llama, fast_works
 from tests.conftest import Headless, Upstream, cpu_seconds, wait_until
 from tests.helpers import COUNT
@@ -99,7 +99,7 @@ def sse(url: str, body: dict[str, Any], token: str | None = None) -> Iterator[tu
 
 
 def chat_body(up: Upstream, tokens: int) -> dict[str, Any]:
-    """The chat completion the service would send an upstream for PROMPT (app/engine/remote.py's own body)."""
+    """The chat completion the service would send an upstream for PROMPT (app/engine/net/remote.py's own body)."""
     gen = Generation(messages=[{"role": "user", "content": PROMPT}], max_tokens=tokens, temperature=0)
     return chat_request(Endpoint(up.base_url, up.alias), gen)
 

@@ -35,8 +35,8 @@ def bare_llama(fast: bool | None = None, threads: int | None = None) -> Any:
     if fast is None:
         fast = fast_works()
 
-    from app.engine import backend
-    from app.engine.child import extra_bufts
+    from app.engine.child import backend
+    from app.engine.child.main import extra_bufts
 
     backend.load()
     with extra_bufts(fast):

@@ -12,7 +12,7 @@ from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QMenu
 
 from app.core.service import AppService
-from app.engine.discovery import GGUF_MAGIC
+from app.engine.registry.discovery import GGUF_MAGIC
 from app.gui.dashboard import Dashboard
 from app.gui.desktop import Desktop
 from app.gui.found_models import FoundModelsDialog, show_found_models
@@ -35,7 +35,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     """A home folder where LM Studio, Ollama and Hugging Face each left small GGUF files."""
     home = tmp_path / "home"
     files = _machine(home)
-    monkeypatch.setattr("app.engine.discovery.Path.home", lambda: home)
+    monkeypatch.setattr("app.engine.registry.discovery.Path.home", lambda: home)
     for var in ("OLLAMA_MODELS", "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         monkeypatch.delenv(var, raising=False)
     return {"home": home, **files}

@@ -26,7 +26,7 @@ def empty_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """"Models you already have" looks in a home of our own, not the machine's."""
     home = tmp_path / "home"
     home.mkdir()
-    monkeypatch.setattr("app.engine.discovery.Path.home", lambda: home)
+    monkeypatch.setattr("app.engine.registry.discovery.Path.home", lambda: home)
     for var in ("OLLAMA_MODELS", "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         monkeypatch.delenv(var, raising=False)
     return home

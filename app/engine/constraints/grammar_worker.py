@@ -20,8 +20,8 @@ from collections import OrderedDict
 from multiprocessing.connection import Connection
 from typing import Any
 
-from app.engine import grammar
-from app.engine.grammar import Converted
+from app.engine.constraints import grammar
+from app.engine.constraints.grammar import Converted
 from app.errors import TooManyRequests
 
 BUDGET = 2.0  # seconds for one request's schemas

@@ -2,7 +2,7 @@
 
 A constraint is `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema",
 "schema": {...}, "gbnf": "..."}`. The server converts a schema with `convert` before it accepts
-a request, in a worker process with a time budget (app/engine/grammar_worker.py), and stores
+a request, in a worker process with a time budget (app/engine/constraints/grammar_worker.py), and stores
 the grammar in the constraint: the engine child (`gbnf`) does not convert it again.
 
 llama-cpp-python's `json_schema_to_gbnf` raises on some schemas but silently ignores many
@@ -23,7 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from app.engine.gbnf import dead_end
+from app.engine.constraints.gbnf import dead_end
 
 JSON_OBJECT = {"type": "json_object"}
 # Keywords that never change which documents are valid.

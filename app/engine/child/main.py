@@ -28,12 +28,13 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Iterator
 
-from app.engine import grammar, models
-from app.engine.sampling import DeadEnd, GrammarSampler
-from app.engine.threads import Threads
+from app.engine.constraints import grammar
+from app.engine.registry import models
+from app.engine.child.sampling import DeadEnd, GrammarSampler
+from app.engine.child.threads import Threads
 
 if TYPE_CHECKING:
-    from app.engine.embedder import Embedder
+    from app.engine.child.embedder import Embedder
 
 Message = dict[str, Any]
 # A chat turn of ordinary length: the warm-up decodes it in one batch, as a first task would.
@@ -58,7 +59,7 @@ def fault(point: str, extra_bufts: bool) -> None:
 
 
 # What the process is doing, in a byte of memory it shares with the parent, which reads it once
-# the process has died (app/engine/engine.py): fast mode changes only llama.cpp's compute kernels
+# the process has died (app/engine/parent/engine.py): fast mode changes only llama.cpp's compute kernels
 # (KERNELS: loading, the warm-up, reading a prompt, decoding a token), so only a crash there is
 # fast mode's to answer for. The request's grammar (GRAMMAR) runs the same code in either mode,
 # driven by what the request asked for (llama.cpp aborts when a grammar's stack runs empty);
@@ -172,7 +173,7 @@ class Child:
     def load(self, msg: Message) -> None:
         from llama_cpp import Llama
 
-        from app.engine import backend
+        from app.engine.child import backend
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         started = time.monotonic()
@@ -231,7 +232,7 @@ class Child:
             self.conn.send({"ev": "error", "code": "model_not_loaded", "message": "No model is loaded."})
             return
         if self.embedder is None:
-            from app.engine.embedder import Embedder  # numpy too: imported where it is used, as llama_cpp is
+            from app.engine.child.embedder import Embedder  # numpy too: imported where it is used, as llama_cpp is
 
             try:
                 self.embedder = Embedder(self.llm, self.n_threads, self.piece_bytes)
@@ -424,7 +425,7 @@ def shared_slices(plan: list[tuple[int, int]], body: list[int], done: list[tuple
 # llama.cpp's threads (OpenMP, libgomp) wait for each other at every step of a token: they spin
 # before they sleep, which is what decoding on an idle machine wants (libgomp's own 300,000 spins
 # and this count decode alike there; 1,000 cost 17-26 % on two cores of an Intel Xeon). Beside
-# another busy program spinning is what stalls decoding: app/engine/threads.py then evaluates on
+# another busy program spinning is what stalls decoding: app/engine/child/threads.py then evaluates on
 # one thread. Fewer spins than libgomp's keep what a trial of all threads costs there short.
 SPIN_COUNT = "100000"
 # Inference keeps every core busy; the service and the GUI must still answer at once. A slightly

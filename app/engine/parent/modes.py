@@ -3,7 +3,7 @@
 `fast` lets llama.cpp use its extra buffer types (weight repacking, Intel AMX kernels); `safe`
 loads with `use_extra_bufts = false`. Those fast paths crash on some CPUs (a SIGSEGV in
 `ggml_backend_amx_mul_mat` on Sapphire Rapids), so in `auto` an engine that dies from such a
-signal in llama.cpp's compute kernels (app/engine/engine.py decides) falls back to safe for that
+signal in llama.cpp's compute kernels (app/engine/parent/engine.py decides) falls back to safe for that
 model, and the choice is remembered per model digest, CPU and llama-cpp-python release. It is
 not for ever: a decision made under another release does not apply (an update may have fixed
 the crash), and the person can ask for fast mode again (`forget`); if it still crashes, the
@@ -19,7 +19,7 @@ import time
 from functools import cache
 from typing import Any, Callable
 
-from app.engine import cpu
+from app.engine.parent import cpu
 from app.store.store import Store
 from app.events import EventBus
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from app.engine import gguf
+from app.engine.registry import gguf
 from app.errors import Conflict, InvalidRequest, LmspError, NotFound
 
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"

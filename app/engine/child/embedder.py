@@ -61,7 +61,7 @@ class Embedder:
               ) -> dict[str, Any]:
         """{"ev": "embedded", "vectors": little-endian float32 bytes, row after row, "dims", "tokens"},
         an error naming the input that does not fit, or {"ev": "cancelled"} once `stop()` says so.
-        `threads`: how many generation decodes on now (app/engine/threads.py), one beside a busy
+        `threads`: how many generation decodes on now (app/engine/child/threads.py), one beside a busy
         program: there two threads stalled a batch of one to seven tokens for 1-2 s, one took 0.1-0.2 s."""
         import llama_cpp
 

@@ -41,7 +41,7 @@ from huggingface_hub.file_download import (_cache_commit_hash_for_specific_revis
                                            _get_pointer_path, http_get, repo_folder_name)
 from huggingface_hub.utils import build_hf_headers, validate_repo_id
 
-from app.engine import discovery
+from app.engine.registry import discovery
 from app.errors import LmspError
 
 # `http_get` reads the response in chunks of this size (10 MiB by default): the unit in which a

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import httpx2
 
-from app.engine.engine import EngineError, Generation, Message, Waiting
+from app.engine.parent.engine import EngineError, Generation, Message, Waiting
 from app.logs import redact
 
 log = logging.getLogger(__name__)

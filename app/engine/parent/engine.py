@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
-from app.engine import child, cpu, models
-from app.engine.models import Registered
-from app.engine.modes import FAST, SAFE, EngineModes
+from app.engine.child import main as child
+from app.engine.parent import cpu
+from app.engine.registry import models
+from app.engine.registry.models import Registered
+from app.engine.parent.modes import FAST, SAFE, EngineModes
 
 log = logging.getLogger(__name__)
 Message = dict[str, Any]
@@ -60,7 +62,7 @@ class Generation:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] | None = None
-    constraint: dict[str, Any] | None = None  # JSON the output must be (app/engine/grammar.py)
+    constraint: dict[str, Any] | None = None  # JSON the output must be (app/engine/constraints/grammar.py)
     prefix_ids: list[int] | None = None  # the output so far: its token ids (local engines)
     prefix_text: str = ""                # its text
     prefix_tokens: int = 0               # and how many tokens it counted (a remote one has no ids)
@@ -70,7 +72,7 @@ Waiting = Callable[[str], Awaitable[None]]  # told why a task waits for its engi
 
 
 class Runs(Protocol):
-    """What the runner needs of an engine, local (`Engine`) or remote (app/engine/remote.py)."""
+    """What the runner needs of an engine, local (`Engine`) or remote (app/engine/net/remote.py)."""
     name: str
 
     async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
