@@ -57,7 +57,7 @@ async def service(tmp_path: Path) -> AsyncIterator[AppService]:
 async def api(service: AppService, aiohttp_client: Any) -> Any:
     """An aiohttp test client on a real loopback port, authorised as the owner."""
     client = await aiohttp_client(make_app(service))
-    token = await service.owner_token()
+    token = await service.access.owner_token()
     client.session.headers["Authorization"] = f"Bearer {token}"
     client.token = token
     return client

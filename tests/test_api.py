@@ -352,7 +352,7 @@ async def test_local_hosts_and_configured_hosts_are_accepted(api, service):
         assert resp.status == 404, host  # past the boundary and auth: just unknown
     resp = await api.get("/lmsp", headers={"Host": "mybox.lan:11535"})
     assert resp.status == 421
-    service.settings["allowed_hosts"] = ["mybox.lan"]
+    await service.settings.update({"allowed_hosts": ["mybox.lan"]})
     resp = await api.get("/lmsp", headers={"Host": "mybox.lan:11535"})
     assert resp.status == 200
 
@@ -372,7 +372,7 @@ async def test_foreign_origin_is_403_without_cors_headers(api, service):
 
 async def test_allowed_origin_gets_cors_headers_echoed(api, service):
     origin = "http://localhost:3000"
-    service.settings["allowed_origins"] = [origin]
+    await service.settings.update({"allowed_origins": [origin]})
     # Preflight: answered without a token (browsers never send one on OPTIONS).
     resp, _ = await raw(api, "OPTIONS", "/v1/responses", headers={
         "Origin": origin, "Access-Control-Request-Method": "POST",

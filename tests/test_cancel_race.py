@@ -7,7 +7,8 @@ import asyncio
 import random
 from typing import Any
 
-from app.core.service import TERMINAL_EVENTS, AppService
+from app.core.service import AppService
+from app.core.tasks import TERMINAL_EVENTS
 from app.engine.registry import models
 from app.engine.parent.engine import Generation
 from app.engine.registry.models import DEFAULT_MODEL_ID
@@ -17,10 +18,10 @@ from tests.helpers import poll
 
 
 async def test_cancel_and_completion_never_both_win(service: AppService) -> None:
-    owner = await service.authenticate(await service.owner_token())
+    owner = await service.access.authenticate(await service.access.owner_token())
     assert owner is not None
     rng = random.Random(11)
-    created = [(await service.create_response(owner, {
+    created = [(await service.responses.create_response(owner, {
         "input": f"Count to {n}.", "background": True, "temperature": 0, "max_output_tokens": rng.randrange(2, 30)
     })).body for n in range(40)]
     outcomes: dict[str, str] = {}
@@ -31,30 +32,30 @@ async def test_cancel_and_completion_never_both_win(service: AppService) -> None
         # slow machine still hits every moment.
         moment = rng.choice(["queued", "running", "running", "ended"])
         if moment == "running":
-            with service.feed(task_id, watch=False) as feed:
+            with service.tasks.feed(task_id, watch=False) as feed:
                 while (await feed.queue.get())["type"] not in ("response.in_progress", *TERMINAL_EVENTS):
                     pass
             await asyncio.sleep(rng.uniform(0, 0.3))
         elif moment == "ended":
-            await service.wait(task_id)
+            await service.tasks.wait(task_id)
         try:
-            await service.cancel(owner, "task", task_id)
+            await service.tasks.cancel(owner, "task", task_id)
             outcomes[task_id] = "accepted"
         except Conflict:
             outcomes[task_id] = "refused"
 
     await asyncio.gather(*(cancel_later(r["task"]["id"]) for r in created))
     for r in created:
-        await asyncio.wait_for(service.wait(r["task"]["id"]), 60)
+        await asyncio.wait_for(service.tasks.wait(r["task"]["id"]), 60)
 
     seen = set()
     for r in created:
         task_id = r["task"]["id"]
-        task = await service.task(owner, task_id)
+        task = await service.tasks.task(owner, task_id)
         assert task["status"] in TERMINAL
         expected = "cancelled" if outcomes[task_id] == "accepted" else "completed"
         assert task["status"] == expected, (outcomes[task_id], task["status"])
-        events = await service.events(owner, task_id, -1)
+        events = await service.tasks.events(owner, task_id, -1)
         terminal = [e["type"] for e in events if e["type"] in TERMINAL_EVENTS]
         assert len(terminal) == 1
         assert (terminal[0] == "response.cancelled") == (expected == "cancelled")
@@ -67,7 +68,7 @@ async def test_a_request_given_up_while_its_task_is_written_still_runs_that_task
     """A task arriving at a free engine is taken by the runner in the commit that creates it. A
     request cancelled while that commit is on its way (its client gone) still starts what it
     committed: the task runs to its end instead of staying `loading` for good."""
-    owner = await service.authenticate(await service.owner_token())
+    owner = await service.access.authenticate(await service.access.owner_token())
     assert owner is not None
     write = service.store.write
 
@@ -78,7 +79,7 @@ async def test_a_request_given_up_while_its_task_is_written_still_runs_that_task
         return await write(fn, *args)
 
     service.store.write = leaving_once_written  # type: ignore[method-assign]
-    call = asyncio.create_task(service.create_response(owner, {
+    call = asyncio.create_task(service.responses.create_response(owner, {
         "input": "Say hi", "background": True, "temperature": 0, "max_output_tokens": 4}))
     try:
         await call
@@ -89,9 +90,9 @@ async def test_a_request_given_up_while_its_task_is_written_still_runs_that_task
                       timeout=10, what="the task to be committed")
     assert len(rows) == 1
     task_id = rows[0]["id"]
-    final = await asyncio.wait_for(service.wait(task_id), 60)
+    final = await asyncio.wait_for(service.tasks.wait(task_id), 60)
     assert final["status"] == "completed", final
-    types = [e["type"] for e in await service.events(owner, task_id, -1)]
+    types = [e["type"] for e in await service.tasks.events(owner, task_id, -1)]
     assert types[:4] == ["response.created", "response.queued", "response.loading", "response.loading"], types
 
 

@@ -93,7 +93,7 @@ async def test_only_a_completed_stored_response_of_the_same_client_continues(api
     resp = await api.post("/v1/responses", json={**TURN, "input": "Hi.", "previous_response_id": "resp_nothing"})
     await expect_error(resp, 404, "previous_response_not_found", "previous_response_id")
     # Still queued (the service is paused), then cancelled: neither can be continued.
-    service.set_paused(True)
+    service.tasks.set_paused(True)
     waiting = await create(api, input="Later.", background=True)
     resp = await api.post("/v1/responses", json={**TURN, "input": "Hi.", "previous_response_id": waiting["id"]})
     assert "queued" in (await expect_error(resp, 404, "previous_response_not_found", "previous_response_id"))["message"]
@@ -118,7 +118,7 @@ async def test_a_deleted_or_expired_ancestor_ends_the_chain_but_not_what_was_acc
     # Retention removes A (finished 8 days ago): B and C stay, as they were accepted...
     with sqlite3.connect(service.store.path) as conn:
         conn.execute("UPDATE tasks SET finished_at = finished_at - 8 * 86400 WHERE response_id = ?", (a["id"],))
-    assert (await service.purge())["responses"] == 1
+    assert (await service.housekeeping.purge())["responses"] == 1
     assert [t for _, t in texts(await items(api, c["id"]))][:2] == ["Turn A.", a["output_text"]]
     # ...but the chain can no longer be continued, from its end or its middle.
     for tip in (c, b):
@@ -144,7 +144,7 @@ async def test_store_false_cannot_be_continued_and_leaves_nothing_in_the_file(ap
     kept = await create(api, input="Nothing secret.")
     # Within the grace period it is still there (the caller may fetch it once more)...
     assert (await api.get(f"/v1/responses/{gone['id']}")).status == 200
-    counts = await service.purge(time.time() + UNSTORED_GRACE_SECONDS + 1)
+    counts = await service.housekeeping.purge(time.time() + UNSTORED_GRACE_SECONDS + 1)
     assert counts["unstored"] == 1 and counts["responses"] == 0
     # ...then request, output, events and task are gone, the stored response stays.
     assert (await api.get(f"/v1/responses/{gone['id']}")).status == 404

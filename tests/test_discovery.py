@@ -72,11 +72,11 @@ async def test_picked_models_are_registered_in_place(service: AppService, tmp_pa
     home = tmp_path / "home"
     files = _machine(home)
     monkeypatch.setattr("app.engine.registry.discovery.Path.home", lambda: home)  # type: ignore[attr-defined]
-    offered = await service.discover_models()
+    offered = await service.models.discover_models()
     ollama = next(m for m in offered if m["name"] == "tiny:latest")
     assert ollama["registered"] is False and ollama["suggested_id"] == "tiny:latest"
-    model = await service.register_model({"path": ollama["path"], "id": ollama["suggested_id"]})
+    model = await service.models.register_model({"path": ollama["path"], "id": ollama["suggested_id"]})
     assert model["path"] == str(files["ollama"].resolve()) and model["digest"].startswith("sha256:")
     assert len(list((home / ".ollama/models/blobs").iterdir())) == 3  # nothing copied
-    again = {m["name"]: m for m in await service.discover_models()}
+    again = {m["name"]: m for m in await service.models.discover_models()}
     assert again["tiny:latest"]["registered"] is True

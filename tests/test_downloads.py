@@ -108,7 +108,7 @@ async def test_a_download_becomes_a_model_that_answers(api: Any, service: Any, f
     assert fake_hub.bytes_sent == hf_file.size
 
     # "Models you already have" lists it, as registered.
-    found = [m for m in await service.discover_models() if m["source"] == "huggingface"]
+    found = [m for m in await service.models.discover_models() if m["source"] == "huggingface"]
     assert [(m["path"], m["registered"]) for m in found] == [(model["path"], True)], found
 
     resp = await api.post("/v1/responses", json={**SAY_HI, "model": model_id})
@@ -273,9 +273,9 @@ async def test_after_a_stop_a_download_continues_and_one_being_cancelled_ends_ca
     size = HubFile(MODEL).size
     first = AppService(tmp_path / "data")
     await first.start()
-    owner = await first.authenticate(await first.owner_token())
-    going = await first.create_download(owner, {"repo": REPO, "file": MODEL.name})
-    stopping = await first.create_download(owner, {"repo": REPO, "file": MODEL.name, "revision": COMMIT})
+    owner = await first.access.authenticate(await first.access.owner_token())
+    going = await first.downloads.create_download(owner, {"repo": REPO, "file": MODEL.name})
+    stopping = await first.downloads.create_download(owner, {"repo": REPO, "file": MODEL.name, "revision": COMMIT})
     await poll(lambda: asyncio.sleep(0, len(blobs(tmp_path / "hf")) == 2 and all(
         p.stat().st_size > 1e6 for p in blobs(tmp_path / "hf"))), what="both under way")
     await first.stop()
@@ -286,11 +286,11 @@ async def test_after_a_stop_a_download_continues_and_one_being_cancelled_ends_ca
     second = AppService(tmp_path / "data")
     await second.start()
     try:
-        assert (await second.task(owner, stopping["id"]))["status"] == "cancelled"
-        assert (await second.events_after(stopping["id"], -1))[-1]["type"] == "download.cancelled"
-        done = await second.wait(going["id"])
+        assert (await second.tasks.task(owner, stopping["id"]))["status"] == "cancelled"
+        assert (await second.tasks.events_after(stopping["id"], -1))[-1]["type"] == "download.cancelled"
+        done = await second.tasks.wait(going["id"])
         assert done["status"] == "completed"
-        started = [e for e in await second.events_after(going["id"], -1) if e["type"] == "download.started"]
+        started = [e for e in await second.tasks.events_after(going["id"], -1) if e["type"] == "download.started"]
         assert started[-1]["bytes"] == kept[Path(done["partial_path"]).name] > 0
         assert fake_hub.bytes_sent < size * 1.01 + sum(kept.values())  # nothing sent twice but the cancelled part
         assert [p.name for p in blobs(tmp_path / "hf")] == [HubFile(MODEL).sha256]
@@ -311,7 +311,7 @@ async def test_generation_runs_while_a_download_is_under_way(api: Any, fake_hub:
 
 
 async def test_a_download_counts_as_queued_work(api: Any, service: Any, fake_hub: FakeHub) -> None:
-    service.set_paused(True)  # the generation stays queued
+    service.tasks.set_paused(True)  # the generation stays queued
     assert (await api.patch("/v1/settings", json={"max_queued_tasks_per_client": 1})).status == 200
     assert (await api.post("/v1/responses", json={**SAY_HI, "background": True})).status == 202
     resp = await api.post("/v1/models/downloads", json={"repo": REPO, "file": MODEL.name})

@@ -113,8 +113,8 @@ async def test_safe_mode_is_remembered_across_a_restart(tmp_path: Path, monkeypa
     first = AppService(tmp_path / "data")
     await first.start()
     try:
-        await first.load_model(DEFAULT_MODEL_ID)
-        assert (await first.model(DEFAULT_MODEL_ID))["engine"]["mode"] == "safe"
+        await first.models.load_model(DEFAULT_MODEL_ID)
+        assert (await first.models.model(DEFAULT_MODEL_ID))["engine"]["mode"] == "safe"
     finally:
         await first.stop()
 
@@ -122,10 +122,10 @@ async def test_safe_mode_is_remembered_across_a_restart(tmp_path: Path, monkeypa
     second = AppService(tmp_path / "data")
     await second.start()
     try:
-        engine = (await second.model(DEFAULT_MODEL_ID))["engine"]
+        engine = (await second.models.model(DEFAULT_MODEL_ID))["engine"]
         assert engine["mode"] == "safe" and "SIGSEGV" in engine["reason"]
         # With the fault still armed, loading goes straight to safe mode: one process, no crash.
-        await second.load_model(DEFAULT_MODEL_ID)
+        await second.models.load_model(DEFAULT_MODEL_ID)
         assert second.engines[0].mode == "safe"
         assert processes_started(caplog) == 1
         assert not any("killed by" in r.getMessage() for r in caplog.records)

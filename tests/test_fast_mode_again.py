@@ -41,12 +41,12 @@ def structured(schema: dict[str, Any], tokens: int = 24) -> dict[str, Any]:
 
 
 async def engine_of(service: AppService) -> dict[str, Any]:
-    return (await service.model(FAST))["engine"]
+    return (await service.models.model(FAST))["engine"]
 
 
 @pytest.fixture
 async def fast(service: AppService, fast_model: Path) -> str:
-    await service.register_model({"path": str(fast_model), "id": FAST})
+    await service.models.register_model({"path": str(fast_model), "id": FAST})
     return FAST
 
 
@@ -114,15 +114,15 @@ async def test_try_fast_mode_again_through_the_api_and_after_a_restart(
     data = tmp_path / "data"
     monkeypatch.setenv("LMSP_ENGINE_FAULT", "fast:warmup")  # fast mode crashes, as on an AMX CPU
     async with started(data) as first:
-        await first.register_model({"path": str(fast_model), "id": FAST})
-        await first.load_model(FAST)
+        await first.models.register_model({"path": str(fast_model), "id": FAST})
+        await first.models.load_model(FAST)
         assert (await engine_of(first))["mode"] == "safe"
 
     monkeypatch.delenv("LMSP_ENGINE_FAULT")  # llama.cpp got fixed, say
     caplog.set_level(logging.INFO)
     async with started(data) as second:
         api = await aiohttp_client(make_app(second))
-        api.session.headers["Authorization"] = f"Bearer {await second.owner_token()}"
+        api.session.headers["Authorization"] = f"Bearer {await second.access.owner_token()}"
         assert (await engine_of(second))["mode"] == "safe"  # remembered across the restart
         assert (await (await api.post(f"/v1/models/{FAST}/load")).json())["status"] == "loaded"
         seen: list[dict[str, Any]] = []
@@ -158,7 +158,7 @@ async def test_safe_mode_decided_under_another_llama_cpp_is_not_applied(
     data = tmp_path / "data"
     monkeypatch.setenv("LMSP_ENGINE_FAULT", "fast:warmup")
     async with started(data) as first:
-        await first.load_model(DEFAULT_MODEL_ID)
+        await first.models.load_model(DEFAULT_MODEL_ID)
         assert await remembered(first) == [("safe", modes.llama_version())]
     with sqlite3.connect(data / paths.DB_NAME) as db:
         db.execute("UPDATE engine_modes SET llama = ?", (release,))
@@ -167,9 +167,9 @@ async def test_safe_mode_decided_under_another_llama_cpp_is_not_applied(
     caplog.set_level(logging.INFO)
     caplog.clear()  # count the second service's engine starts only (the level may be INFO already)
     async with started(data) as second:
-        assert (await second.model(DEFAULT_MODEL_ID))["engine"] == {"mode": "fast", "reason": None}
+        assert (await second.models.model(DEFAULT_MODEL_ID))["engine"] == {"mode": "fast", "reason": None}
         # Fast mode gets its chance; here it still crashes, so the engine falls back again,
         # now under this release.
-        await second.load_model(DEFAULT_MODEL_ID)
+        await second.models.load_model(DEFAULT_MODEL_ID)
         assert second.engines[0].mode == "safe" and processes_started(caplog) == 2
         assert await remembered(second) == [("safe", modes.llama_version())]

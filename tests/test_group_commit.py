@@ -55,7 +55,7 @@ async def test_an_error_that_undoes_the_whole_transaction_takes_no_other_write_w
 
 
 async def test_twenty_clients_at_once_cost_few_fsyncs(api: Any, service: Any) -> None:
-    service.set_paused(True)  # only the 202s write: nothing runs
+    service.tasks.set_paused(True)  # only the 202s write: nothing runs
     before = await metrics(api)
 
     async def accept() -> int:
@@ -91,7 +91,7 @@ async def test_claims_sharing_one_offer_take_one_task_between_them(api: Any, ser
     """Requests that arrive while a claim is in flight share its offer (one free engine): their
     claims run one after another on the writer, and only the first takes a task. Two would put two
     tasks on the one engine."""
-    service.set_paused(True)  # the scheduler takes nothing by itself
+    service.tasks.set_paused(True)  # the scheduler takes nothing by itself
     for _ in range(3):
         resp = await api.post("/v1/responses", json={"input": "hi", "background": True, "max_output_tokens": 1})
         assert resp.status == 202
@@ -109,12 +109,12 @@ async def test_a_queued_task_starts_in_the_commit_that_ends_the_one_before_it(ap
     commit each, not two (one to end, one to start the next)."""
     resp = await api.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1})  # the model loaded
     assert resp.status == 200
-    service.set_paused(True)
+    service.tasks.set_paused(True)
     ids = [(await start_background(api, {"input": f"Say {n}", "max_output_tokens": 1}))["task"]["id"]
            for n in range(5)]
     before, writes = service.store.commits, service.store.transactions
 
-    service.set_paused(False)
+    service.tasks.set_paused(False)
     for task_id in ids:
         await wait_status(api, task_id, {"completed"})
 

@@ -119,7 +119,7 @@ async def test_same_key_while_the_first_is_running_is_409(api, service):
 
 
 async def test_keys_are_per_client(api, service):
-    service.set_paused(True)  # no generation needed: the tasks only have to exist
+    service.tasks.set_paused(True)  # no generation needed: the tasks only have to exist
     _, token = await pair(api, ["responses:read", "responses:write"])
     owner = await api.post("/v1/responses", json=BACKGROUND, headers=key("shared-name"))
     assert owner.status == 202
@@ -142,7 +142,7 @@ async def test_keys_are_per_client(api, service):
 
 
 async def test_expired_key_can_be_reused(api, service):
-    service.set_paused(True)
+    service.tasks.set_paused(True)
     resp = await api.post("/v1/responses", json=BACKGROUND, headers=key("old"))
     assert resp.status == 202
     first = await resp.json()
@@ -165,7 +165,7 @@ async def test_expired_key_can_be_reused(api, service):
 
 
 async def test_expiry_follows_the_setting(api, service):
-    service.set_paused(True)
+    service.tasks.set_paused(True)
     resp = await api.patch("/v1/settings", json={"idempotency_ttl_seconds": 60})
     assert resp.status == 200
     resp = await api.post("/v1/responses", json=BACKGROUND, headers=key("short"))
@@ -190,7 +190,7 @@ async def test_bad_keys_and_failed_requests(api, service):
 
 
 async def test_fifty_concurrent_retries_create_one_task(api, service):
-    service.set_paused(True)  # the task only has to exist
+    service.tasks.set_paused(True)  # the task only has to exist
     results = await asyncio.gather(*(api.post("/v1/responses", json=BACKGROUND, headers=key("storm"))
                                      for _ in range(50)))
     bodies = []

@@ -147,7 +147,7 @@ def _rss_mib(field: str) -> float:
 async def test_listing_large_tasks_costs_little_and_starves_no_one(service: Any, api: Any) -> None:
     """100 queued tasks with 2 MiB prompts: two listings of them at once neither load the prompts
     (memory) nor hold up another client's requests."""
-    service.set_paused(True)  # they stay queued, as behind a long task
+    service.tasks.set_paused(True)  # they stay queued, as behind a long task
     _, other = await pair(api, ["models:read"], name="Other app")
     prompt = "word " * (2 * 1024 * 1024 // 5)
     for _ in range(100):
@@ -245,7 +245,7 @@ async def _refused(resp: Any, code: str, setting: str) -> int:
 async def test_queued_tasks_are_limited_per_client_and_in_all(api: Any, service: Any) -> None:
     settings = await (await api.get("/v1/settings")).json()
     assert (settings["max_queued_tasks_per_client"], settings["max_queued_tasks"]) == (100, 1000)
-    service.set_paused(True)
+    service.tasks.set_paused(True)
     limits = {"max_queued_tasks_per_client": 3, "max_queued_tasks": 5}
     assert (await api.patch("/v1/settings", json=limits)).status == 200
     _, other = await pair(api, ["responses:write", "tasks:read"], name="Other app")
@@ -266,7 +266,7 @@ async def test_queued_tasks_are_limited_per_client_and_in_all(api: Any, service:
 async def test_stored_request_bytes_are_limited_per_client_and_in_all(api: Any, service: Any) -> None:
     settings = await (await api.get("/v1/settings")).json()
     assert (settings["max_request_bytes_per_client"], settings["max_request_bytes"]) == (256 << 20, 1 << 30)
-    service.set_paused(True)
+    service.tasks.set_paused(True)
     assert (await api.patch("/v1/settings", json={"max_request_bytes_per_client": 2 << 20,
                                                    "max_request_bytes": 3 << 20})).status == 200
     _, other = await pair(api, ["responses:write", "tasks:read"], name="Other app")
@@ -282,20 +282,20 @@ async def test_stored_request_bytes_are_limited_per_client_and_in_all(api: Any, 
     assert service.settings["retention_seconds"] <= wait <= service.settings["retention_seconds"] + 700
     assert (await _queue(api, other, prompt=prompt)).status == 202  # 2.4 MiB of everyone's 3
     await _refused(await _queue(api, other, prompt="x" * (700 << 10)), "storage_limit_reached", "max_request_bytes")
-    await service.purge(now=time.time() + service.settings["retention_seconds"] + 1)
+    await service.housekeeping.purge(now=time.time() + service.settings["retention_seconds"] + 1)
     assert (await _queue(api, prompt=prompt)).status == 202
 
 
 async def test_one_clients_queue_does_not_delay_anothers_single_task(api: Any, service: Any) -> None:
     """Round-robin by client: the other app's one task runs after at most one of the 6 queued before it."""
-    service.set_paused(True)
+    service.tasks.set_paused(True)
     _, other = await pair(api, ["responses:write", "tasks:read"], name="Other app")
     for _ in range(6):
         assert (await _queue(api, max_output_tokens=1)).status == 202
     resp = await _queue(api, other, max_output_tokens=1)
     assert resp.status == 202
     theirs = (await resp.json())["task"]["id"]
-    service.set_paused(False)
+    service.tasks.set_paused(False)
 
     async def all_done() -> list[dict[str, Any]] | None:
         tasks = (await (await api.get("/v1/tasks?limit=100")).json())["data"]
@@ -313,17 +313,17 @@ async def test_space_that_retention_frees_goes_back_to_the_disk(tmp_path: Path) 
     svc = AppService(tmp_path / "data")
     db_file = tmp_path / "data" / "lmsp.sqlite3"
     await svc.start()
-    svc.set_paused(True)
-    client = await svc.authenticate(await svc.owner_token())
+    svc.tasks.set_paused(True)
+    client = await svc.access.authenticate(await svc.access.owner_token())
     assert client is not None
     for _ in range(40):
-        created = await svc.create_response(client, {"input": "y" * (1 << 20), "background": True})
-        await svc.cancel(client, "task", created.body["task"]["id"])
+        created = await svc.responses.create_response(client, {"input": "y" * (1 << 20), "background": True})
+        await svc.tasks.cancel(client, "task", created.body["task"]["id"])
     await svc.stop()
     full = db_file.stat().st_size
     svc = AppService(tmp_path / "data")
     await svc.start()
-    counts = await svc.purge(now=time.time() + svc.settings["retention_seconds"] + 1)
+    counts = await svc.housekeeping.purge(now=time.time() + svc.settings["retention_seconds"] + 1)
     await svc.stop()
     after = db_file.stat().st_size
     print(f"\n40 MiB of requests purged: the database went from {full / 2**20:.1f} MiB to {after / 2**20:.2f} MiB")

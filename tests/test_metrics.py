@@ -57,7 +57,7 @@ async def test_metrics_after_two_completed_responses(api, service):
         assert resp.status == 200, await resp.text()
         produced += (await resp.json())["usage"]["output_tokens"]
     assert produced > 0
-    service.set_paused(True)  # one queued task, to be seen in the queue depth
+    service.tasks.set_paused(True)  # one queued task, to be seen in the queue depth
     resp = await api.post("/v1/responses", json={**SAY_HI, "background": True})
     assert resp.status == 202
 

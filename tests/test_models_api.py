@@ -459,7 +459,7 @@ async def test_the_default_model_follows_the_app_when_it_moves(tmp_path: Path) -
     again = AppService(data)
     await again.start()
     try:
-        model = await again.model(DEFAULT_MODEL_ID)
+        model = await again.models.model(DEFAULT_MODEL_ID)
         assert model["status"] == "available" and model["path"] == str(DEFAULT_FILE)
     finally:
         await again.stop()

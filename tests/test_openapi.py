@@ -113,7 +113,7 @@ def test_documented_shapes() -> None:
     assert schemas["SettingsPatch"]["additionalProperties"] is False
     events = set(schemas["EventType"]["enum"])
     assert {"response.loading", "response.cancelling"} <= events
-    from app.core.service import TERMINAL_EVENTS
+    from app.core.tasks import TERMINAL_EVENTS
     assert set(TERMINAL_EVENTS) <= events
     assert {"attempt", "output_reset", "progress"} <= set(schemas["Event"]["properties"])
     ops = operations(DOC)
@@ -138,9 +138,9 @@ async def test_openapi_json_is_the_document(api: Any) -> None:
 # -- (c) the scopes are enforced, route by route -------------------------------------------------
 
 async def _token_with(service: Any, scopes: list[str]) -> str:
-    created = await service.request_pairing({"client_name": "t", "scopes": scopes})
-    await service.approve_pairing(created["id"])
-    shown = await service.pairing_status(created["id"])
+    created = await service.access.request_pairing({"client_name": "t", "scopes": scopes})
+    await service.access.approve_pairing(created["id"])
+    shown = await service.access.pairing_status(created["id"])
     return shown["token"]
 
 

@@ -135,9 +135,9 @@ async def test_each_requester_has_its_own_share_of_waiting_requests(api, service
     """Another local user (told apart by the socket's owner, app/server/peer.py) fills its share
     and asks again and again: the owner's apps can still pair. One waiting request per name."""
     for i in range(pairing.MAX_PENDING_PER_REQUESTER):
-        await service.request_pairing({"client_name": f"Flood {i}", "scopes": WORKER}, requester="uid:4242")
+        await service.access.request_pairing({"client_name": f"Flood {i}", "scopes": WORKER}, requester="uid:4242")
     with pytest.raises(LmspError) as refused:
-        await service.request_pairing({"client_name": "Flood more", "scopes": WORKER}, requester="uid:4242")
+        await service.access.request_pairing({"client_name": "Flood more", "scopes": WORKER}, requester="uid:4242")
     assert refused.value.status == 429 and refused.value.code == "too_many_pairings"
     created = await request_pairing(api, "Real app")  # through the API, from this test's own user
     resp, text = await raw(api, "POST", "/v1/pairings", json={"client_name": "Real app", "scopes": WORKER})
@@ -245,7 +245,7 @@ async def test_token_works_for_its_scopes_only(api):
 
 
 async def test_paired_clients_see_only_their_own_work(api, service):
-    service.set_paused(True)  # the tasks only have to exist (queued, with their opening events)
+    service.tasks.set_paused(True)  # the tasks only have to exist (queued, with their opening events)
     alice_id, alice = await pair(api, WORKER, "Alice")
     bob_id, bob = await pair(api, WORKER, "Bob")
     owned: dict[str, dict[str, Any]] = {}
@@ -319,7 +319,7 @@ async def test_the_owner_cannot_be_revoked(api):
 
 
 async def test_tokens_never_reach_the_database_file(api, service):
-    service.set_paused(True)  # a stored request made with the token is enough; no generation needed
+    service.tasks.set_paused(True)  # a stored request made with the token is enough; no generation needed
     client_id, token = await pair(api, WORKER, "Secretive")
     resp, text = await raw(api, "POST", "/v1/responses", headers=bearer(token), json={**SAY_HI, "background": True})
     assert resp.status == 202, text

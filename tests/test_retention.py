@@ -213,7 +213,7 @@ async def test_service_purge_removes_work_that_expired_while_it_ran(tmp_path: Pa
         unfinished = await svc.store.write(
             lambda c: add_task(c, CANCELLING, finished_at=time.time() - 2 * WEEK, created_at=time.time() - 2 * WEEK))
 
-        counts = await svc.purge()
+        counts = await svc.housekeeping.purge()
 
         assert counts["responses"] == 1
         assert await read(svc, lambda c: left(c, old)) == {"task": 0, "response": 0, "events": 0}
@@ -239,12 +239,12 @@ async def test_old_pairings_revoked_clients_and_uncollected_tokens_do_not_stay_f
     denied = (await (await api.post("/v1/pairings", json={**body, "client_name": "Denied"})).json())["id"]
     await api.post(f"/v1/pairings/{denied}/deny")
 
-    soon = await service.purge(now=time.time() + 600)  # past the lifetime, well within the retention
+    soon = await service.housekeeping.purge(now=time.time() + 600)  # past the lifetime, well within the retention
     assert soon["uncollected_tokens"] == 1 and soon["pairings"] == soon["clients"] == 0
     late = (await (await api.get(f"/v1/pairings/{uncollected}")).json())
     assert late["status"] == "approved" and "token" not in late
 
-    later = await service.purge(now=time.time() + service.settings["retention_seconds"] + 600)
+    later = await service.housekeeping.purge(now=time.time() + service.settings["retention_seconds"] + 600)
     assert later["pairings"] == 4 and later["clients"] == 1
     names = await read(service, lambda c: [r[0] for r in c.execute("SELECT name FROM clients ORDER BY name")])
     assert names == ["Kept", "Never came", "Owner"]  # the revoked one is gone, live clients stay

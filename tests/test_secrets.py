@@ -123,7 +123,7 @@ async def test_owner_token_is_accepted_as_a_bearer_token(api: Any) -> None:
 
 
 async def test_owner_token_is_created_in_the_user_only_file_without_a_keyring(service: AppService) -> None:
-    token = await service.owner_token()
+    token = await service.access.owner_token()
     assert token.startswith("lmsp_") and len(token) >= 40
     assert service.vault.where == "file"
     token_file = service.data_dir / TOKEN_FILE
@@ -133,7 +133,7 @@ async def test_owner_token_is_created_in_the_user_only_file_without_a_keyring(se
 async def test_only_the_hash_of_the_owner_token_is_in_the_database(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     svc = await started(data_dir)
-    token = await svc.owner_token()
+    token = await svc.access.owner_token()
     try:
         stored = await svc.store.read(
             lambda c: c.execute("SELECT token_hash FROM clients WHERE id = ?", (OWNER_ID,)).fetchone()[0])
@@ -152,13 +152,13 @@ async def test_only_the_hash_of_the_owner_token_is_in_the_database(tmp_path: Pat
 async def test_restart_keeps_the_same_owner_token(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     first = await started(data_dir)
-    token = await first.owner_token()
+    token = await first.access.owner_token()
     await first.stop()
 
     second = await started(data_dir)
     try:
-        assert await second.owner_token() == token
-        owner = await second.authenticate(token)
+        assert await second.access.owner_token() == token
+        owner = await second.access.authenticate(token)
         assert owner is not None and owner.id == OWNER_ID and owner.is_admin
     finally:
         await second.stop()
@@ -169,7 +169,7 @@ async def test_service_with_a_keyring_keeps_the_token_out_of_the_data_directory(
     data_dir = tmp_path / "data"
     first = await started(data_dir)
     try:
-        token = await first.owner_token()
+        token = await first.access.owner_token()
         assert first.vault.where == "keyring"
         assert list(memory_keyring.passwords.values()) == [token]
         assert not (data_dir / TOKEN_FILE).exists()
@@ -181,8 +181,8 @@ async def test_service_with_a_keyring_keeps_the_token_out_of_the_data_directory(
 
     second = await started(data_dir)
     try:
-        assert await second.owner_token() == token
-        assert await second.authenticate(token) is not None
+        assert await second.access.owner_token() == token
+        assert await second.access.authenticate(token) is not None
         assert not (data_dir / TOKEN_FILE).exists()
     finally:
         await second.stop()
@@ -191,7 +191,7 @@ async def test_service_with_a_keyring_keeps_the_token_out_of_the_data_directory(
 async def test_owner_token_still_works_after_the_database_was_recovered_from_corruption(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     first = await started(data_dir)
-    token = await first.owner_token()
+    token = await first.access.owner_token()
     await first.stop()
     for path in database_files(data_dir):
         path.write_bytes(os.urandom(path.stat().st_size or 4096))
@@ -199,8 +199,8 @@ async def test_owner_token_still_works_after_the_database_was_recovered_from_cor
     second = await started(data_dir)
     try:
         assert second.describe()["recovered_from_corruption"] is not None
-        assert await second.owner_token() == token
-        owner = await second.authenticate(token)
+        assert await second.access.owner_token() == token
+        owner = await second.access.authenticate(token)
         assert owner is not None and owner.is_admin
     finally:
         await second.stop()

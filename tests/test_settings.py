@@ -51,7 +51,7 @@ async def test_patch_changes_and_answers_with_all_settings(api, service):
     resp = await api.patch("/v1/settings", json={})
     assert resp.status == 200 and (await resp.json()) == body
     # The new default applies to the next background task.
-    service.set_paused(True)
+    service.tasks.set_paused(True)
     resp = await api.post("/v1/responses", json={**SAY_HI, "background": True})
     assert (await resp.json())["task"]["on_restart"] == "resume"
 

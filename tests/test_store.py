@@ -336,7 +336,7 @@ async def test_service_on_a_corrupt_file_starts_fresh_and_says_so(tmp_path: Path
         client = await aiohttp_client(make_app(svc))
         discovery = await (await client.get("/lmsp")).json()
         assert discovery["recovered_from_corruption"] == aside
-        token = await svc.owner_token()
+        token = await svc.access.owner_token()
         missing = await client.get("/v1/tasks/task_nope", headers={"Authorization": f"Bearer {token}"})
         assert missing.status == 404
     finally:

@@ -38,7 +38,7 @@ async def test_one_app_holding_all_the_streams_it_may_leaves_room_for_everyone_e
     """One paired app opens as many event streams as it can: past its share it is answered 429
     with a Retry-After, and /health, the owner and a new pairing are still answered at once."""
     assert (await api.patch("/v1/settings", json={"max_connections": 64})).status == 200  # a share of 8
-    service.set_paused(True)  # its task stays queued: the streams stay open
+    service.tasks.set_paused(True)  # its task stays queued: the streams stay open
     _, token = await pair(api, ["responses:write", "tasks:read"], name="Greedy app")
     _, other = await pair(api, ["tasks:read"], name="Other app")
     created = await (await api.post("/v1/responses", json={**SAY_HI, "background": True},
@@ -137,7 +137,7 @@ async def test_a_reader_far_behind_its_feed_still_gets_every_event_once(
     reads again, what it missed comes from the log, page by page: no gap, no duplicate."""
     monkeypatch.setattr(bus, "FEED_BYTES", 1024)  # a few deltas
     monkeypatch.setattr(sse, "PAGE_BYTES", 2048)
-    service.set_paused(True)
+    service.tasks.set_paused(True)
     created = await (await api.post("/v1/responses", json={"input": COUNT, "max_output_tokens": 120,
                                                            "temperature": 0, "background": True})).json()
     task_id = created["task"]["id"]
@@ -145,7 +145,7 @@ async def test_a_reader_far_behind_its_feed_still_gets_every_event_once(
     seen = [await anext(events), await anext(events)]  # created, queued: the replay
     first_live = asyncio.ensure_future(anext(events))
     await asyncio.sleep(0.2)  # it waits on the feed
-    service.set_paused(False)
+    service.tasks.set_paused(False)
     seen.append(await first_live)
     # ... and reads nothing more until the task has ended.
     async def ended() -> Any:

@@ -1,28 +1,75 @@
-"""The part of the facade that deals with who may use the service: pairing and clients (LMSP §3)."""
+"""Who may use the service (LMSP §3): the owner token, pairing, clients, and each request's
+token checked."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from typing import Any
 
 from app.core import auth, pairing
+from app.core.auth import Client
 from app.errors import Conflict, NotFound
-from app.store.store import Store
 from app.events import EventBus
+from app.secrets import Vault
+from app.store.store import Store
+
+log = logging.getLogger(__name__)
+VERIFIED_SECONDS = 60.0  # a verified token is trusted from memory this long, unless revoked
 
 
-class AccessFacade:
-    """Mixed into AppService; the plaintext token of an approved pairing lives only in memory,
-    until the requester collects it (once)."""
+class Access:
+    """The plaintext token of an approved pairing lives only in memory, until the requester
+    collects it (once); the owner's, in the vault (the OS keyring)."""
 
-    store: Store
-    bus: EventBus
-    _pairing_tokens: dict[str, tuple[str, float]]  # pairing id -> (token, collect it before this time)
-    _requesters: dict[str, tuple[str, float]]  # pending pairing id -> (who asked, when it expires)
-    _announced: dict[str, float]  # requester -> when a notification last announced one of theirs
-    _verified: dict[str, tuple[float, auth.Client]]
-    _revocations: int
+    def __init__(self, store: Store, bus: EventBus, vault: Vault) -> None:
+        self.store = store
+        self.bus = bus
+        self.vault = vault
+        self._pairing_tokens: dict[str, tuple[str, float]] = {}  # pairing id -> (token, collect it before this time)
+        self._requesters: dict[str, tuple[str, float]] = {}  # pending pairing id -> (who asked, when it expires)
+        self._announced: dict[str, float] = {}  # requester -> when a notification last announced one of theirs
+        self._touched: dict[str, float] = {}  # client -> when its "last used" was last written
+        self._verified: dict[str, tuple[float, Client]] = {}  # token hash -> (when verified, its client)
+        self._revocations = 0
+
+    async def ensure_owner_token(self) -> None:
+        token = await asyncio.to_thread(self.vault.get)
+        if token and await self.store.read(auth.owner_matches, token):
+            return
+        token = token or auth.new_token()
+        await asyncio.to_thread(self.vault.put, token)
+        await self.store.write(auth.install_owner, token)
+        log.info("owner token created (kept in the %s)", self.vault.where)
+
+    async def owner_token(self) -> str:
+        token = await asyncio.to_thread(self.vault.get)
+        assert token is not None
+        return token
+
+    async def authenticate(self, token: str) -> Client | None:
+        """The client of a bearer token. A token verified in the last minute is answered from memory,
+        so no client's heavy reads can hold up everyone's authentication; revoking drops it at once."""
+        digest = auth.token_hash(token)
+        known = self._verified.get(digest)
+        if known is not None and time.monotonic() - known[0] < VERIFIED_SECONDS:
+            client: Client | None = known[1]
+        else:
+            revocations = self._revocations
+            client = await self.store.read(auth.authenticate, token)
+            if client is not None and revocations == self._revocations:  # no revoke raced the read
+                if len(self._verified) > 10_000:  # only real tokens get here; forget the stale ones
+                    self._verified = {k: v for k, v in self._verified.items()
+                                      if time.monotonic() - v[0] < VERIFIED_SECONDS}
+                self._verified[digest] = (time.monotonic(), client)
+        if client is not None and time.monotonic() - self._touched.get(client.id, -1e9) > 60:
+            # "Last used" for the Clients tab, written at most once a minute per client and
+            # off the request's path: a request never waits for this fsync.
+            self._touched[client.id] = time.monotonic()
+            asyncio.create_task(self.store.write(auth.touch, client.id))
+        return client
 
     async def request_pairing(self, body: Any, requester: str = "local") -> dict[str, Any]:
         """`requester`: who asks, as far as the connection tells (app/server/peer.py)."""

@@ -50,13 +50,12 @@ def parse(body: Any) -> tuple[str, list[str], str, int | None]:
     return model, texts, encoding, dimensions
 
 
-class EmbeddingsFacade:
-    """Mixed into AppService."""
-
-    store: Store
-    bus: EventBus
-    engines: list[Engine]
-    runner: Runner
+class Embeddings:
+    def __init__(self, store: Store, bus: EventBus, engines: list[Engine], runner: Runner) -> None:
+        self.store = store
+        self.bus = bus
+        self.engines = engines
+        self.runner = runner
 
     def _embedding_engine(self, path: str) -> Engine:
         """An engine without a task, the model's own first; else one with the model (it waits its turn)."""

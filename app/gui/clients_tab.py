@@ -47,7 +47,7 @@ class ClientsTab(QWidget):
         self._update_buttons()
 
     def load(self) -> None:
-        spawn(self.session.service.list_clients(), self, self.show_clients)
+        spawn(self.session.service.access.list_clients(), self, self.show_clients)
 
     def show_clients(self, clients: list[dict[str, Any]]) -> None:
         self.clients = clients
@@ -77,4 +77,4 @@ class ClientsTab(QWidget):
         client = self.selected()
         if client and confirm(self, "Revoke access", f"Stop {client['name']} from using your models? "
                               "It will have to pair again.", "Revoke"):
-            spawn(self.session.service.revoke_client(client["id"]), self, lambda _: self.load())
+            spawn(self.session.service.access.revoke_client(client["id"]), self, lambda _: self.load())

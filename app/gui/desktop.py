@@ -166,7 +166,7 @@ class Desktop(QObject):
 
     async def show_welcome_unless_dismissed(self) -> WelcomeWindow | None:
         try:
-            if await self.session.service.preference(WELCOME_DISMISSED):
+            if await self.session.service.settings.preference(WELCOME_DISMISSED):
                 return None
         except LmspError as exc:
             log.warning("could not read the welcome preference: %s", exc.message)
@@ -184,7 +184,7 @@ class Desktop(QObject):
     def _welcome_dismissed(self, forever: bool) -> None:
         self.welcome = None
         if forever:
-            task = spawn(self.session.service.set_preference(WELCOME_DISMISSED, True))
+            task = spawn(self.session.service.settings.set_preference(WELCOME_DISMISSED, True))
             self._saving.add(task)
             task.add_done_callback(self._saving.discard)
 

@@ -88,7 +88,7 @@ class DownloadDialog(QDialog):
 
         async def look() -> list[dict[str, Any]] | None:
             try:
-                return await self.session.service.hub_files(repo)
+                return await self.session.service.downloads.hub_files(repo)
             except LmspError as exc:  # said here, beside the field: no message box on top
                 self._say(exc.message, error=True)
                 return None
@@ -124,7 +124,7 @@ class DownloadDialog(QDialog):
 
         async def start() -> None:
             try:
-                await self.session.service.create_download(self.session.owner, {"repo": repo, "file": file})
+                await self.session.service.downloads.create_download(self.session.owner, {"repo": repo, "file": file})
                 self._say(f"Downloading {file}: its progress is in the Tasks tab and the tray, and you will be "
                           "told when it is ready. You can close this window.")
             except LmspError as exc:

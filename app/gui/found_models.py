@@ -107,7 +107,7 @@ class FoundModelsDialog(QDialog):
 
         async def look() -> list[dict[str, Any]] | None:
             try:
-                return await self.session.service.discover_models()
+                return await self.session.service.models.discover_models()
             except OSError as exc:  # an unreadable folder, a vanished disk
                 self.summary.setStyleSheet(style.ERROR)
                 self.summary.setText(f"Could not look for models: {exc}")
@@ -245,7 +245,7 @@ class FoundModelsDialog(QDialog):
                         dialog.setValue(int((index + (done / total if total else 1)) * 100 / count))
 
                 try:
-                    await self.session.service.register_model({"path": model["path"], "id": model["suggested_id"]},
+                    await self.session.service.models.register_model({"path": model["path"], "id": model["suggested_id"]},
                                                               progress=report)
                 except LmspError as exc:  # this file only: the next one is still tried
                     self.errors[model["path"]] = exc.message

@@ -180,7 +180,7 @@ class ModelsTab(QWidget):
 
         async def work() -> dict[str, Any] | None:
             try:
-                return await self.session.service.register_model({"path": path}, progress=report)
+                return await self.session.service.models.register_model({"path": path}, progress=report)
             except LmspError as exc:
                 show_error(self, "Model not added", exc.message)
                 return None
@@ -198,22 +198,22 @@ class ModelsTab(QWidget):
         question = (f"Forget the remote model {model['id']} and its API keys? Its servers are not affected."
                     if is_remote(model) else f"Forget the model {model['id']}? The file stays on disk.")
         if confirm(self, "Remove model", question, "Remove"):
-            spawn(self._then_refresh(self.session.service.remove_model(model["id"])), self)
+            spawn(self._then_refresh(self.session.service.models.remove_model(model["id"])), self)
 
     def load_selected(self) -> None:
         if model := self.selected():
             self.buttons["load"].setEnabled(False)
-            spawn(self._then_refresh(self.session.service.load_model(model["id"])), self)
+            spawn(self._then_refresh(self.session.service.models.load_model(model["id"])), self)
 
     def unload_selected(self) -> None:
         if model := self.selected():
             self.buttons["unload"].setEnabled(False)
-            spawn(self._then_refresh(self.session.service.unload_model(model["id"])), self)
+            spawn(self._then_refresh(self.session.service.models.unload_model(model["id"])), self)
 
     def try_fast_mode(self) -> None:
         if model := self.selected():
             self.buttons["fast-mode"].setEnabled(False)
-            spawn(self._then_refresh(self.session.service.forget_engine_mode(model["id"])), self)
+            spawn(self._then_refresh(self.session.service.models.forget_engine_mode(model["id"])), self)
 
     async def _then_refresh(self, work: Awaitable[Any]) -> None:
         """Buttons were disabled while the work ran; whatever happened, show the truth again."""

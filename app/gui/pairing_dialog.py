@@ -109,13 +109,13 @@ class PairingDialog(QDialog):
             self.deny_button.setText("Close")
 
     def allow(self) -> None:
-        self._decide(self.session.service.approve_pairing(self.pairing_id))
+        self._decide(self.session.service.access.approve_pairing(self.pairing_id))
 
     def deny(self) -> None:
         if self.seconds_left() <= 0:
             self.close()
             return
-        self._decide(self.session.service.deny_pairing(self.pairing_id))
+        self._decide(self.session.service.access.deny_pairing(self.pairing_id))
 
     def _decide(self, work: Any) -> None:
         self.allow_button.setEnabled(False)

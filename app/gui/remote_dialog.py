@@ -188,7 +188,7 @@ class RemoteModelDialog(QDialog):
                 if self.editing and box.keeps_key():  # the key is only in the service: check the saved endpoint
                     box.say(await self._test_saved(box))
                 else:
-                    found = await self.session.service.test_endpoint({**box.body(), "api_key": box.key.text() or None})
+                    found = await self.session.service.remotes.test_endpoint({**box.body(), "api_key": box.key.text() or None})
                     box.say(f"✓ Answered in {found['latency_ms']:.0f} ms. It serves: "
                             f"{', '.join(found['models']) or 'no models listed'}.")
             except LmspError as exc:
@@ -201,7 +201,7 @@ class RemoteModelDialog(QDialog):
     async def _test_saved(self, box: EndpointBox) -> str:
         """Loading a remote model probes its endpoints, with their keys; read this one's health."""
         assert self.editing is not None and box.saved is not None
-        model = await self.session.service.load_model(self.editing["id"])
+        model = await self.session.service.models.load_model(self.editing["id"])
         same = next(e for e in model["endpoints"] if (e["base_url"], e["model"]) == (box.saved["base_url"],
                                                                                      box.saved["model"]))
         if same["status"] != "available":
@@ -223,9 +223,9 @@ class RemoteModelDialog(QDialog):
         async def work() -> None:
             try:
                 if self.editing:
-                    await service.update_remote_model(self.editing["id"], {"remote": remote})
+                    await service.remotes.update_remote_model(self.editing["id"], {"remote": remote})
                 else:
-                    await service.register_model({"id": self.model_id.text().strip(), "remote": remote})
+                    await service.models.register_model({"id": self.model_id.text().strip(), "remote": remote})
             except LmspError as exc:
                 self._show_refusal(exc)  # the window stays open, with what was typed
                 return

@@ -13,7 +13,8 @@ from urllib.parse import urlsplit
 from PySide6.QtCore import QObject, Signal
 
 from app.core.auth import Client
-from app.core.service import TERMINAL_EVENTS, AppService
+from app.core.service import AppService
+from app.core.tasks import TERMINAL_EVENTS
 from app.gui.async_ui import spawn
 from app.gui.bridge import Bridge
 from app.tasks.states import UNFINISHED
@@ -59,12 +60,12 @@ class Session(QObject):
     async def attach(self, url: str) -> None:
         """The service is ready: learn the owner client and seed the live state."""
         self.url = url
-        self.owner = await self.service.authenticate(await self.service.owner_token())
+        self.owner = await self.service.access.authenticate(await self.service.access.owner_token())
         assert self.owner is not None, "the owner token must authenticate"
         self._touched = set()
         seeded: dict[str, str] = {}
         for status in ACTIVE:
-            tasks, _more = await self.service.list_tasks(self.owner, status=status, limit=1000)
+            tasks, _more = await self.service.tasks.list_tasks(self.owner, status=status, limit=1000)
             seeded.update({t["id"]: t["status"] for t in tasks})
             self.downloads.update({t["id"]: {"file": t["download"]["file"], "progress": t["progress"]}
                                    for t in tasks if t["kind"] == "download"})
@@ -72,8 +73,8 @@ class Session(QObject):
             if task_id not in self._touched:  # an event since then knows better
                 self.active.setdefault(task_id, status)
         self._touched = None
-        self.pairings = {p["id"]: p for p in await self.service.pending_pairings()}
-        self.models = await self.service.list_models()
+        self.pairings = {p["id"]: p for p in await self.service.access.pending_pairings()}
+        self.models = await self.service.models.list_models()
         self.phase = "ready"
         self.changed.emit()
         self.models_updated.emit()
@@ -184,7 +185,7 @@ class Session(QObject):
             self._models_again = True
             return
         self._models_again = False
-        self._models_task = spawn(self.service.list_models(), done=self._set_models)
+        self._models_task = spawn(self.service.models.list_models(), done=self._set_models)
 
     def _set_models(self, found: list[dict[str, Any]]) -> None:
         self.models = found

@@ -181,7 +181,7 @@ class SettingsTab(QWidget):
 
     async def _save(self, changes: dict[str, Any]) -> None:
         try:
-            await self.session.service.update_settings(changes)
+            await self.session.service.settings.update(changes)
         except LmspError as exc:
             self.show_error(exc.param, exc.message)
             return

@@ -3,10 +3,10 @@
 A function call shows as its name and its arguments; once a call or a JSON result is complete
 it is shown pretty-printed.
 
-History comes from the facade (`events`), live events from the bridge; events that arrive
+History comes from the core (`tasks.events`), live events from the bridge; events that arrive
 while the history is loading wait in a buffer, and sequence numbers drop duplicates, so the
 log has no gap and no repeat. While the pane is on screen, the task it shows is watched (the
-facade's `watch`), so that its output streams token by token, as it does to an SSE reader.
+core's `tasks.watch`), so that its output streams token by token, as it does to an SSE reader.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class TaskDetail(QWidget):
 
     def _follow(self) -> None:
         if self._unwatch is None and self.task_id is not None and self.isVisible():
-            self._unwatch = self.session.service.watch(self.task_id)
+            self._unwatch = self.session.service.tasks.watch(self.task_id)
 
     def _release(self) -> None:
         if self._unwatch is not None:
@@ -111,7 +111,7 @@ class TaskDetail(QWidget):
         assert owner is not None
         after = -1
         while True:
-            page = await self.session.service.events(owner, task_id, after)
+            page = await self.session.service.tasks.events(owner, task_id, after)
             if self.task_id != task_id:
                 return  # another task was selected meanwhile
             for event in page:
@@ -164,7 +164,7 @@ class TaskDetail(QWidget):
         owner = self.session.owner
         assert owner is not None
         try:
-            response = await self.session.service.response(owner, response_id)
+            response = await self.session.service.responses.response(owner, response_id)
         except NotFound:
             self.chain.setText(f"Continues {response_id} (deleted or expired)")
             return

@@ -87,7 +87,7 @@ class TasksTab(QWidget):
 
     def load(self) -> None:
         assert self.session.owner is not None
-        spawn(self.session.service.list_tasks(self.session.owner, limit=LOAD_LIMIT), self, self._loaded)
+        spawn(self.session.service.tasks.list_tasks(self.session.owner, limit=LOAD_LIMIT), self, self._loaded)
         self.load_client_names()
 
     def _loaded(self, result: tuple[list[dict[str, Any]], bool]) -> None:
@@ -95,7 +95,7 @@ class TasksTab(QWidget):
         self.model.reset(tasks)
 
     def load_client_names(self) -> None:
-        spawn(self.session.service.list_clients(), self,
+        spawn(self.session.service.access.list_clients(), self,
               lambda clients: self.model.set_client_names({c["id"]: c["name"] for c in clients}))
 
     def _update_summary(self) -> None:
@@ -118,7 +118,7 @@ class TasksTab(QWidget):
                 batch, self._stale = self._stale, set()
                 for task_id in batch:
                     try:
-                        task = await self.session.service.task(self.session.owner, task_id)
+                        task = await self.session.service.tasks.task(self.session.owner, task_id)
                     except NotFound:
                         continue  # removed by retention meanwhile
                     self.model.upsert(task)
@@ -149,7 +149,7 @@ class TasksTab(QWidget):
         if task_id is None or self.session.owner is None:
             return
         self.cancel_button.setEnabled(False)
-        spawn(self.session.service.cancel(self.session.owner, "task", task_id), self, self._cancelled)
+        spawn(self.session.service.tasks.cancel(self.session.owner, "task", task_id), self, self._cancelled)
 
     def _cancelled(self, task: dict[str, Any]) -> None:
         self.model.upsert(task)
@@ -159,7 +159,7 @@ class TasksTab(QWidget):
         """Show one task (from a notification): reveal it whatever the filter, select it."""
         if self.model.row_of(task_id) < 0:
             assert self.session.owner is not None
-            spawn(self.session.service.task(self.session.owner, task_id), self,
+            spawn(self.session.service.tasks.task(self.session.owner, task_id), self,
                   lambda task: (self.model.upsert(task), self.select_task(task_id)))
             return
         self.filter.setCurrentText("All")

@@ -142,7 +142,7 @@ class Tray(QObject):
             action.setToolTip("Loaded: click to unload" if model["status"] == "loaded" else "Click to load")
             model_id = model["id"]
             action.triggered.connect(lambda checked, m=model_id: spawn(
-                service.load_model(m) if checked else service.unload_model(m)))
+                service.models.load_model(m) if checked else service.models.unload_model(m)))
         if not self.session.models:
             self._action(menu, "no-models", "No models yet", enabled=False)
         menu.addSeparator()
@@ -167,12 +167,12 @@ class Tray(QObject):
             # scopes asked for are in front of the person: never one click from a menu.
             self._action(menu, f"review:{pid}", f"Review and allow {name}…",
                          lambda _=False, p=pid: self.review_pairing.emit(p))
-            self._action(menu, f"deny:{pid}", f"Deny {name}", lambda _=False, p=pid: spawn(service.deny_pairing(p)))
+            self._action(menu, f"deny:{pid}", f"Deny {name}", lambda _=False, p=pid: spawn(service.access.deny_pairing(p)))
 
     # -- actions ----------------------------------------------------------------------------
 
     def _set_paused(self, paused: bool) -> None:
-        self.session.service.set_paused(paused)
+        self.session.service.tasks.set_paused(paused)
         self.refresh()
 
     def copy_address(self) -> None:

@@ -13,43 +13,43 @@ from app.server.peer import requester
 
 
 async def request_pairing(request: web.Request) -> web.Response:
-    created = await request.app[SERVICE].request_pairing(await read_json(request), await requester(request))
+    created = await request.app[SERVICE].access.request_pairing(await read_json(request), await requester(request))
     return web.json_response(created, status=202)
 
 
 async def pairing_status(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].pairing_status(request.match_info["pairing_id"]))
+    return web.json_response(await request.app[SERVICE].access.pairing_status(request.match_info["pairing_id"]))
 
 
 async def approve_pairing(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].approve_pairing(request.match_info["pairing_id"]))
+    return web.json_response(await request.app[SERVICE].access.approve_pairing(request.match_info["pairing_id"]))
 
 
 async def deny_pairing(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].deny_pairing(request.match_info["pairing_id"]))
+    return web.json_response(await request.app[SERVICE].access.deny_pairing(request.match_info["pairing_id"]))
 
 
 async def list_pairings(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": await request.app[SERVICE].pending_pairings(),
+    return web.json_response({"object": "list", "data": await request.app[SERVICE].access.pending_pairings(),
                               "has_more": False})
 
 
 async def list_clients(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": await request.app[SERVICE].list_clients(), "has_more": False})
+    return web.json_response({"object": "list", "data": await request.app[SERVICE].access.list_clients(), "has_more": False})
 
 
 async def revoke_client(request: web.Request) -> web.Response:
     client_id = request.match_info["client_id"]
-    await request.app[SERVICE].revoke_client(client_id)
+    await request.app[SERVICE].access.revoke_client(client_id)
     return web.json_response({"id": client_id, "object": "client.deleted", "deleted": True})
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": await request.app[SERVICE].list_models(), "has_more": False})
+    return web.json_response({"object": "list", "data": await request.app[SERVICE].models.list_models(), "has_more": False})
 
 
 async def get_model(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].model(request.match_info["model_id"]))
+    return web.json_response(await request.app[SERVICE].models.model(request.match_info["model_id"]))
 
 
 async def register_model(request: web.Request) -> web.Response:
@@ -59,7 +59,7 @@ async def register_model(request: web.Request) -> web.Response:
         require_admin(request, "Registering a remote model")
     try:
         # Validating and hashing can take minutes: if the client leaves, the work stops too.
-        registering = request.app[SERVICE].register_model(body, client=request[CLIENT])
+        registering = request.app[SERVICE].models.register_model(body, client=request[CLIENT])
         registered = await unless_client_leaves(request, registering)
         return web.json_response(registered, status=201)
     except OSError as exc:  # the path itself is unusable: name too long, a directory we may not read...
@@ -67,12 +67,12 @@ async def register_model(request: web.Request) -> web.Response:
 
 
 async def update_model(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].update_remote_model(request.match_info["model_id"],
+    return web.json_response(await request.app[SERVICE].remotes.update_remote_model(request.match_info["model_id"],
                                                                             await read_json(request)))
 
 
 async def test_endpoint(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].test_endpoint(await read_json(request)))
+    return web.json_response(await request.app[SERVICE].remotes.test_endpoint(await read_json(request)))
 
 
 def require_admin(request: web.Request, what: str) -> None:
@@ -81,39 +81,39 @@ def require_admin(request: web.Request, what: str) -> None:
 
 
 async def create_download(request: web.Request) -> web.Response:
-    task = await request.app[SERVICE].create_download(request[CLIENT], await read_json(request))
+    task = await request.app[SERVICE].downloads.create_download(request[CLIENT], await read_json(request))
     return web.json_response(task, status=202, headers={"Location": f"/v1/tasks/{task['id']}"})
 
 
 async def hub_files(request: web.Request) -> web.Response:
-    files = await request.app[SERVICE].hub_files(request.query.get("repo"), request.query.get("revision", "main"))
+    files = await request.app[SERVICE].downloads.hub_files(request.query.get("repo"), request.query.get("revision", "main"))
     return web.json_response({"object": "list", "data": files, "has_more": False})
 
 
 async def delete_model(request: web.Request) -> web.Response:
     model_id = request.match_info["model_id"]
-    await request.app[SERVICE].remove_model(model_id, request[CLIENT])
+    await request.app[SERVICE].models.remove_model(model_id, request[CLIENT])
     return web.json_response({"id": model_id, "object": "model", "deleted": True})
 
 
 async def load_model(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].load_model(request.match_info["model_id"]))
+    return web.json_response(await request.app[SERVICE].models.load_model(request.match_info["model_id"]))
 
 
 async def unload_model(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].unload_model(request.match_info["model_id"]))
+    return web.json_response(await request.app[SERVICE].models.unload_model(request.match_info["model_id"]))
 
 
 async def forget_engine_mode(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].forget_engine_mode(request.match_info["model_id"]))
+    return web.json_response(await request.app[SERVICE].models.forget_engine_mode(request.match_info["model_id"]))
 
 
 async def get_settings(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SERVICE].settings_view())
+    return web.json_response(request.app[SERVICE].settings.view())
 
 
 async def patch_settings(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].update_settings(await read_json(request)))
+    return web.json_response(await request.app[SERVICE].settings.update(await read_json(request)))
 
 
 async def get_metrics(request: web.Request) -> web.Response:
@@ -121,7 +121,7 @@ async def get_metrics(request: web.Request) -> web.Response:
     counts = await service.store.read(metrics.task_counts)
     text = metrics.render(counts, tokens=service.runner.tokens_generated,
                           tokens_per_second=service.runner.last_tokens_per_second,
-                          load_seconds=service.model_load_seconds, recovery=service.recovery_counts,
+                          load_seconds=service.models.model_load_seconds, recovery=service.recovery_counts,
                           latency=request.app[LATENCY], commits=service.store.commits,
                           transactions=service.store.transactions)
     return web.Response(text=text, content_type="text/plain", charset="utf-8",

@@ -11,7 +11,7 @@ from typing import Any, Awaitable
 from aiohttp import web
 
 from app.core.requests import text_of
-from app.core.service import TERMINAL_EVENTS
+from app.core.tasks import TERMINAL_EVENTS
 from app.errors import Failed, InvalidRequest, LmspError
 from app.server import sse
 from app.server.handlers import Events, Shape, answer
@@ -192,7 +192,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     translated, names = await request.app[SERVICE].off_loop(as_response_request, body)
     usage = _include_usage(body)
     try:
-        created = await request.app[SERVICE].create_response(request[CLIENT], translated, key,
+        created = await request.app[SERVICE].responses.create_response(request[CLIENT], translated, key,
                                                              path="/v1/chat/completions", sent=body)
     except LmspError as exc:
         names(exc)

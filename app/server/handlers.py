@@ -13,7 +13,8 @@ from aiohttp import web
 
 from app import paths
 from app.core.auth import Client
-from app.core.service import TERMINAL_EVENTS, Created
+from app.core.responses import Created
+from app.core.tasks import TERMINAL_EVENTS
 from app.errors import Failed, InvalidRequest, LmspError
 from app.server import sse
 from app.server.keys import CLIENT, SERVICE
@@ -81,7 +82,7 @@ RESPONSES = Shape(lambda response: response, _stream_events, lambda error: None)
 async def create_response(request: web.Request) -> web.StreamResponse:
     body: Any = await read_json(request)
     key = request.headers.get("Idempotency-Key")
-    created = await request.app[SERVICE].create_response(_client(request), body, key)
+    created = await request.app[SERVICE].responses.create_response(_client(request), body, key)
     return await answer(request, created, key, bool(body.get("stream")), RESPONSES)
 
 
@@ -116,7 +117,7 @@ async def answer(request: web.Request, created: Created, key: str | None, stream
                 if event is not None and event["type"] in TERMINAL_EVENTS:
                     at_end = {**event["response"], **{k: response[k] for k in records.ECHOED}}  # the whole response
                     if key:
-                        await service.remember(client.id, key, 200, at_end, response["id"])
+                        await service.responses.remember(client.id, key, 200, at_end, response["id"])
                 yield event
 
     try:
@@ -128,19 +129,19 @@ async def answer(request: web.Request, created: Created, key: str | None, stream
                     final = held[-1]["response"]  # failed before any output: an error, not a stream
                 else:
                     streamed = await shape.stream(request, response, 200, {}, storing(sse.resumed(held, events)))
-                    final = at_end or await service.response(client, response["id"])  # or the service stopped
+                    final = at_end or await service.responses.response(client, response["id"])  # or the service stopped
         else:
-            final = records.response_object(await unless_client_leaves(request, service.wait(task_id)))
+            final = records.response_object(await unless_client_leaves(request, service.tasks.wait(task_id)))
     except BaseException:  # the client left, or we failed: stop the work, free the key for a retry
         await cancel_quietly(service, client, task_id)
         if key:
-            await asyncio.shield(service.forget(client.id, key))
+            await asyncio.shield(service.responses.forget(client.id, key))
         raise
     failure = Failed(**final["error"]) if final["status"] == "failed" and streamed is None else None
     if failure is not None:
         shape.rename(failure)
     if key and at_end is None:
-        await service.remember(client.id, key, *((failure.status, failure.body()) if failure else (200, final)),
+        await service.responses.remember(client.id, key, *((failure.status, failure.body()) if failure else (200, final)),
                                response["id"])
     if failure is not None:
         raise failure
@@ -164,7 +165,7 @@ async def unless_client_leaves(request: web.Request, work: Any) -> Any:
 
 async def cancel_quietly(service: Any, client: Client, task_id: str) -> None:
     try:
-        await asyncio.shield(service.cancel(client, "task", task_id))
+        await asyncio.shield(service.tasks.cancel(client, "task", task_id))
     except Exception:  # already finished: nothing to stop
         pass
 
@@ -173,22 +174,22 @@ async def get_response(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
     response_id = request.match_info["response_id"]
     if request.query.get("stream") == "true":
-        row = await service.owned(_client(request), "response", response_id)
+        row = await service.tasks.owned(_client(request), "response", response_id)
         return await sse.stream_task(request, service, row["id"], _after(request))
-    return web.json_response(await service.response(_client(request), response_id))
+    return web.json_response(await service.responses.response(_client(request), response_id))
 
 
 async def input_items(request: web.Request) -> web.Response:
     order = request.query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise InvalidRequest("`order` must be asc or desc.", param="order")
-    return web.json_response(await request.app[SERVICE].input_items(
+    return web.json_response(await request.app[SERVICE].responses.input_items(
         _client(request), request.match_info["response_id"], order, request.query.get("after"), _limit(request)))
 
 
 async def embeddings(request: web.Request) -> web.Response:
     body = await read_json(request)
-    answer = await unless_client_leaves(request, request.app[SERVICE].embed(body))
+    answer = await unless_client_leaves(request, request.app[SERVICE].embeddings.embed(body))
     return web.Response(body=await asyncio.to_thread(_json_by_item, answer, "data"), content_type="application/json")
 
 
@@ -204,12 +205,12 @@ def _json_by_item(answer: dict[str, Any], long: str) -> bytes:
 async def cancel_response(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     response_id = request.match_info["response_id"]
-    await service.cancel(_client(request), "response", response_id)
-    return web.json_response(await service.response(_client(request), response_id))
+    await service.tasks.cancel(_client(request), "response", response_id)
+    return web.json_response(await service.responses.response(_client(request), response_id))
 
 
 async def get_task(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].task(_client(request), request.match_info["task_id"]))
+    return web.json_response(await request.app[SERVICE].tasks.task(_client(request), request.match_info["task_id"]))
 
 
 async def task_events(request: web.Request) -> web.StreamResponse:
@@ -217,20 +218,20 @@ async def task_events(request: web.Request) -> web.StreamResponse:
     task_id = request.match_info["task_id"]
     after = _after(request)
     if _wants_stream(request):
-        await service.owned(_client(request), "task", task_id)
+        await service.tasks.owned(_client(request), "task", task_id)
         return await sse.stream_task(request, service, task_id, after)
-    return web.json_response({"object": "list", "data": await service.events(_client(request), task_id, after)})
+    return web.json_response({"object": "list", "data": await service.tasks.events(_client(request), task_id, after)})
 
 
 async def cancel_task(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].cancel(_client(request), "task", request.match_info["task_id"]))
+    return web.json_response(await request.app[SERVICE].tasks.cancel(_client(request), "task", request.match_info["task_id"]))
 
 
 async def list_tasks(request: web.Request) -> web.Response:
     status = request.query.get("status")
     if status is not None and status not in (*UNFINISHED, *TERMINAL):
         raise InvalidRequest(f"Unknown status {status!r}.", param="status")
-    tasks, more = await request.app[SERVICE].list_tasks(_client(request), status, _limit(request),
+    tasks, more = await request.app[SERVICE].tasks.list_tasks(_client(request), status, _limit(request),
                                                        request.query.get("after"))
     return web.json_response({"object": "list", "data": tasks, "has_more": more})
 
@@ -247,7 +248,7 @@ def _limit(request: web.Request) -> int:
 
 async def delete_response(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
-    await request.app[SERVICE].delete_response(_client(request), response_id)
+    await request.app[SERVICE].responses.delete_response(_client(request), response_id)
     return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
 

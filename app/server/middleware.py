@@ -133,7 +133,7 @@ async def authorize(request: web.Request, handler: Handler) -> web.StreamRespons
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():  # the scheme is case-insensitive (RFC 9110)
         raise Unauthorized()
-    client = await request.app[SERVICE].authenticate(token.strip())
+    client = await request.app[SERVICE].access.authenticate(token.strip())
     if client is None:
         raise Unauthorized("The token is not valid (unknown or revoked).")
     if not client.allows(scope):
@@ -198,18 +198,18 @@ async def idempotent(request: web.Request, handler: Handler) -> web.StreamRespon
         return await handler(request)
     service = request.app[SERVICE]
     body = await read_json(request)  # aiohttp keeps the body: the handler reads it again for free
-    stored = await service.claim_key(client.id, key, request.method, request.path, body)
+    stored = await service.responses.claim_key(client.id, key, request.method, request.path, body)
     if stored is not None:
         return web.json_response(stored.body, status=stored.status, headers={"Idempotent-Replayed": "true"})
     try:
         response = await handler(request)
     except BaseException:
-        await asyncio.shield(service.forget(client.id, key))  # nothing done: a retry may run it
+        await asyncio.shield(service.responses.forget(client.id, key))  # nothing done: a retry may run it
         raise
     if (isinstance(response, web.Response) and response.content_type == "application/json" and response.body
             and request.path not in RECOMPUTED):
         body = json.loads(bytes(response.body))  # type: ignore[arg-type]
-        await service.remember(client.id, key, response.status, body)
+        await service.responses.remember(client.id, key, response.status, body)
     else:
-        await service.forget(client.id, key)  # a stream or a RECOMPUTED answer is not stored; a retry runs again
+        await service.responses.forget(client.id, key)  # a stream or a RECOMPUTED answer is not stored; a retry runs again
     return response

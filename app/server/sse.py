@@ -13,7 +13,8 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from app.core.service import TERMINAL_EVENTS, AppService
+from app.core.service import AppService
+from app.core.tasks import TERMINAL_EVENTS
 from app.tasks import machine, records
 from app.tasks.states import TERMINAL
 
@@ -29,7 +30,7 @@ def frame(event: dict[str, Any]) -> bytes:
 async def _logged(service: AppService, task_id: str, after: int) -> AsyncIterator[dict[str, Any]]:
     """The stored events after `after`, read PAGE_BYTES at a time: a reader that stops reading
     holds one page, not the task's whole log."""
-    while page := await service.events_after(task_id, after, PAGE_BYTES):
+    while page := await service.tasks.events_after(task_id, after, PAGE_BYTES):
         for event in page:
             yield event
         after = page[-1]["sequence_number"]
@@ -39,7 +40,7 @@ async def follow(service: AppService, task_id: str, after: int,
                  heartbeat: float = HEARTBEAT_SECONDS) -> AsyncIterator[dict[str, Any] | None]:
     """A task's events after `after`: the stored ones, then live ones, ending with the terminal
     event (or when the service stops). Yields None when `heartbeat` seconds pass in silence."""
-    with service.feed(task_id, watch=True) as feed:
+    with service.tasks.feed(task_id, watch=True) as feed:
         last = after
         async with contextlib.aclosing(_logged(service, task_id, after)) as replay:
             async for event in replay:

@@ -15,7 +15,7 @@ from app.errors import TooManyRequests
 from app.store.config import MIB
 
 QUEUE_RETRY_SECONDS = 30    # a place in the queue frees when a task ends: soon, usually
-PURGE_INTERVAL_SECONDS = 600  # how often retention runs (AppService._housekeeping)
+PURGE_INTERVAL_SECONDS = 600  # how often retention runs (app/core/housekeeping.py)
 
 
 def store_request(conn: sqlite3.Connection, settings: dict[str, Any], request_id: str, client_id: str,

@@ -33,7 +33,7 @@ async def timed_load(service: AppService) -> float:
     """A first load in a fresh engine process, in seconds."""
     await service.engines[0].stop()
     started = time.perf_counter()
-    await service.load_model(DEFAULT_MODEL_ID)
+    await service.models.load_model(DEFAULT_MODEL_ID)
     return time.perf_counter() - started
 
 
@@ -47,7 +47,7 @@ async def test_warm_up_time_on_first_load(service: AppService, caplog: pytest.Lo
     loads: dict[str, list[float]] = {"fast": [], "safe": []}
     for _ in range(3):
         for mode in ("fast", "safe"):
-            await service.update_settings({"engine_mode": mode})
+            await service.settings.update({"engine_mode": mode})
             loads[mode].append(await timed_load(service))
     warmups = [float(r.getMessage().split("(warm-up ")[1].split(" s")[0]) for r in caplog.records
                if "(warm-up " in r.getMessage() and "in fast mode" in r.getMessage()]
@@ -59,14 +59,14 @@ async def test_warm_up_time_on_first_load(service: AppService, caplog: pytest.Lo
 async def test_fallback_time_from_crash_to_text(service: AppService, monkeypatch: pytest.MonkeyPatch,
                                                caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
-    owner = await service.authenticate(await service.owner_token())
+    owner = await service.access.authenticate(await service.access.owner_token())
     assert owner is not None
     arrivals: list[float] = []
     service.bus.listen(lambda e: arrivals.append(time.time()) if e["type"] == "response.output_text.delta" else None)
     monkeypatch.setenv("LMSP_ENGINE_FAULT", "fast:token20")
-    created = await service.create_response(owner, {"input": PROMPT, "background": True, "max_output_tokens": 60,
+    created = await service.responses.create_response(owner, {"input": PROMPT, "background": True, "max_output_tokens": 60,
                                                     "temperature": 0})
-    row = await service.wait(created.body["task"]["id"])
+    row = await service.tasks.wait(created.body["task"]["id"])
     assert row["status"] == "completed"
     # Where fast mode really crashes (this CPU's own fault, in the warm-up), that crash is the one timed.
     crash = next(r for r in caplog.records if "killed by SIG" in r.getMessage())

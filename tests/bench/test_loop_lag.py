@@ -48,17 +48,17 @@ def test_event_loop_lag_while_generating_with_the_dashboard_open(tmp_path: Path)
             await asyncio.sleep(0.05)
         dashboard = desktop.show_dashboard("Tasks")
         assert dashboard is not None and dashboard.isVisible()
-        owner = await life.service.authenticate(await life.service.owner_token())
+        owner = await life.service.access.authenticate(await life.service.access.owner_token())
         assert owner is not None
-        await life.service.create_response(owner, {"input": "hi", "max_output_tokens": 4})  # model loaded
+        await life.service.responses.create_response(owner, {"input": "hi", "max_output_tokens": 4})  # model loaded
         idle = await lag_p99(3.0)
-        created = await life.service.create_response(owner, {
+        created = await life.service.responses.create_response(owner, {
             "input": "Write a long essay about rivers.", "background": True, "temperature": 0,
             "max_output_tokens": 600})
-        while (await life.service.task(owner, created.body["task"]["id"]))["status"] != "running":
+        while (await life.service.tasks.task(owner, created.body["task"]["id"]))["status"] != "running":
             await asyncio.sleep(0.01)
         busy = await lag_p99(4.0)
-        task = await life.service.task(owner, created.body["task"]["id"])
+        task = await life.service.tasks.task(owner, created.body["task"]["id"])
         frozen = full_collection()
         gc.unfreeze()  # the baseline: what a full collection costs with start-up's objects in sight
         unfrozen = full_collection()

@@ -322,17 +322,17 @@ async def test_wal_bytes_per_generated_token(tmp_path: Path) -> None:
     service = AppService(tmp_path / "data")
     await service.start()
     try:
-        owner = await service.authenticate(await service.owner_token())
+        owner = await service.access.authenticate(await service.access.owner_token())
         assert owner is not None
-        await service.create_response(owner, {"input": "hi", "max_output_tokens": 4})  # the model loaded
+        await service.responses.create_response(owner, {"input": "hi", "max_output_tokens": 4})  # the model loaded
         wal = Path(str(service.store.path) + "-wal")
         # No checkpoint while the task runs: the -wal file only grows, by what every commit wrote.
         await service.store.write(lambda conn: conn.execute("PRAGMA wal_autocheckpoint = 0"))
         before = os.path.getsize(wal)
-        created = await service.create_response(owner, {"input": COUNT, "background": True, "temperature": 0,
+        created = await service.responses.create_response(owner, {"input": COUNT, "background": True, "temperature": 0,
                                                         "max_output_tokens": 2000})
         task_id = created.body["task"]["id"]
-        while (task := await service.task(owner, task_id))["status"] not in ("completed", "failed", "cancelled"):
+        while (task := await service.tasks.task(owner, task_id))["status"] not in ("completed", "failed", "cancelled"):
             await asyncio.sleep(0.2)
         tokens = task["progress"]["output_tokens"]
         grown = os.path.getsize(wal) - before

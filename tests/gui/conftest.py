@@ -62,7 +62,7 @@ def until() -> Until:
 
 @pytest.fixture
 async def owner(service: AppService) -> Client:
-    client = await service.authenticate(await service.owner_token())
+    client = await service.access.authenticate(await service.access.owner_token())
     assert client is not None
     return client
 

@@ -67,7 +67,7 @@ async def attached(service: AppService) -> AsyncIterator[Session]:
 async def make_task(service: AppService, owner: Client, tokens: int = 30, text: str = "Name three colours.",
                     **extra: Any) -> dict[str, Any]:
     body = {"input": text, "background": True, "max_output_tokens": tokens, "temperature": 0, **extra}
-    created = await service.create_response(owner, body)
+    created = await service.responses.create_response(owner, body)
     return getattr(created, "body", created)  # the facade returns a Created(status, body, replayed)
 
 

@@ -50,11 +50,11 @@ async def test_task_row_follows_a_real_task_to_completed(session: Session, owner
     await until(lambda: cell(dash, task_id, PROGRESS) == "30 / 30", 10, "progress 30/30")
     model = dash.tasks.model
     assert model.index(model.row_of(task_id), PROGRESS).data(PROGRESS_ROLE) == (30, 30)  # what the bar draws
-    task = await session.service.task(owner, task_id)
+    task = await session.service.tasks.task(owner, task_id)
     assert cell(dash, task_id, ELAPSED) == f"{task['finished_at'] - task['started_at']:.1f} s"  # not "0 s"
     assert "busy" in seen_states and tray.state == "idle"
     # The detail pane streamed the same text the response holds, and logged the events.
-    final = await session.service.response(owner, response["id"])
+    final = await session.service.responses.response(owner, response["id"])
     await until(lambda: dash.tasks.detail.text.toPlainText() == final["output_text"], 10, "streamed text")
     log = [dash.tasks.detail.log.item(i).text() for i in range(dash.tasks.detail.log.count())]
     assert any("created" in line for line in log) and any("output_text.delta" in line for line in log)
@@ -85,7 +85,7 @@ async def test_cancel_a_running_task_from_the_table(session: Session, owner: Cli
     dash.tasks.cancel_button.click()
     await until(lambda: cell(dash, task_id, STATUS) == "cancelled", 30, "task cancelled")
     assert not dash.tasks.cancel_button.isEnabled()
-    task = await session.service.task(owner, task_id)
+    task = await session.service.tasks.task(owner, task_id)
     assert task["status"] == "cancelled" and task["progress"]["output_tokens"] < 2000
 
 
@@ -113,8 +113,8 @@ async def test_models_tab_adds_and_removes_a_model(session: Session, until: Unti
 
 async def test_clients_tab_revokes_a_paired_app(session: Session, until: Until,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    pairing = await session.service.request_pairing({"client_name": "Editor", "scopes": ["responses:write"]})
-    await session.service.approve_pairing(pairing["id"])
+    pairing = await session.service.access.request_pairing({"client_name": "Editor", "scopes": ["responses:write"]})
+    await session.service.access.approve_pairing(pairing["id"])
     dash = Dashboard(session)
     tab = dash.clients
     await until(lambda: tab.table.rowCount() == 2, 10, "clients listed")
@@ -125,11 +125,11 @@ async def test_clients_tab_revokes_a_paired_app(session: Session, until: Until,
     monkeypatch.setattr(clients_tab, "confirm", lambda *args: True)
     tab.revoke_button.click()
     await until(lambda: tab.table.rowCount() == 1, 10, "client revoked")
-    assert [c["name"] for c in await session.service.list_clients()] == ["Owner"]
+    assert [c["name"] for c in await session.service.access.list_clients()] == ["Owner"]
 
 
 async def test_show_task_reveals_it_whatever_the_filter(session: Session, owner: Client, until: Until) -> None:
-    session.service.set_paused(True)  # the task stays queued: no inference needed
+    session.service.tasks.set_paused(True)  # the task stays queued: no inference needed
     response = await make_task(session.service, owner)
     dash = Dashboard(session)
     dash.tasks.filter.setCurrentText("Failed")

@@ -41,15 +41,15 @@ async def test_a_failed_task_notifies_and_the_click_shows_it(desktop: Desktop, o
     service = desktop.session.service
     link = tmp_path / "vanishing.gguf"
     link.symlink_to(paths.default_model_file())
-    await service.register_model({"path": str(link), "id": "vanishing"})
-    service.set_paused(True)
+    await service.models.register_model({"path": str(link), "id": "vanishing"})
+    service.tasks.set_paused(True)
     # A foreground request's caller is answered the error itself: only the background task notifies.
     foreground = await make_task(service, owner, model="vanishing", background=False)
     response = await make_task(service, owner, model="vanishing")
     link.unlink()  # the file goes away while the tasks wait: running them fails
-    service.set_paused(False)
+    service.tasks.set_paused(False)
     await until(lambda: messages, 30, "notification")
-    assert (await service.task(owner, foreground["task"]["id"]))["status"] == "failed"
+    assert (await service.tasks.task(owner, foreground["task"]["id"]))["status"] == "failed"
     assert len(messages) == 1
     title, text, on_click = messages[0]
     assert title == "A task failed" and "vanishing" in text
@@ -63,14 +63,14 @@ async def test_a_failed_task_notifies_and_the_click_shows_it(desktop: Desktop, o
 async def test_a_pairing_request_opens_the_dialog_without_a_tray(desktop: Desktop, until: Until) -> None:
     # Offscreen there is no tray to notify from: the request is shown at once.
     service = desktop.session.service
-    pairing = await service.request_pairing({"client_name": "Sketch", "scopes": ["responses:write"]})
+    pairing = await service.access.request_pairing({"client_name": "Sketch", "scopes": ["responses:write"]})
     dialogs = await until(lambda: visible(PairingDialog), 10, "pairing dialog")
     assert dialogs[0].pairing_id == pairing["id"]
     desktop.open_pairing(pairing["id"])  # asking again raises the same dialog
     assert visible(PairingDialog) == dialogs
     dialogs[0].allow_button.click()
     await until(lambda: not desktop.pairing_dialogs, 10, "dialog gone")
-    assert any(c["name"] == "Sketch" for c in await service.list_clients())
+    assert any(c["name"] == "Sketch" for c in await service.access.list_clients())
 
 
 async def test_quit_from_the_tray_stops_the_service(service: AppService, until: Until) -> None:
@@ -142,7 +142,7 @@ async def test_safe_mode_is_said_once_and_shown_in_the_models_tab(desktop: Deskt
     first = await make_task(service, owner, tokens=5)
     second = await make_task(service, owner, tokens=5)
     for response in (first, second):
-        row = await service.wait(response["task"]["id"])
+        row = await service.tasks.wait(response["task"]["id"])
         assert row["status"] == "completed", dict(row)
     await until(lambda: messages, 20, "notification")
     await asyncio.sleep(0.3)  # a second notice would have arrived by now
@@ -167,9 +167,9 @@ async def test_pairing_notifications_are_plain_text_throttled_and_a_click_opens_
     monkeypatch.setattr(Desktop, "has_tray", property(lambda self: True))
     monkeypatch.setattr(QSystemTrayIcon, "supportsMessages", staticmethod(lambda: True))
     service = desktop.session.service
-    first = await service.request_pairing({"client_name": "<b>Editor</b> & <a href='x'>", "scopes": ["models:read"]},
+    first = await service.access.request_pairing({"client_name": "<b>Editor</b> & <a href='x'>", "scopes": ["models:read"]},
                                           requester="uid:1000")
-    flood = [await service.request_pairing({"client_name": f"Flood {i}", "scopes": ["admin"]}, requester="uid:2000")
+    flood = [await service.access.request_pairing({"client_name": f"Flood {i}", "scopes": ["admin"]}, requester="uid:2000")
              for i in range(4)]
     await until(lambda: len(desktop.session.pairings) == 5, 10, "the session knows all five requests")
     assert len(shown) == 2  # one per requester: the other three of the flood were not announced

@@ -102,7 +102,7 @@ async def test_cancel_a_download_from_the_tasks_tab(service: AppService, fake_hu
     run = asyncio.ensure_future(shell.run())
     try:
         await until(lambda: shell.session.phase == "ready", 20, "desktop ready")
-        task = await service.create_download(shell.session.owner, {"repo": REPO, "file": MODEL.name})
+        task = await service.downloads.create_download(shell.session.owner, {"repo": REPO, "file": MODEL.name})
         dashboard = shell.show_dashboard("Tasks")
         assert isinstance(dashboard, Dashboard)
         tasks = dashboard.tasks

@@ -73,7 +73,7 @@ async def added(dialog: FoundModelsDialog, until: Until) -> None:
 async def test_lists_the_models_and_adds_the_picked_ones_in_place(session: Session, home: dict[str, Path],
                                                                   until: Until) -> None:
     service = session.service
-    await service.register_model({"path": str(home["lmstudio"].resolve())})  # one the person added before
+    await service.models.register_model({"path": str(home["lmstudio"].resolve())})  # one the person added before
     before_home, before_data = on_disk(home["home"]), on_disk(service.data_dir)
 
     dialog = await opened(session, until)
@@ -95,7 +95,7 @@ async def test_lists_the_models_and_adds_the_picked_ones_in_place(session: Sessi
     assert dialog.add_button.isEnabled()
     await added(dialog, until)
 
-    models = {m["id"]: m for m in await service.list_models()}
+    models = {m["id"]: m for m in await service.models.list_models()}
     for name in (OLLAMA, HF):
         model = models[shown[name]["suggested_id"]]
         assert model["path"] == shown[name]["path"]  # registered where it is
@@ -127,7 +127,7 @@ async def test_a_bad_file_is_reported_and_the_others_still_added(session: Sessio
     assert "1 added" in summary and "1 could not be added" in summary and OLLAMA in summary
     assert "No file at" in summary
     assert state(dialog, HF) == "added"
-    ids = {m["id"] for m in await session.service.list_models()}
+    ids = {m["id"] for m in await session.service.models.list_models()}
     assert shown[HF]["suggested_id"] in ids and OLLAMA not in ids
 
 

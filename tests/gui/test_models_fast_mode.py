@@ -22,7 +22,7 @@ async def test_try_fast_mode_again_from_the_models_tab(tmp_path: Path, qapp: QAp
     data = tmp_path / "data"
     monkeypatch.setenv("LMSP_ENGINE_FAULT", "fast:warmup")  # fast mode crashes here, as on an AMX CPU
     async with started(data) as first:
-        await first.load_model(DEFAULT_MODEL_ID)
+        await first.models.load_model(DEFAULT_MODEL_ID)
     monkeypatch.delenv("LMSP_ENGINE_FAULT")
 
     async with started(data) as service, attached(service) as session:
@@ -35,15 +35,15 @@ async def test_try_fast_mode_again_from_the_models_tab(tmp_path: Path, qapp: QAp
         button.click()
         await until(lambda: tab.table.item(row, ENGINE).text() == "Fast", 20, "engine column back to fast")
         assert not button.isEnabled() and tab.table.item(row, ENGINE).toolTip() != ""
-        assert (await service.model(DEFAULT_MODEL_ID))["engine"] == {"mode": "fast", "reason": None}
+        assert (await service.models.model(DEFAULT_MODEL_ID))["engine"] == {"mode": "fast", "reason": None}
 
         # The setting `safe` is the person's own choice: nothing to try again there.
-        await service.update_settings({"engine_mode": "safe"})
+        await service.settings.update({"engine_mode": "safe"})
         await until(lambda: tab.table.item(row, ENGINE).text() == "Safe mode", 20, "setting shown")
         tab.table.clearSelection()
         tab.table.selectRow(row)
         assert not button.isEnabled()
-        await service.update_settings({"engine_mode": "auto"})
+        await service.settings.update({"engine_mode": "auto"})
 
     async with started(data) as again:
-        assert (await again.model(DEFAULT_MODEL_ID))["engine"] == {"mode": "fast", "reason": None}
+        assert (await again.models.model(DEFAULT_MODEL_ID))["engine"] == {"mode": "fast", "reason": None}

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gui
 
 
 async def request(session: Session, name: str = "Notes", scopes: list[str] | None = None) -> dict:
-    return await session.service.request_pairing({"client_name": name,
+    return await session.service.access.request_pairing({"client_name": name,
                                                   "scopes": scopes or ["responses:write", "models:read"]})
 
 
@@ -35,9 +35,9 @@ async def test_allow_creates_the_client(session: Session, until: Until) -> None:
     assert dialog.deny_button.isDefault() and not dialog.allow_button.isDefault()
     dialog.allow_button.click()
     await until(lambda: not _alive(dialog) or not dialog.isVisible(), 10, "dialog closed")
-    status = await session.service.pairing_status(pairing["id"])
+    status = await session.service.access.pairing_status(pairing["id"])
     assert status["status"] == "approved" and status["token"].startswith("lmsp_")
-    assert any(c["name"] == "Notes" for c in await session.service.list_clients())
+    assert any(c["name"] == "Notes" for c in await session.service.access.list_clients())
 
 
 async def test_deny_refuses_the_request(session: Session, until: Until) -> None:
@@ -47,8 +47,8 @@ async def test_deny_refuses_the_request(session: Session, until: Until) -> None:
     assert "trust completely" in texts(dialog)
     dialog.deny_button.click()
     await until(lambda: not _alive(dialog) or not dialog.isVisible(), 10, "dialog closed")
-    assert (await session.service.pairing_status(pairing["id"]))["status"] == "denied"
-    assert [c["name"] for c in await session.service.list_clients()] == ["Owner"]
+    assert (await session.service.access.pairing_status(pairing["id"]))["status"] == "denied"
+    assert [c["name"] for c in await session.service.access.list_clients()] == ["Owner"]
 
 
 async def test_countdown_runs_and_expiry_disables_allow(session: Session, until: Until) -> None:
@@ -65,7 +65,7 @@ async def test_a_decision_made_elsewhere_closes_the_dialog(session: Session, unt
     pairing = await request(session)
     dialog = PairingDialog(session, pairing)
     dialog.show()
-    await session.service.deny_pairing(pairing["id"])  # e.g. from the tray menu or the HTTP API
+    await session.service.access.deny_pairing(pairing["id"])  # e.g. from the tray menu or the HTTP API
     await until(lambda: not _alive(dialog) or not dialog.isVisible(), 10, "dialog closed")
 
 

@@ -71,7 +71,7 @@ async def test_add_a_remote_model_and_see_its_endpoints_health(session: Session,
     await until(lambda: not dialog.busy, 20, "the save refused")
     assert dialog.isVisible() and refusing.status.text().startswith("✗")
     assert "refused the connection" in refusing.status.text() and box.status.text() == ""
-    assert "big" not in [m["id"] for m in await session.service.list_models()]
+    assert "big" not in [m["id"] for m in await session.service.models.list_models()]
 
     refusing.remove_button.click()
     assert len(dialog.boxes) == 1 and not box.remove_button.isEnabled()  # one endpoint at least
@@ -93,11 +93,11 @@ async def test_add_a_remote_model_and_see_its_endpoints_health(session: Session,
     task = (await make_task(session.service, owner, tokens=200, model="big"))["task"]
     await until(lambda: tab.details.text() == f"big — 1 endpoint: {host} ✓ 1 running", 30, "1 running")
     await until(lambda: tab.details.text() == f"big — 1 endpoint: {host} ✓", 60, "none running")
-    assert (await session.service.task(owner, task["id"]))["status"] == "completed"
+    assert (await session.service.tasks.task(owner, task["id"]))["status"] == "completed"
 
     # The server goes away: a re-check shows it unreachable, in the table and the tray.
     upstream.kill()
-    await session.service.load_model("big")  # what the 30 s health check does
+    await session.service.models.load_model("big")  # what the 30 s health check does
     await until(lambda: tab.table.item(row_of(tab, "big"), STATE).text() == "Unreachable", 20, "unreachable")
     assert "✗ refused the connection" in tab.table.item(row_of(tab, "big"), STATE).toolTip()
     assert "✗ refused the connection" in tab.details.text()
@@ -108,7 +108,7 @@ async def test_add_a_remote_model_and_see_its_endpoints_health(session: Session,
     tab.table.selectRow(row_of(tab, "big"))
     tab.buttons["remove"].click()
     await until(lambda: row_of(tab, "big") < 0, 20, "the model removed")
-    assert "big" not in [m["id"] for m in await session.service.list_models()]
+    assert "big" not in [m["id"] for m in await session.service.models.list_models()]
 
 
 async def test_a_bad_url_or_id_is_said_in_the_window_which_stays_open(session: Session, until: Until) -> None:
@@ -138,7 +138,7 @@ async def test_a_bad_url_or_id_is_said_in_the_window_which_stays_open(session: S
 
 async def test_editing_keeps_the_key_unless_cleared(session: Session, upstreams: Any, until: Until) -> None:
     upstream = await start_upstream(upstreams, api_key="sekrit")
-    await session.service.register_model({"id": "keyed", "remote": {"endpoints": [
+    await session.service.models.register_model({"id": "keyed", "remote": {"endpoints": [
         {"base_url": upstream.base_url, "model": "smollm2", "api_key": "sekrit"}]}})
     tab = Dashboard(session).models
     await until(lambda: row_of(tab, "keyed") >= 0, 10, "the model in the table")
@@ -166,20 +166,20 @@ async def test_editing_keeps_the_key_unless_cleared(session: Session, upstreams:
     dialog.save_button.click()
     await until(lambda: not dialog.busy and box.status.text(), 20, "the edit refused")
     assert dialog.isVisible() and "refused the API key" in box.status.text()
-    assert (await session.service.model("keyed"))["endpoints"][0]["has_api_key"]
+    assert (await session.service.models.model("keyed"))["endpoints"][0]["has_api_key"]
 
     # Left empty, the field keeps the key: the server accepts it, and the window closes.
     box.clear_key.setChecked(False)
     assert box.body() == {"base_url": upstream.base_url, "model": "smollm2"}
     dialog.save_button.click()
     await until(lambda: closed(dialog), 20, "the edit saved")
-    [endpoint] = (await session.service.model("keyed"))["endpoints"]
+    [endpoint] = (await session.service.models.model("keyed"))["endpoints"]
     assert endpoint["has_api_key"] and endpoint["status"] == "available"
 
 
 async def test_the_tray_adds_a_remote_model_and_leads_to_it(service: AppService, upstreams: Any, until: Until) -> None:
     upstream = await start_upstream(upstreams)
-    await service.register_model({"id": "big", "remote": {"endpoints": [
+    await service.models.register_model({"id": "big", "remote": {"endpoints": [
         {"base_url": upstream.base_url, "model": "smollm2"}]}})
     async with desktop_menu(service, until) as (shell, entries):
         assert entries["model:big"].text() == "big — remote"

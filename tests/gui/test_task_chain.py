@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gui
 async def test_detail_shows_and_opens_the_previous_turn(session: Session, owner: Client, until: Until) -> None:
     service = session.service
     first = await make_task(service, owner, tokens=4)
-    await service.wait(first["task"]["id"])
+    await service.tasks.wait(first["task"]["id"])
     second = await make_task(service, owner, tokens=4, text="And then?", previous_response_id=first["id"])
     dash = Dashboard(session)
     dash.show()
@@ -32,7 +32,7 @@ async def test_detail_shows_and_opens_the_previous_turn(session: Session, owner:
     # Once the previous turn is deleted, the link says so instead of opening nothing.
     dash.tasks.select_task(second["task"]["id"])
     await until(lambda: detail.chain.isVisible(), 20, "chain shown again")
-    await service.delete_response(owner, first["id"])
+    await service.responses.delete_response(owner, first["id"])
     detail.chain.linkActivated.emit(first["id"])
     await until(lambda: "deleted or expired" in detail.chain.text(), 20, "gone")
     assert dash.tasks.selected_id() == second["task"]["id"]

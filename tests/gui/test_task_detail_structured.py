@@ -22,13 +22,13 @@ ADD = {"type": "function", "name": "add", "description": "Add two integers.",
 async def _shown(session: Session, owner: Client, until: Until, body: dict) -> tuple[TaskDetail, dict]:
     detail = TaskDetail(session)
     detail.show()
-    created = await session.service.create_response(owner, {"background": True, "temperature": 0,
+    created = await session.service.responses.create_response(owner, {"background": True, "temperature": 0,
                                                              "max_output_tokens": 200, **body})
     response = created.body
-    detail.show_task(await session.service.task(owner, response["task"]["id"]))
+    detail.show_task(await session.service.tasks.task(owner, response["task"]["id"]))
     await until(lambda: any("completed" in detail.log.item(i).text() for i in range(detail.log.count())), 90,
                 "task completed")
-    return detail, await session.service.response(owner, response["id"])
+    return detail, await session.service.responses.response(owner, response["id"])
 
 
 async def test_a_function_call_shows_its_name_and_pretty_arguments(session: Session, owner: Client,

@@ -69,7 +69,7 @@ async def test_pairing_submenu_reviews_and_denies_but_never_allows_in_one_click(
     tray = Tray(session)
     tray.menu.aboutToShow.emit()
     assert tray.menu.findChild(QMenu, "pairings") is None
-    pairing = await session.service.request_pairing({"client_name": "Notes", "scopes": ["responses:write"]})
+    pairing = await session.service.access.request_pairing({"client_name": "Notes", "scopes": ["responses:write"]})
     await until(lambda: pairing["id"] in session.pairings, 10, "pairing seen")
     tray.menu.aboutToShow.emit()
     entries = [a.objectName() for a in tray.menu.findChild(QMenu, "pairings").actions() if a.objectName()]
@@ -82,7 +82,7 @@ async def test_pairing_submenu_reviews_and_denies_but_never_allows_in_one_click(
     assert pairing["id"] in session.pairings  # reviewing opens the window; it approves nothing
     action(tray, f"deny:{pairing['id']}").trigger()
     await until(lambda: not session.pairings, 10, "pairing resolved")
-    assert not any(c["name"] == "Notes" for c in await session.service.list_clients())
+    assert not any(c["name"] == "Notes" for c in await session.service.access.list_clients())
     tray.menu.aboutToShow.emit()
     assert tray.menu.findChild(QMenu, "pairings") is None
 

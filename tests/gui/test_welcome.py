@@ -67,7 +67,7 @@ async def test_welcome_until_dont_show_again(tmp_path: Path, until: Until) -> No
         url = json.loads((data_dir / paths.SERVICE_FILE).read_text())["url"]
         assert not url.endswith(":11535")  # port 0: a port of the system's choosing, so not a default
         assert welcome.address.text() == f"{url}/v1" == app.shell.session.api_base
-        token = await app.life.service.owner_token()
+        token = await app.life.service.access.owner_token()
         async with aiohttp.ClientSession() as http:
             async with http.get(welcome.address.text() + "/models",
                                 headers={"Authorization": f"Bearer {token}"}) as response:
@@ -75,7 +75,7 @@ async def test_welcome_until_dont_show_again(tmp_path: Path, until: Until) -> No
                 assert any(m["id"] == "smollm2-135m-instruct" for m in (await response.json())["data"])
         welcome.close_button.click()  # closed without "Don't show this again"
         await until(lambda: not visible(WelcomeWindow) and app.shell.welcome is None, 10, "welcome closed")
-        assert await app.life.service.preference(WELCOME_DISMISSED) is None
+        assert await app.life.service.settings.preference(WELCOME_DISMISSED) is None
     finally:
         await app.stop()
 
@@ -92,7 +92,7 @@ async def test_welcome_until_dont_show_again(tmp_path: Path, until: Until) -> No
     # Third start: not shown.
     app = await Running(data_dir).ready(until)
     try:
-        assert await app.life.service.preference(WELCOME_DISMISSED) is True
+        assert await app.life.service.settings.preference(WELCOME_DISMISSED) is True
         await asyncio.sleep(0.5)
         assert not visible(WelcomeWindow) and app.shell.welcome is None
         assert await app.shell.show_welcome_unless_dismissed() is None

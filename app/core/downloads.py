@@ -1,10 +1,11 @@
-"""The part of the facade that gets models from the Hugging Face hub (LMSP §13)."""
+"""Getting models from the Hugging Face hub (LMSP §13): asking for a download, listing a repository."""
 
 from __future__ import annotations
 
 import asyncio
 import shutil
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from app.core.auth import Client
@@ -36,12 +37,11 @@ def free_bytes(folder: Path) -> int:
     return shutil.disk_usage(folder).free
 
 
-class DownloadsFacade:
-    """Mixed into AppService."""
-
-    store: Store
-    downloads: downloads.Downloads
-    settings: dict[str, Any]
+class Downloads:
+    def __init__(self, store: Store, settings: Mapping[str, Any], scheduler: downloads.Downloads) -> None:
+        self.store = store
+        self.settings = settings
+        self.scheduler = scheduler
 
     async def create_download(self, client: Client, body: Any) -> dict[str, Any]:
         """Ask the hub about the file, check the disk, and commit a queued download task. The
@@ -52,9 +52,9 @@ class DownloadsFacade:
             remote = await asyncio.to_thread(hub.describe, repo, file, revision, await asyncio.to_thread(hub_token))
             cached = await asyncio.to_thread(hub.blob_path(remote).exists)
             free = None if cached else await asyncio.to_thread(free_bytes, hub.storage(repo))
-            row = await self.store.write(downloads.create, self.settings, client.id, remote, new_id("task"),
+            row = await self.store.write(downloads.create, dict(self.settings), client.id, remote, new_id("task"),
                                          new_id("dl"), free)
-            self.downloads.wake()
+            self.scheduler.wake()
         else:
             row = await self.store.read(records.one_task, task_id)
         return records.task_object(row)

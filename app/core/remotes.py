@@ -1,4 +1,4 @@
-"""The part of the facade that deals with remote models (LMSP §11): register, edit, test.
+"""Remote models (LMSP §11): register, edit, test, and their endpoints' health.
 
 A remote model's endpoints are kept in `model_endpoints`; their API keys in the vault
 (app/secrets.py), named by a `key_ref`. Every endpoint is probed before it is accepted.
@@ -26,14 +26,13 @@ MAX_ENDPOINTS = 16
 ENDPOINT_FIELDS = {"base_url", "model", "api_key"}
 
 
-class RemoteFacade:
-    """Mixed into AppService."""
-
-    data_dir: Path
-    store: Store
-    bus: EventBus
-    upstreams: Upstreams
-    runner: Runner
+class Remotes:
+    def __init__(self, data_dir: Path, store: Store, bus: EventBus, upstreams: Upstreams, runner: Runner) -> None:
+        self.data_dir = data_dir  # the vault of API keys is named after it
+        self.store = store
+        self.bus = bus
+        self.upstreams = upstreams
+        self.runner = runner
 
     async def open_upstreams(self) -> None:
         """Read every remote model's endpoints, and their keys, into routing."""

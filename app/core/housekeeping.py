@@ -1,0 +1,82 @@
+"""What the service does on its own while it runs: retention, `store: false` answers, idle
+models unloaded, remote endpoints probed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from app.core.access import Access
+from app.core.remotes import Remotes
+from app.engine.parent.engine import Engine
+from app.errors import LmspError
+from app.events import EventBus
+from app.store.store import Store
+from app.tasks import retention
+from app.tasks.runner import Runner
+
+log = logging.getLogger(__name__)
+UPSTREAM_CHECK_SECONDS = 30.0  # how often idle remote endpoints are probed, for the health shown
+
+
+class Housekeeping:
+    def __init__(self, store: Store, bus: EventBus, settings: Mapping[str, Any], access: Access, remotes: Remotes,
+                 engines: list[Engine], runner: Runner) -> None:
+        self.store = store
+        self.bus = bus
+        self.settings = settings
+        self.access = access
+        self.remotes = remotes
+        self.engines = engines
+        self.runner = runner
+        self._loop: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.create_task(self._run(), name="lmsp-housekeeping")
+
+    def stop(self) -> None:
+        if self._loop:
+            self._loop.cancel()
+
+    async def purge(self, now: float | None = None) -> dict[str, int]:
+        """Retention: finished tasks, idempotency keys, and approved tokens never collected."""
+        now = time.time() if now is None else now
+        counts = await self.store.write(retention.purge, self.settings["retention_seconds"],
+                                        self.settings["idempotency_ttl_seconds"], now)
+        return {**counts, "uncollected_tokens": self.access.forget_uncollected(now)}
+
+    async def _run(self, tick: float = 5.0) -> None:
+        """Retention every ten minutes, `store: false` responses every half minute; idle models
+        unloaded after `model_idle_ttl_seconds`; remote endpoints no task uses probed every half
+        minute."""
+        last_purge = last_unstored = time.monotonic()
+        last_upstreams = -UPSTREAM_CHECK_SECONDS  # the first tick checks them: health for the Models tab
+        while True:
+            await asyncio.sleep(tick)
+            if time.monotonic() - last_upstreams > UPSTREAM_CHECK_SECONDS and self.remotes.upstreams.models:
+                last_upstreams = time.monotonic()
+                await self.remotes.check_upstreams()
+            if time.monotonic() - last_unstored > 30:  # store: false answers go within a minute and a half
+                last_unstored = time.monotonic()
+                try:
+                    await self.store.write(retention.purge_unstored)
+                except LmspError as exc:
+                    log.warning("purging store: false responses failed: %s", exc.message)
+            await self._unload_idle()
+            if time.monotonic() - last_purge > 600:
+                last_purge = time.monotonic()
+                try:
+                    await self.purge()
+                except LmspError as exc:
+                    log.warning("retention cleanup failed: %s", exc.message)
+
+    async def _unload_idle(self) -> None:
+        ttl = self.settings["model_idle_ttl_seconds"]
+        for engine in self.engines:
+            if ttl and engine.model_path and not self.runner.busy(engine) and engine.idle_for() > ttl:
+                log.info("%s: unloading %s after %d s idle", engine.name, engine.model_path, ttl)
+                await engine.unload()
+                self.bus.publish([{"type": "models.changed"}])

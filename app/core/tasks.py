@@ -1,0 +1,112 @@
+"""Tasks (LMSP §5-§7): reading them and their events, following them, cancelling, waiting."""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any, Callable
+
+from app.core.auth import Client
+from app.errors import Conflict, InvalidRequest, NotFound
+from app.events import EventBus, Feed
+from app.store.store import Store
+from app.tasks import downloads, records
+from app.tasks.runner import Runner
+from app.tasks.states import TERMINAL
+
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled",
+                   *downloads.TERMINAL_EVENTS)
+
+
+class Tasks:
+    def __init__(self, store: Store, bus: EventBus, runner: Runner, downloads: downloads.Downloads) -> None:
+        self.store = store
+        self.bus = bus
+        self.runner = runner
+        self.downloads = downloads
+
+    async def task(self, client: Client, task_id: str) -> dict[str, Any]:
+        return records.task_object(await self.owned(client, "task", task_id))
+
+    async def owned(self, client: Client, kind: str, ident: str, whole: bool = False) -> dict[str, Any]:
+        """The task row (with its response) of a task or response `client` may see; else 404.
+        Only what a task object shows, unless `whole`: the request and the output text are
+        megabytes, and every stream and cancel would load them again."""
+        if whole:
+            row = await self.store.read(records.one_task if kind == "task" else records.one_response, ident)
+        else:
+            row = await self.store.read(records.one_listed, "t.id" if kind == "task" else "t.response_id", ident)
+        if row is None or (kind == "response" and row["kind"] != "response") or not (
+                client.is_admin or row["client_id"] == client.id):
+            raise NotFound(kind, ident)  # another client's id looks exactly like a missing one
+        return row
+
+    async def events(self, client: Client, task_id: str, after: int) -> list[dict[str, Any]]:
+        await self.owned(client, "task", task_id)
+        return await self.events_after(task_id, after)
+
+    async def events_after(self, task_id: str, after: int, max_bytes: int | None = None) -> list[dict[str, Any]]:
+        return await self.store.read(records.events_after, task_id, after, 1000, max_bytes)
+
+    def feed(self, task_id: str, watch: bool) -> Feed:
+        return self.bus.feed(task_id, watch)
+
+    def watch(self, task_id: str) -> Callable[[], None]:
+        """Show this task's output live (the dashboard): until the returned function is called, its
+        output is committed, and published, token by token."""
+        return self.bus.watch(task_id)
+
+    async def cancel(self, client: Client, kind: str, ident: str) -> dict[str, Any]:
+        row = await self.owned(client, kind, ident)
+        download = row["kind"] == "download"
+        if download:
+            events = await self.store.write(downloads.request_cancel, row["id"])
+        else:
+            events = await self.runner.accept_cancel(row["id"])
+        if events is None:
+            raise Conflict("task_not_cancellable", f"Task {row['id']} has already ended.")
+        self.bus.publish(events)
+        (self.downloads if download else self.runner).cancel(row["id"])
+        return records.task_object(await self.store.read(records.one_listed, "t.id", row["id"]))
+
+    async def wait(self, task_id: str) -> dict[str, Any]:
+        """Wait until the task is finished; returns its final row."""
+        with self.feed(task_id, watch=False) as feed:
+            row = await self.store.read(records.one_task, task_id)
+            while row is not None and row["status"] not in TERMINAL:
+                event = await feed.get()
+                if event["type"] in TERMINAL_EVENTS or event["type"] == "service.stopping":
+                    row = await self.store.read(records.one_task, task_id)
+                    if event["type"] == "service.stopping":
+                        break
+        assert row is not None
+        return row
+
+    async def list_tasks(self, client: Client, status: str | None = None, limit: int = 20,
+                         after: str | None = None) -> tuple[list[dict[str, Any]], bool]:
+        """Newest first; `after` is the id of the last task of the previous page."""
+        rows = await self.store.read(_list_tasks, None if client.is_admin else client.id, status, limit + 1, after)
+        return [records.task_object(r) for r in rows[:limit]], len(rows) > limit
+
+    def set_paused(self, paused: bool) -> None:
+        self.runner.set_paused(paused)
+        self.bus.publish([{"type": "service.paused", "paused": paused}])
+
+
+def _list_tasks(conn: sqlite3.Connection, client_id: str | None, status: str | None, limit: int,
+                after: str | None) -> list[sqlite3.Row]:
+    where, params = ["1"], []
+    if client_id is not None:
+        where.append("r.client_id = ?")
+        params.append(client_id)
+    if after is not None:
+        # Looked up among the tasks this client may see: another's looks exactly like an unknown id.
+        anchor = conn.execute(f"{records.LISTED} WHERE {' AND '.join(where)} AND t.id = ?", (*params, after)).fetchone()
+        if anchor is None:
+            raise InvalidRequest(f"No task {after!r} to page after.", param="after")
+        where.append("(t.created_at, t.id) < (?, ?)")
+        params.extend([anchor["created_at"], anchor["id"]])
+    if status is not None:
+        where.append("t.status = ?")
+        params.append(status)
+    return conn.execute(f"{records.LISTED} WHERE {' AND '.join(where)} ORDER BY t.created_at DESC, t.id DESC LIMIT ?",
+                        (*params, limit)).fetchall()
