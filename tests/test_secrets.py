@@ -125,7 +125,7 @@ async def test_owner_token_is_accepted_as_a_bearer_token(api: Any) -> None:
 async def test_owner_token_is_created_in_the_user_only_file_without_a_keyring(service: AppService) -> None:
     token = await service.access.owner_token()
     assert token.startswith("lmsp_") and len(token) >= 40
-    assert service.vault.where == "file"
+    assert service.access.vault.where == "file"
     token_file = service.data_dir / TOKEN_FILE
     assert token_file.read_text() == token and mode(token_file) == 0o600
 
@@ -170,7 +170,7 @@ async def test_service_with_a_keyring_keeps_the_token_out_of_the_data_directory(
     first = await started(data_dir)
     try:
         token = await first.access.owner_token()
-        assert first.vault.where == "keyring"
+        assert first.access.vault.where == "keyring"
         assert list(memory_keyring.passwords.values()) == [token]
         assert not (data_dir / TOKEN_FILE).exists()
         client = await aiohttp_client(make_app(first))
