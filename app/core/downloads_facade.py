@@ -13,7 +13,8 @@ from app.engine.net import hub
 from app.errors import InvalidRequest
 from app.secrets import hub_token
 from app.store.store import Store
-from app.tasks import downloads, records
+from app.tasks import records
+from app.tasks.kinds import download as downloads
 
 
 def _parse(body: Any) -> tuple[str, str, str]:

@@ -20,7 +20,7 @@ from app.errors import Conflict, InvalidRequest
 from app.secrets import api_key_vault
 from app.store.store import Store
 from app.events import EventBus
-from app.tasks.runner import Runner
+from app.tasks.scheduler import Scheduler
 
 MAX_ENDPOINTS = 16
 ENDPOINT_FIELDS = {"base_url", "model", "api_key"}
@@ -33,7 +33,7 @@ class RemoteFacade:
     store: Store
     bus: EventBus
     upstreams: Upstreams
-    runner: Runner
+    scheduler: Scheduler
 
     async def open_upstreams(self) -> None:
         """Read every remote model's endpoints, and their keys, into routing."""
@@ -73,7 +73,7 @@ class RemoteFacade:
             await self._drop_keys(endpoints)
             raise
         self.upstreams.set(model_id, endpoints)
-        self.runner.wake()  # remote room is offered once a remote model exists (Runner.offer)
+        self.scheduler.wake()  # remote room is offered once a remote model exists (Generations.room)
         self.bus.publish([{"type": "models.changed"}])
         return self.remote_object(await self.store.read(models.get, model_id))
 

@@ -1,8 +1,8 @@
 """AppService: the one door into the core for the HTTP server, the GUI and the CLI.
 
-It owns the store, the event bus, the engines and the runner, and fixes the startup order:
-open the store (moving a corrupt file aside), settings, owner token, default model,
-recovery (§11.3), retention, and only then the runner. `ready` turns true at the end.
+It owns the store, the event bus, the engine pool and the scheduler, and fixes the startup
+order: open the store (moving a corrupt file aside), settings, owner token, default model,
+recovery (§11.3), retention, and only then the scheduler. `ready` turns true at the end.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from app.core.auth import Client
 from app.core.models_facade import EXAMINERS, ModelsFacade
 from app.core.remote_facade import RemoteFacade
 from app.engine.registry import models
+from app.engine.parent.pool import EngineFactory, EnginePool
 from app.engine.parent.engine import Engine
 from app.engine.constraints.grammar_worker import GrammarWorker
 from app.engine.parent.modes import EngineModes
@@ -38,21 +39,23 @@ from app.errors import Conflict, InvalidRequest, LmspError, NotFound
 from app.secrets import hub_token, make_private, owner_vault
 from app.store import config
 from app.store.store import Store
-from app.tasks import downloads, limits, machine, records, recovery, retention
+from app.tasks import kinds, limits, machine, records, retention
 from app.events import EventBus, Feed
-from app.tasks.runner import Claimed, Offer, Runner, claim
+from app.tasks.kinds.base import Claimed
+from app.tasks.kinds.download import Downloads
+from app.tasks.kinds.generation import Generations
+from app.tasks.scheduler import Offer, Scheduler, claim
 from app.tasks.states import TERMINAL
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # A new response: the stored answer (an idempotent repeat), or the response as queued and its
-# task's events; and what the runner's claim in the same transaction took.
+# task's events; and what the scheduler's claim in the same transaction took.
 Inserted = tuple[idempotency.Stored | None, dict[str, Any] | None, list[machine.Event], Claimed | None]
 RESTART_KEY, RESTART_REQUIRED = "restart_required_for", ["host", "port"]  # settings read at start only
 VERIFIED_SECONDS = 60.0  # a verified token is trusted from memory this long, unless revoked
 UPSTREAM_CHECK_SECONDS = 30.0  # how often idle remote endpoints are probed, for the health shown
-TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled",
-                   *downloads.TERMINAL_EVENTS)
+TERMINAL_EVENTS = kinds.TERMINAL_EVENTS
 
 
 @dataclass(frozen=True)
@@ -63,16 +66,18 @@ class Created:
 
 
 class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, EmbeddingsFacade):
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, engine_factory: EngineFactory = Engine) -> None:
         self.data_dir = data_dir
         self.store = Store(data_dir / paths.DB_NAME)
         self.bus = EventBus()
         self.vault = owner_vault(data_dir)
-        self.engines: list[Engine] = []
         self.modes = EngineModes(self.store, self.bus, lambda: str(self.settings["engine_mode"]))
         self.upstreams = Upstreams()
-        self.runner = Runner(self.store, self.bus, self.engines, self.modes, self.upstreams)
-        self.downloads = downloads.Downloads(self.store, self.bus, hub_token)
+        self.pool = EnginePool(self.modes, engine_factory)
+        self.scheduler = Scheduler(self.store, self.bus, kinds.build(
+            kinds.Needs(self.store, self.bus, self.pool, self.upstreams, hub_token)))
+        self.generations = self.scheduler.kind(Generations)
+        self.downloads = self.scheduler.kind(Downloads)
         self.settings: dict[str, Any] = dict(config.DEFAULTS)
         self.service_id = ""
         self.ready = False
@@ -102,13 +107,12 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         await self._ensure_owner_token()
         await self._ensure_default_model()
         await self.modes.open()
-        self.recovery_counts = await self.store.write(recovery.recover)
+        self.recovery_counts = await self.scheduler.recover()
         await self.store.write(idempotency.forget_in_flight)
         await self.purge()
         await self.open_upstreams()
         self._apply_settings(self.settings)
-        self.runner.start()
-        await self.downloads.start()
+        self.scheduler.start()
         # What start-up made (modules, the app's objects) lives as long as the process: out of the
         # collector's sight, a full collection no longer pauses the loop (and every thread) for tens
         # of milliseconds, 190 ms once a 640 KB request's 10,000 items were decoded. Collected first
@@ -125,9 +129,9 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         self._examiner.shutdown(wait=False)
         if self._janitor:
             self._janitor.cancel()
-        await asyncio.gather(self.runner.stop(), self.downloads.stop())
+        await self.scheduler.stop()
         self.bus.publish([{"type": "service.stopping"}])
-        await asyncio.gather(*(engine.stop() for engine in self.engines), self.upstreams.close())
+        await asyncio.gather(self.pool.stop(), self.upstreams.close())
         self.grammars.stop()
         self._readers.shutdown(wait=False)
         await self.store.close()
@@ -184,12 +188,9 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
                     await self.store.write(retention.purge_unstored)
                 except LmspError as exc:
                     log.warning("purging store: false responses failed: %s", exc.message)
-            ttl = self.settings["model_idle_ttl_seconds"]
-            for engine in self.engines:
-                if ttl and engine.model_path and not self.runner.busy(engine) and engine.idle_for() > ttl:
-                    log.info("%s: unloading %s after %d s idle", engine.name, engine.model_path, ttl)
-                    await engine.unload()
-                    self.bus.publish([{"type": "models.changed"}])
+            unloaded = await self.pool.unload_idle(self.settings["model_idle_ttl_seconds"])
+            if unloaded:
+                self.bus.publish([{"type": "models.changed"}] * unloaded)
             if time.monotonic() - last_purge > 600:
                 last_purge = time.monotonic()
                 try:
@@ -238,7 +239,7 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
             checked = idempotency.check_key(idempotency_key)
             digest = await self.off_loop(idempotency.digest, "POST", path, client.id, body if sent is None else sent)
             key = (checked, digest, self.settings["idempotency_ttl_seconds"])
-        offer = self.runner.offer()  # room on an engine: the task is taken in the same commit
+        offer = self.scheduler.offer()  # room on an engine: the task is taken in the same commit
         # Shielded: a request given up while its write is on its way still starts what it committed.
         stored, response = await asyncio.shield(asyncio.ensure_future(self._insert(
             offer, self.settings, client.id, model_id, req, on_restart, key)))
@@ -261,12 +262,12 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
             return stored, response
         finally:
             if offer is not None:
-                self.runner.settle(offer, claimed)
+                self.scheduler.settle(offer, claimed)
             # Not when the room offered was for other kinds of model than this task's: whatever
             # frees room for it wakes the scheduler then. Nor when a claim sharing the offer took
             # the room first: that one wakes it.
             if offer is None or claimed is not None:
-                self.runner.wake()
+                self.scheduler.wake()
 
     async def claim_key(self, owner: str, idempotency_key: str, method: str, path: str,
                         body: Any) -> idempotency.Stored | None:
@@ -327,15 +328,8 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
 
     async def cancel(self, client: Client, kind: str, ident: str) -> dict[str, Any]:
         row = await self.owned(client, kind, ident)
-        download = row["kind"] == "download"
-        if download:
-            events = await self.store.write(downloads.request_cancel, row["id"])
-        else:
-            events = await self.runner.accept_cancel(row["id"])
-        if events is None:
+        if await self.scheduler.cancel(row["kind"], row["id"]) is None:
             raise Conflict("task_not_cancellable", f"Task {row['id']} has already ended.")
-        self.bus.publish(events)
-        (self.downloads if download else self.runner).cancel(row["id"])
         return records.task_object(await self.store.read(records.one_listed, "t.id", row["id"]))
 
     async def wait(self, task_id: str) -> dict[str, Any]:
@@ -364,7 +358,7 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         await self.store.write(_delete_response, response_id)
 
     def set_paused(self, paused: bool) -> None:
-        self.runner.set_paused(paused)
+        self.scheduler.set_paused(paused)
         self.bus.publish([{"type": "service.paused", "paused": paused}])
 
     # -- settings ----------------------------------------------------------------------------
@@ -384,12 +378,13 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         return self.settings_view()
 
     def _apply_settings(self, changes: dict[str, Any]) -> None:
-        """Hand the settings the runner and routing read to them."""
+        """Hand the settings the engine pool, the scheduler and routing read to them."""
         if "max_concurrent_tasks" in changes:
-            self.runner.resize(changes["max_concurrent_tasks"])
+            self.pool.resize(changes["max_concurrent_tasks"])
+            self.scheduler.wake()
         if "max_concurrent_remote_tasks" in changes:
-            self.runner.remote_capacity = changes["max_concurrent_remote_tasks"]
-            self.runner.wake()
+            self.generations.remote_capacity = changes["max_concurrent_remote_tasks"]
+            self.scheduler.wake()
         if "remote_wait_seconds" in changes:
             self.upstreams.wait_seconds = changes["remote_wait_seconds"]
 
@@ -447,7 +442,7 @@ def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_
                      req: requests.ResponseRequest, on_restart: str, key: tuple[str, str, int] | None,
                      offer: Offer | None) -> Inserted:
     """The response and its queued task (what the answer shows), then, with room `offer`ed, the
-    runner's claim: this task, or one that was there first."""
+    scheduler's claim: this task, or one that was there first."""
     if key is not None:
         stored = idempotency.claim(conn, client_id, key[0], key[1], key[2])
         if stored is not None:
@@ -472,4 +467,4 @@ def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_
         idempotency.finish(conn, client_id, key[0], 202, response, response_id)
     # Only room this task's kind of model can use is worth a claim here: other queued tasks are
     # the scheduler's (and the claim's reads grow with the queue).
-    return None, response, events, claim(conn, offer) if offer and model["format"] in offer.formats else None
+    return None, response, events, claim(conn, offer) if offer and offer.has(model["format"]) else None
