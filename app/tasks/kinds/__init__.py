@@ -10,6 +10,8 @@ from app.tasks.kinds.base import Kind, Needs
 from app.tasks.kinds.download import Downloads
 from app.tasks.kinds.generation import Generations
 
+__all__ = ["KINDS", "TERMINAL_EVENTS", "Kind", "Needs", "build"]
+
 # In the order a claim tries them: generations first, someone is waiting for them.
 KINDS: tuple[type[Kind], ...] = (Generations, Downloads)
 TERMINAL_EVENTS = tuple(event for kind in KINDS for event in kind.terminal_events)
