@@ -71,7 +71,8 @@ async def test_a_plain_request_nobody_follows_is_written_in_few_commits(api: Any
     assert resp.status == 200 and body["usage"]["output_tokens"] == 200, body
     commits, took = service.store.commits - before, time.monotonic() - started
     # However fast the machine decodes: the task's own commits (create, end) and a few more.
-    assert commits <= took / generation.QUIET_SPACING + 5, f"{commits} commits in {took:.1f} s for 200 tokens nobody watched"
+    assert commits <= took / generation.QUIET_SPACING + 5, \
+        f"{commits} commits in {took:.1f} s for 200 tokens nobody watched"
 
 
 def test_a_watch_ends_once_however_often_it_is_released() -> None:

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import sqlite3
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Coroutine, TypeVar
 
 from app.events import EventBus
 from app.store.store import Store
@@ -117,7 +117,7 @@ class Scheduler:
         self._workers.add(worker)
         worker.add_done_callback(self._workers.discard)
 
-    async def _work(self, run: Any) -> None:
+    async def _work(self, run: Coroutine[Any, Any, None]) -> None:
         try:
             await run
         finally:  # its room is free

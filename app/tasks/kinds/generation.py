@@ -28,7 +28,7 @@ from app.engine.parent.engine import EngineError, Generation, Runs
 from app.errors import LmspError, StoreError
 from app.tasks import calls, machine, records, recovery
 from app.tasks.kinds import generation_writes as writes
-from app.tasks.kinds.base import WRITE_ERRORS, Backoff, Claimed, Kind, Needs, Recovered
+from app.tasks.kinds.base import WRITE_ERRORS, Backoff, Claimed, Kind, Needs, Recovered, Room
 from app.tasks.kinds.generation_job import EngineRoom, Job, Prepared, settle_start, tokens_per_second, until_running
 from app.tasks.states import RUNNING
 
@@ -76,7 +76,7 @@ class Generations(Kind):
             return None
         return EngineRoom(names, tuple(self.jobs), engine, engine.ready() if engine else None, self.last_client)
 
-    def claim(self, conn: sqlite3.Connection, room: Any) -> Claimed | None:
+    def claim(self, conn: sqlite3.Connection, room: Room) -> Claimed | None:
         assert isinstance(room, EngineRoom)
         taken = writes.take(conn, self.name, room)
         if taken is None:
