@@ -734,7 +734,7 @@ async def test_cancel_while_the_model_loads_ends_the_task_before_any_output(api,
     """A cancel accepted while the engine loads the model (the first task of a fresh service):
     the task ends `cancelled` with nothing generated, the engine (which starts on the prompt as
     soon as the model is in) is stopped, and the next task runs."""
-    assert all(engine.model_path is None for engine in service.runner.engines)  # nothing loaded yet
+    assert all(engine.model_path is None for engine in service.pool.engines)  # nothing loaded yet
     created = await start_background(api, {"input": "Summarise this. " + "The river runs. " * 600,
                                            "max_output_tokens": 2000, "temperature": 0})
     task_id = created["task"]["id"]
@@ -792,7 +792,7 @@ async def test_engine_crash_fails_the_task_and_the_service_recovers(api, service
     created = await start_background(api, LONG)
     task_id = created["task"]["id"]
     await wait_generating(api, task_id)
-    engine = service.engines[0]
+    engine = service.pool.engines[0]
     pid = engine.pid
     assert pid is not None and pid != os.getpid()
     os.kill(pid, signal.SIGKILL)

@@ -39,8 +39,8 @@ def test_the_server_imports_no_qt_and_the_gui_no_server() -> None:
 
 
 def test_the_gui_reaches_state_only_through_the_facade() -> None:
-    """No SQL from the GUI: not the store, not the engine, not the runner."""
-    assert offenders(("gui",), ("sqlite3", "app.store", "app.engine", "app.tasks.runner", "app.tasks.machine",
+    """No SQL from the GUI: not the store, not the engine, not the scheduler."""
+    assert offenders(("gui",), ("sqlite3", "app.store", "app.engine", "app.tasks.scheduler", "app.tasks.kinds", "app.tasks.machine",
                                 "app.tasks.records")) == []
 
 

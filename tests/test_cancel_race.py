@@ -65,7 +65,7 @@ async def test_cancel_and_completion_never_both_win(service: AppService) -> None
 
 
 async def test_a_request_given_up_while_its_task_is_written_still_runs_that_task(service: AppService) -> None:
-    """A task arriving at a free engine is taken by the runner in the commit that creates it. A
+    """A task arriving at a free engine is taken by the scheduler in the commit that creates it. A
     request cancelled while that commit is on its way (its client gone) still starts what it
     committed: the task runs to its end instead of staying `loading` for good."""
     owner = await service.access.authenticate(await service.access.owner_token())
@@ -99,9 +99,9 @@ async def test_a_request_given_up_while_its_task_is_written_still_runs_that_task
 async def test_a_cancel_before_the_engine_child_has_the_job_ends_the_generation_without_output(
         service: AppService) -> None:
     """A cancel can reach the engine after the task's model is loaded but before the child was
-    asked to generate (the runner's write to `running` found a cancel; a reload in between). The
+    asked to generate (the generation's write to `running` found a cancel; a reload in between). The
     generation then ends `cancelled` at once, and the engine's next task runs normally."""
-    engine = service.engines[0]
+    engine = service.pool.engines[0]
     model = await service.store.read(models.usable, DEFAULT_MODEL_ID)
     gen = Generation(messages=[{"role": "user", "content": "Say hi"}], max_tokens=8, temperature=0)
 

@@ -46,7 +46,7 @@ def _expected_next(status: str, policy: str) -> set[str] | None:
         return {"response.queued"}
     if status == "loading":  # resume of a task that never started: queued again
         return {"response.queued"}
-    return None  # queued stays queued, running (resume) continues: the next event is the runner's
+    return None  # queued stays queued, running (resume) continues: the next event is the scheduler's
 
 
 def test_repeated_sigkill_loses_nothing(headless: Headless) -> None:

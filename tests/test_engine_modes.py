@@ -59,13 +59,13 @@ async def test_a_crash_at_warm_up_falls_back_to_safe_mode_and_the_task_completes
 
     engine = await default_engine(api)
     assert engine["mode"] == "safe" and "SIGSEGV" in engine["reason"] and "safe mode" in engine["reason"]
-    assert service.engines[0].mode == "safe"
+    assert service.pool.engines[0].mode == "safe"
     # Said once, in plain words, for the model that crashed.
     notices = [e for e in bus_events if e["type"] == "engine.safe_mode"]
     assert len(notices) == 1 and notices[0]["models"] == [DEFAULT_MODEL_ID]
     # The log has what a bug report needs: the signal, the model file, the CPU and its flags.
     crash = next(r.getMessage() for r in caplog.records if "killed by SIGSEGV" in r.getMessage())
-    assert "warming up" in crash and service.engines[0].model_path in crash and cpu.describe()[0] in crash
+    assert "warming up" in crash and service.pool.engines[0].model_path in crash and cpu.describe()[0] in crash
     assert processes_started(caplog) == 2  # the one that crashed, the safe one
 
     # Later tasks run in safe mode on the same process: no crash, no new notice.
@@ -126,7 +126,7 @@ async def test_safe_mode_is_remembered_across_a_restart(tmp_path: Path, monkeypa
         assert engine["mode"] == "safe" and "SIGSEGV" in engine["reason"]
         # With the fault still armed, loading goes straight to safe mode: one process, no crash.
         await second.models.load_model(DEFAULT_MODEL_ID)
-        assert second.engines[0].mode == "safe"
+        assert second.pool.engines[0].mode == "safe"
         assert processes_started(caplog) == 1
         assert not any("killed by" in r.getMessage() for r in caplog.records)
     finally:
@@ -146,7 +146,7 @@ async def test_two_crashes_in_safe_mode_fail_the_task_and_the_next_task_gets_a_f
     assert [e["type"] for e in evs].count("response.failed") == 1
     # fast (crashed) -> safe (crashed) -> safe once more (crashed): then it stops.
     assert processes_started(caplog) == 3
-    assert not service.engines[0].alive
+    assert not service.pool.engines[0].alive
 
     monkeypatch.delenv("LMSP_ENGINE_FAULT")  # the next task: a fresh engine, and it works
     resp = await api.post("/v1/responses", json=SAY_HI)
@@ -160,7 +160,7 @@ async def test_an_engine_killed_between_requests_is_replaced_without_failing_the
     """As the kernel's out-of-memory killer does to the biggest process; no request was running."""
     caplog.set_level(logging.INFO)
     assert (await api.post("/v1/responses", json=SAY_HI)).status == 200
-    engine = service.engines[0]
+    engine = service.pool.engines[0]
     assert engine.pid is not None
     # Two where fast mode crashes on this CPU (AMX): the first load is retried in safe mode.
     before = processes_started(caplog)
@@ -193,7 +193,7 @@ async def test_engine_mode_setting(api: Any, service: AppService, monkeypatch: p
     before = processes_started(caplog)
     resp = await api.post("/v1/responses", json=SAY_HI)
     assert (await resp.json())["output_text"].strip()
-    assert processes_started(caplog) == before + 1 and service.engines[0].mode == "safe"
+    assert processes_started(caplog) == before + 1 and service.pool.engines[0].mode == "safe"
 
 
 async def test_a_model_llama_cpp_cannot_load_leaves_the_others_usable(api: Any, service: AppService,

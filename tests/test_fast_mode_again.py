@@ -74,7 +74,7 @@ async def test_a_crash_in_a_requests_grammar_fails_that_task_and_keeps_fast_mode
     monkeypatch.delenv("LMSP_ENGINE_FAULT")
     body = await (await api.post("/v1/responses", json=structured(NAME))).json()
     assert body["status"] == "completed" and json.loads(body["output_text"])["name"], body
-    assert processes_started(caplog) == 2 and service.engines[0].mode == "fast"
+    assert processes_started(caplog) == 2 and service.pool.engines[0].mode == "fast"
 
 
 async def test_an_unsatisfiable_schema_never_moves_the_model_to_safe_mode(
@@ -90,7 +90,7 @@ async def test_an_unsatisfiable_schema_never_moves_the_model_to_safe_mode(
     assert await remembered(service) == []
     resp = await api.post("/v1/responses", json={**SAY_HI, "model": FAST})
     assert resp.status == 200 and (await resp.json())["output_text"].strip()
-    assert service.engines[0].mode == "fast"
+    assert service.pool.engines[0].mode == "fast"
 
 
 async def test_a_kernel_abort_while_a_grammar_is_in_use_still_falls_back(
@@ -141,7 +141,7 @@ async def test_try_fast_mode_again_through_the_api_and_after_a_restart(
         before = processes_started(caplog)
         resp = await api.post("/v1/responses", json={**SAY_HI, "model": FAST})
         assert resp.status == 200 and (await resp.json())["output_text"].strip()
-        assert second.engines[0].mode == "fast" and processes_started(caplog) == before
+        assert second.pool.engines[0].mode == "fast" and processes_started(caplog) == before
         assert await remembered(second) == []
         # Asking again changes nothing, and says so the same way.
         resp = await api.delete(f"/v1/models/{FAST}/engine-mode")
@@ -171,5 +171,5 @@ async def test_safe_mode_decided_under_another_llama_cpp_is_not_applied(
         # Fast mode gets its chance; here it still crashes, so the engine falls back again,
         # now under this release.
         await second.models.load_model(DEFAULT_MODEL_ID)
-        assert second.engines[0].mode == "safe" and processes_started(caplog) == 2
+        assert second.pool.engines[0].mode == "safe" and processes_started(caplog) == 2
         assert await remembered(second) == [("safe", modes.llama_version())]

@@ -9,7 +9,8 @@ from typing import Any
 
 from app.store import config
 from app.store.store import Store
-from app.tasks.runner import Offer, claim
+from app.tasks.kinds.generation_job import EngineRoom
+from app.tasks.scheduler import Offer, claim
 
 from tests.test_api import check_sequence, events, start_background, wait_status
 from tests.test_metrics import metrics, value
@@ -95,7 +96,7 @@ async def test_claims_sharing_one_offer_take_one_task_between_them(api: Any, ser
     for _ in range(3):
         resp = await api.post("/v1/responses", json={"input": "hi", "background": True, "max_output_tokens": 1})
         assert resp.status == 202
-    offer = Offer(service.engines[0], None, ["gguf"], [], "")
+    offer = Offer([(service.generations, EngineRoom(("gguf",), (), service.pool.engines[0], None, ""))])
 
     claims = await asyncio.gather(*(service.store.write(claim, offer) for _ in range(3)))
 

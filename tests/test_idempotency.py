@@ -62,14 +62,14 @@ async def test_foreground_replay_returns_the_stored_200_and_runs_the_model_once(
     assert "Idempotent-Replayed" not in first.headers
     body1 = await first.json()
     assert body1["status"] in ("completed", "incomplete") and body1["output_text"]
-    tokens = service.runner.tokens_generated
+    tokens = service.generations.tokens_generated
     for _ in range(2):
         again = await api.post("/v1/responses", json=SAY_HI, headers=key("fg-1"))
         assert again.status == 200, await again.text()
         assert again.headers.get("Idempotent-Replayed") == "true"
         assert await again.json() == body1
     assert await task_ids(service) == [body1["task"]["id"]]
-    assert service.runner.tokens_generated == tokens  # nothing was generated for the replays
+    assert service.generations.tokens_generated == tokens  # nothing was generated for the replays
     row = await key_row(service, "client_owner", "fg-1")
     assert row["status_code"] == 200 and row["response_id"] == body1["id"]
 
@@ -235,13 +235,13 @@ async def test_a_streamed_request_is_replayed_as_the_same_stream(api, service):
         assert first.content_type == "text/event-stream", await first.text()
         sent = data_lines(await first.text())
         assert len(sent) > 3
-        tokens = service.runner.tokens_generated
+        tokens = service.generations.tokens_generated
         again = await api.post(path, json=body, headers=key(f"stream {path} {body.get('background')}"))
         assert again.status == first.status and again.headers.get("Idempotent-Replayed") == "true"
         assert again.content_type == "text/event-stream"
         assert [json.loads(d) if d != "[DONE]" else d for d in data_lines(await again.text())] == \
             [json.loads(d) if d != "[DONE]" else d for d in sent]
-        assert service.runner.tokens_generated == tokens and len(await task_ids(service)) == before + 1
+        assert service.generations.tokens_generated == tokens and len(await task_ids(service)) == before + 1
     # The same key without `stream` is another request: 422, as for any other change.
     resp = await api.post("/v1/chat/completions", json={**chat, "stream": False},
                           headers=key("stream /v1/chat/completions None"))

@@ -350,7 +350,8 @@ def test_what_the_limits_count_stays_exact_through_every_change_of_a_task(tmp_pa
     recovery's re-queue, and deletion, they equal a recount; a file from before them is counted
     when it is migrated."""
     from app.store import config, db
-    from app.tasks import limits, machine, runner
+    from app.tasks import limits, machine
+    from app.tasks.kinds import generation_writes
     from tests.test_store import plain
 
     old = tmp_path / "old.sqlite3"
@@ -381,11 +382,11 @@ def test_what_the_limits_count_stays_exact_through_every_change_of_a_task(tmp_pa
         lambda: machine.transition(conn, "task_new0", "loading"),
         lambda: machine.transition(conn, "task_new0", "running"),
         lambda: machine.record(conn, "task_new0", ("running",), [], output_tokens=3),  # a token: no move
-        lambda: runner.request_cancel(conn, "task_new0"),  # running -> cancelling, still unfinished
+        lambda: generation_writes.request_cancel(conn, "task_new0"),  # running -> cancelling, still unfinished
         lambda: machine.transition(conn, "task_new0", "cancelled"),
         lambda: machine.transition(conn, "task_2", "queued"),  # recovery re-queues: unfinished to unfinished
         lambda: machine.transition(conn, "task_2", "failed"),
-        lambda: runner.request_cancel(conn, "task_0"),  # queued -> cancelled at once
+        lambda: generation_writes.request_cancel(conn, "task_0"),  # queued -> cancelled at once
         lambda: create("a", 7),
         lambda: conn.execute("DELETE FROM responses WHERE id = 'resp_new1'"),  # an unfinished one, cascading
         lambda: conn.execute("DELETE FROM responses WHERE id = 'resp_1'"),

@@ -15,7 +15,8 @@ from typing import Any, AsyncIterator
 
 from app.engine.parent.engine import Engine, Generation
 from app.store import db
-from app.tasks import output, runner
+from app.tasks import output
+from app.tasks.kinds import generation
 from app.events import EventBus
 from app.tasks.states import TERMINAL
 
@@ -26,7 +27,7 @@ SSE = {"Accept": "text/event-stream"}
 
 
 async def test_a_live_reader_gets_each_token_within_milliseconds(api: Any, monkeypatch: Any) -> None:
-    produced: list[tuple[float, int]] = []  # (when the runner got a token's text, length of all text so far)
+    produced: list[tuple[float, int]] = []  # (when the generation got a token's text, length of all text so far)
     real = Engine.generate
 
     async def timed(self: Engine, gen: Generation) -> AsyncIterator[dict[str, Any]]:
@@ -70,7 +71,8 @@ async def test_a_plain_request_nobody_follows_is_written_in_few_commits(api: Any
     assert resp.status == 200 and body["usage"]["output_tokens"] == 200, body
     commits, took = service.store.commits - before, time.monotonic() - started
     # However fast the machine decodes: the task's own commits (create, end) and a few more.
-    assert commits <= took / runner.QUIET_SPACING + 5, f"{commits} commits in {took:.1f} s for 200 tokens nobody watched"
+    assert commits <= took / generation.QUIET_SPACING + 5, \
+        f"{commits} commits in {took:.1f} s for 200 tokens nobody watched"
 
 
 def test_a_watch_ends_once_however_often_it_is_released() -> None:
@@ -92,7 +94,7 @@ async def held_back(api: Any, service: Any, monkeypatch: Any) -> tuple[str, list
     """An unwatched task held back 3 s at a time (long, so that it shows plainly), at least 0.5 s
     after its first delta and with 20 tokens or more held back (on a busy machine decoding can
     be slow): its id and its events so far."""
-    monkeypatch.setattr(runner, "QUIET_SPACING", 3.0)
+    monkeypatch.setattr(generation, "QUIET_SPACING", 3.0)
     task_id = (await start_background(api, {"input": COUNT, "temperature": 0, "max_output_tokens": 600}))["task"]["id"]
 
     async def first_delta() -> list[dict[str, Any]] | None:
@@ -100,7 +102,7 @@ async def held_back(api: Any, service: Any, monkeypatch: Any) -> tuple[str, list
         return evs if any(e["type"] == "response.output_text.delta" for e in evs) else None
 
     async def twenty_held() -> bool:
-        return len(service.runner.jobs[task_id].ids) >= 20
+        return len(service.generations.jobs[task_id].ids) >= 20
 
     replayed = await poll(first_delta, what="the first delta")
     await asyncio.sleep(0.5)  # tokens keep coming meanwhile, held back

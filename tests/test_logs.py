@@ -103,7 +103,7 @@ def test_routine_lines_of_a_busy_service_are_never_dropped(tmp_path: Path) -> No
     file = logs.setup(tmp_path / "logs")
     try:
         for n in range(500):
-            logging.getLogger("app.tasks.runner").info("task %s: starting", f"task_{n}")
+            logging.getLogger("app.tasks.kinds.generation").info("task %s: starting", f"task_{n}")
         for handler in logging.getLogger().handlers:
             handler.flush()
         assert file.read_text().count(": starting") == 500

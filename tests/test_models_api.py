@@ -51,7 +51,7 @@ async def task_rows(service: Any) -> int:
 
 
 def engine_paths(service: Any) -> set[str]:
-    return {e.model_path for e in service.engines if e.model_path}
+    return {e.model_path for e in service.pool.engines if e.model_path}
 
 
 async def say_hi(api: Any, model_id: str | None = None) -> dict[str, Any]:
@@ -151,7 +151,7 @@ async def test_an_embedding_between_a_tasks_load_and_its_generation_leaves_the_t
     for the engine meanwhile and runs first when the load ends. The task still generates with its
     own model: the engine loads it again, and it is the one loaded when the task ends."""
     await register(api, {"path": str(copy_of_default), "id": "copy"})
-    assert engine_paths(service) == set() and service.runner.capacity == 1
+    assert engine_paths(service) == set() and service.pool.capacity == 1
     resp = await api.post("/v1/responses", json={**SAY_HI, "background": True})
     assert resp.status == 202, await resp.text()
     task_id = (await resp.json())["task"]["id"]
@@ -225,7 +225,7 @@ async def test_files_being_hashed_never_hold_up_a_pairing_request_nor_the_owner(
         for r in registering:
             r.cancel()  # the clients leave: their hashing stops
         await asyncio.gather(*registering, return_exceptions=True)
-        await poll(lambda: asyncio.sleep(0, not service._examining), what="the hashing to stop")
+        await poll(lambda: asyncio.sleep(0, not service.models._examining), what="the hashing to stop")
     assert await model_rows(service) == 2
 
 
@@ -239,7 +239,7 @@ async def test_invalid_model_files_are_refused_before_anything_loads_them(api, s
         "empty.gguf": b"",
         "text.gguf": b"GGUF but really just text\n" * 10,
     }
-    pids_before = {e.pid for e in service.engines}
+    pids_before = {e.pid for e in service.pool.engines}
     for name, data in files.items():
         path = tmp_path / name
         path.write_bytes(data)
@@ -247,7 +247,7 @@ async def test_invalid_model_files_are_refused_before_anything_loads_them(api, s
         err = await expect_error(resp, 400, "invalid_model_file", "path")
         assert name in err["message"], err
     assert set(await models(api)) == {DEFAULT_MODEL_ID}
-    assert {e.pid for e in service.engines} == pids_before  # no engine ever started for them
+    assert {e.pid for e in service.pool.engines} == pids_before  # no engine ever started for them
     # The service is unharmed.
     await say_hi(api)
 
@@ -420,7 +420,7 @@ async def test_a_model_in_use_is_not_unloaded_as_idle(api, service):
     resp = await api.patch("/v1/settings", json={"model_idle_ttl_seconds": 1})
     assert resp.status == 200, await resp.text()
     await say_hi(api)
-    engine = service.engines[0]
+    engine = service.pool.engines[0]
     unloaded = []
 
     async def watch() -> None:

@@ -105,7 +105,7 @@ async def test_a_shared_prefix_is_reused_and_changes_no_word(api: Any, service: 
 
     again = await answer("When do the roses bloom?")  # nearly all of it cached
     assert again["usage"]["input_tokens_details"]["cached_tokens"] > cached
-    await service.engines[0].stop()  # a fresh process: nothing cached
+    await service.pool.engines[0].stop()  # a fresh process: nothing cached
     fresh = await answer("When do the roses bloom?")
     assert fresh["usage"]["input_tokens_details"]["cached_tokens"] == 0
     assert second["output_text"] == again["output_text"] == fresh["output_text"]

@@ -55,7 +55,7 @@ def test_table_11_3(tmp_path: Path, found: str, policy: str) -> None:
     task_id = _tx(conn, _leftover, found, policy)
     before = conn.execute("SELECT last_sequence_number, attempt FROM tasks WHERE id = ?", (task_id,)).fetchone()
 
-    _tx(conn, recovery.recover)
+    _tx(conn, recovery.recover, "response")
 
     row = records.one_task(conn, task_id)
     expected = TABLE[(found, policy)]
@@ -85,9 +85,9 @@ def test_table_11_3(tmp_path: Path, found: str, policy: str) -> None:
 def test_recovery_is_idempotent(tmp_path: Path) -> None:
     conn = db.open_database(tmp_path / "lmsp.sqlite3").conn
     ids = [_tx(conn, _leftover, state, policy) for state, policy in TABLE]
-    _tx(conn, recovery.recover)
+    _tx(conn, recovery.recover, "response")
     first = {i: records.one_task(conn, i)["last_sequence_number"] for i in ids}
-    _tx(conn, recovery.recover)  # a second crash right after recovery changes nothing more
+    _tx(conn, recovery.recover, "response")  # a second crash right after recovery changes nothing more
     assert {i: records.one_task(conn, i)["last_sequence_number"] for i in ids} == first
 
 
@@ -112,7 +112,7 @@ def test_resume_after_sigkill_gives_the_uninterrupted_text(headless: Headless) -
     wait_until(lambda: headless.get(f"/v1/tasks/{task_id}")[1]["progress"]["output_tokens"] >= 40, timeout=60)
     headless.kill()
 
-    headless.start()  # recovery leaves it running; the runner continues from the snapshot
+    headless.start()  # recovery leaves it running; the scheduler continues from the snapshot
     final = _final_text(headless, task_id)
     assert final["status"] == "incomplete"
     assert final["output_text"] == reference["output_text"]

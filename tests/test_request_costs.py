@@ -142,7 +142,7 @@ async def test_a_grammar_with_no_way_on_fails_its_task_without_killing_the_engin
     monkeypatch.setattr(service.grammars, "convert", lambda schemas, app="": [
         (None, grammar.gbnf({"type": "json_schema", "schema": s})) for s in schemas])
     assert (await api.post("/v1/responses", json=SAY_HI)).status == 200
-    engine = service.engines[0]
+    engine = service.pool.engines[0]
     pid, mode = engine.pid, (await (await api.get("/v1/models/smollm2-135m-instruct")).json())["engine"]
     # Unparsable (the engine exited: 500 engine_crashed), then no token left (llama.cpp aborted).
     for pattern, why in (("^[^\\s\\S]$", "could not parse"), ("^\\u0000$", "no further text")):

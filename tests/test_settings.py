@@ -95,7 +95,7 @@ async def test_unknown_key_is_400_and_nothing_changes(api, service):
         assert param in err["message"]
         assert await settings(api) == before
         assert await stored_config(service) == stored
-        assert service.runner.capacity == 1
+        assert service.pool.capacity == 1
 
 
 BAD_VALUES = [
@@ -127,7 +127,7 @@ async def test_bad_values_are_400_naming_the_key_and_change_nothing(api, service
         await expect_error(resp, 400, "invalid_request", name)
     assert await settings(api) == before
     assert await stored_config(service) == stored
-    assert service.runner.capacity == 1
+    assert service.pool.capacity == 1
 
 
 async def test_host_is_an_address_this_computer_listens_on(api):

@@ -14,7 +14,8 @@ from app.engine.net import hub
 from app.errors import InvalidRequest
 from app.secrets import hub_token
 from app.store.store import Store
-from app.tasks import downloads, records
+from app.tasks import records
+from app.tasks.kinds import download as downloads
 
 
 def _parse(body: Any) -> tuple[str, str, str]:
@@ -38,10 +39,10 @@ def free_bytes(folder: Path) -> int:
 
 
 class Downloads:
-    def __init__(self, store: Store, settings: Mapping[str, Any], scheduler: downloads.Downloads) -> None:
+    def __init__(self, store: Store, settings: Mapping[str, Any], transfers: downloads.Downloads) -> None:
         self.store = store
         self.settings = settings
-        self.scheduler = scheduler
+        self.transfers = transfers  # the task kind that runs them
 
     async def create_download(self, client: Client, body: Any) -> dict[str, Any]:
         """Ask the hub about the file, check the disk, and commit a queued download task. The
@@ -54,7 +55,7 @@ class Downloads:
             free = None if cached else await asyncio.to_thread(free_bytes, hub.storage(repo))
             row = await self.store.write(downloads.create, dict(self.settings), client.id, remote, new_id("task"),
                                          new_id("dl"), free)
-            self.scheduler.wake()
+            self.transfers.wake()
         else:
             row = await self.store.read(records.one_task, task_id)
         return records.task_object(row)

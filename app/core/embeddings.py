@@ -12,11 +12,11 @@ import base64
 from typing import Any
 
 from app.engine.registry import models
-from app.engine.parent.engine import Engine, EngineError
+from app.engine.parent.engine import EngineError
+from app.engine.parent.pool import EnginePool
 from app.errors import InvalidRequest, LmspError
 from app.store.store import Store
 from app.events import EventBus
-from app.tasks.runner import Runner
 
 KNOWN = {"model", "input", "encoding_format", "dimensions", "user"}
 MAX_INPUTS = 2048  # as OpenAI
@@ -51,17 +51,10 @@ def parse(body: Any) -> tuple[str, list[str], str, int | None]:
 
 
 class Embeddings:
-    def __init__(self, store: Store, bus: EventBus, engines: list[Engine], runner: Runner) -> None:
+    def __init__(self, store: Store, bus: EventBus, pool: EnginePool) -> None:
         self.store = store
         self.bus = bus
-        self.engines = engines
-        self.runner = runner
-
-    def _embedding_engine(self, path: str) -> Engine:
-        """An engine without a task, the model's own first; else one with the model (it waits its turn)."""
-        engines = self.engines[:self.runner.capacity]
-        candidates = [e for e in engines if not self.runner.busy(e)] or engines
-        return min(candidates, key=lambda e: e.model_path != path)
+        self.pool = pool
 
     async def embed(self, body: Any) -> dict[str, Any]:
         model_id, texts, encoding, dimensions = parse(body)
@@ -76,7 +69,7 @@ class Embeddings:
             raise InvalidRequest(f"{model_id!r} is a remote model; embeddings are computed by local models only.",
                                  param="model", code="model_not_supported")
         try:
-            done = await self._embedding_engine(model["path"]).embed(models.registered(model), texts, dimensions)
+            done = await self.pool.for_embedding(model["path"]).embed(models.registered(model), texts, dimensions)
         except EngineError as exc:
             if exc.param is not None:  # the request's fault: an input too long, too many dimensions
                 raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from exc

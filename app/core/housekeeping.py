@@ -11,12 +11,11 @@ from typing import Any
 
 from app.core.access import Access
 from app.core.remotes import Remotes
-from app.engine.parent.engine import Engine
+from app.engine.parent.pool import EnginePool
 from app.errors import LmspError
 from app.events import EventBus
 from app.store.store import Store
 from app.tasks import retention
-from app.tasks.runner import Runner
 
 log = logging.getLogger(__name__)
 UPSTREAM_CHECK_SECONDS = 30.0  # how often idle remote endpoints are probed, for the health shown
@@ -24,14 +23,13 @@ UPSTREAM_CHECK_SECONDS = 30.0  # how often idle remote endpoints are probed, for
 
 class Housekeeping:
     def __init__(self, store: Store, bus: EventBus, settings: Mapping[str, Any], access: Access, remotes: Remotes,
-                 engines: list[Engine], runner: Runner) -> None:
+                 pool: EnginePool) -> None:
         self.store = store
         self.bus = bus
         self.settings = settings
         self.access = access
         self.remotes = remotes
-        self.engines = engines
-        self.runner = runner
+        self.pool = pool
         self._loop: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -65,18 +63,12 @@ class Housekeeping:
                     await self.store.write(retention.purge_unstored)
                 except LmspError as exc:
                     log.warning("purging store: false responses failed: %s", exc.message)
-            await self._unload_idle()
+            unloaded = await self.pool.unload_idle(self.settings["model_idle_ttl_seconds"])
+            if unloaded:
+                self.bus.publish([{"type": "models.changed"}] * unloaded)
             if time.monotonic() - last_purge > 600:
                 last_purge = time.monotonic()
                 try:
                     await self.purge()
                 except LmspError as exc:
                     log.warning("retention cleanup failed: %s", exc.message)
-
-    async def _unload_idle(self) -> None:
-        ttl = self.settings["model_idle_ttl_seconds"]
-        for engine in self.engines:
-            if ttl and engine.model_path and not self.runner.busy(engine) and engine.idle_for() > ttl:
-                log.info("%s: unloading %s after %d s idle", engine.name, engine.model_path, ttl)
-                await engine.unload()
-                self.bus.publish([{"type": "models.changed"}])

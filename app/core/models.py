@@ -14,12 +14,12 @@ from app import paths
 from app.core import auth
 from app.core.auth import OWNER, Client
 from app.engine.registry import discovery, gguf, models
-from app.engine.parent.engine import Engine, EngineError
+from app.engine.parent.engine import EngineError
 from app.engine.parent.modes import EngineModes
+from app.engine.parent.pool import EnginePool
 from app.errors import Conflict, Forbidden, InvalidRequest, LmspError, TooManyRequests
 from app.store.store import Store
 from app.events import EventBus
-from app.tasks.runner import Runner
 from app.core.remotes import Remotes
 
 log = logging.getLogger(__name__)
@@ -29,12 +29,10 @@ EXAMINERS = 2
 
 
 class Models:
-    def __init__(self, store: Store, bus: EventBus, engines: list[Engine], runner: Runner, modes: EngineModes,
-                 remotes: Remotes) -> None:
+    def __init__(self, store: Store, bus: EventBus, pool: EnginePool, modes: EngineModes, remotes: Remotes) -> None:
         self.store = store
         self.bus = bus
-        self.engines = engines
-        self.runner = runner
+        self.pool = pool
         self.modes = modes
         self.remotes = remotes  # a remote model is registered, probed and forgotten there
         self.model_load_seconds: float | None = None  # the last explicit load, for /metrics
@@ -58,7 +56,7 @@ class Models:
         log.info("registered the default model %s at %s (%s)", models.DEFAULT_MODEL_ID, path, found.digest)
 
     def loaded_paths(self) -> set[str]:
-        return {e.model_path for e in self.engines if e.model_path and e.alive}
+        return self.pool.loaded_paths()
 
     async def list_models(self) -> list[dict[str, Any]]:
         rows = await self.store.read(lambda c: c.execute("SELECT * FROM models ORDER BY created_at").fetchall())
@@ -71,7 +69,7 @@ class Models:
         if row["format"] == "remote":
             return self.remotes.remote_object(row)
         found = models.model_object(row, self.loaded_paths())
-        if found["status"] == "available" and any(models.registered(row) in e.refused for e in self.engines):
+        if found["status"] == "available" and self.pool.refused(models.registered(row)):
             found["status"] = "changed"  # same file, size and mtime, but an engine found other bytes in it
         return {**found, "engine": self.modes.describe(row["digest"])}
 
@@ -142,10 +140,6 @@ class Models:
                     item.name.replace("/", "-") if item.source == "ollama" else Path(item.name).name),
                  "registered": item.path in registered} for item in found]
 
-    def _holding(self, row: Any) -> list[Engine]:
-        """The engines that have this model loaded (none for a remote model: it has no path)."""
-        return [e for e in self.engines if e.model_path is not None and e.model_path == row["path"]]
-
     async def remove_model(self, model_id: str, client: Client = OWNER) -> None:
         row = await self.store.read(models.get, model_id)
         if not client.is_admin and row["format"] == "remote":  # it holds the owner's API keys
@@ -153,9 +147,7 @@ class Models:
         if not client.is_admin and row["created_by"] != client.id:
             raise Forbidden("not_model_creator", f"The model {model_id!r} was registered by another app or by the "
                             "owner: an app may remove only the models it registered.")
-        for engine in self._holding(row):
-            if not self.runner.busy(engine):
-                await engine.unload()
+        await self.pool.unload(row["path"])
         await self.store.write(lambda c: c.execute("DELETE FROM models WHERE id = ?", (model_id,)))
         await self.remotes.forget_remote_model(model_id)
         self.bus.publish([{"type": "models.changed"}])
@@ -165,7 +157,7 @@ class Models:
         if row["format"] == "remote":  # nothing to load: check that its endpoints answer
             await self.remotes.check_upstreams()
             return self.remotes.remote_object(row)
-        engine = self.runner.idle_engine()
+        engine = self.pool.idle()
         if engine is None:
             raise Conflict("engines_busy", "Every engine is busy with a task; try again when one is free.")
         started = time.monotonic()
@@ -185,17 +177,13 @@ class Models:
         if row["format"] == "remote":
             raise InvalidRequest(f"{model_id!r} runs on other servers: it has no engine mode here.")
         await self.modes.forget(row["digest"])
-        for engine in self._holding(row):
-            if engine.mode != self.modes.mode(row["digest"]) and not self.runner.busy(engine):
-                await engine.unload()
+        await self.pool.unload(row["path"], lambda engine: engine.mode != self.modes.mode(row["digest"]))
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)
 
     async def unload_model(self, model_id: str) -> dict[str, Any]:
         row = await self.store.read(models.get, model_id)
-        for engine in self._holding(row):
-            if self.runner.busy(engine):
-                raise Conflict("model_in_use", "A task is running on this model; cancel it first.")
-            await engine.unload()
+        if await self.pool.unload(row["path"]):  # the idle engines let it go, a busy one holds it
+            raise Conflict("model_in_use", "A task is running on this model; cancel it first.")
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)

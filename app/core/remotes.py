@@ -20,19 +20,20 @@ from app.errors import Conflict, InvalidRequest
 from app.secrets import api_key_vault
 from app.store.store import Store
 from app.events import EventBus
-from app.tasks.runner import Runner
+from app.tasks.scheduler import Scheduler
 
 MAX_ENDPOINTS = 16
 ENDPOINT_FIELDS = {"base_url", "model", "api_key"}
 
 
 class Remotes:
-    def __init__(self, data_dir: Path, store: Store, bus: EventBus, upstreams: Upstreams, runner: Runner) -> None:
+    def __init__(self, data_dir: Path, store: Store, bus: EventBus, upstreams: Upstreams,
+                 scheduler: Scheduler) -> None:
         self.data_dir = data_dir  # the vault of API keys is named after it
         self.store = store
         self.bus = bus
         self.upstreams = upstreams
-        self.runner = runner
+        self.scheduler = scheduler
 
     async def open_upstreams(self) -> None:
         """Read every remote model's endpoints, and their keys, into routing."""
@@ -72,7 +73,7 @@ class Remotes:
             await self._drop_keys(endpoints)
             raise
         self.upstreams.set(model_id, endpoints)
-        self.runner.wake()  # remote room is offered once a remote model exists (Runner.offer)
+        self.scheduler.wake()  # remote room is offered once a remote model exists (Generations.room)
         self.bus.publish([{"type": "models.changed"}])
         return self.remote_object(await self.store.read(models.get, model_id))
 

@@ -22,11 +22,12 @@ from app.errors import Conflict, LmspError, NotFound
 from app.events import EventBus
 from app.store.store import Store
 from app.tasks import limits, machine, records
-from app.tasks.runner import Claimed, Offer, Runner, claim
+from app.tasks.kinds.base import Claimed
+from app.tasks.scheduler import Offer, Scheduler, claim
 from app.tasks.states import TERMINAL
 
 # A new response: the stored answer (an idempotent repeat), or the response as queued and its
-# task's events; and what the runner's claim in the same transaction took.
+# task's events; and what the scheduler's claim in the same transaction took.
 Inserted = tuple[idempotency.Stored | None, dict[str, Any] | None, list[machine.Event], Claimed | None]
 
 
@@ -38,12 +39,12 @@ class Created:
 
 
 class Responses:
-    def __init__(self, store: Store, bus: EventBus, settings: Mapping[str, Any], runner: Runner, tasks: Tasks,
+    def __init__(self, store: Store, bus: EventBus, settings: Mapping[str, Any], scheduler: Scheduler, tasks: Tasks,
                  grammars: GrammarWorker, off_loop: Callable[..., Any]) -> None:
         self.store = store
         self.bus = bus
         self.settings = settings
-        self.runner = runner
+        self.scheduler = scheduler
         self.tasks = tasks
         self.grammars = grammars
         self.off_loop = off_loop  # reading a request, whose cost grows with it: on a reader thread
@@ -63,7 +64,7 @@ class Responses:
             checked = idempotency.check_key(idempotency_key)
             digest = await self.off_loop(idempotency.digest, "POST", path, client.id, body if sent is None else sent)
             key = (checked, digest, self.settings["idempotency_ttl_seconds"])
-        offer = self.runner.offer()  # room on an engine: the task is taken in the same commit
+        offer = self.scheduler.offer()  # room on an engine: the task is taken in the same commit
         # Shielded: a request given up while its write is on its way still starts what it committed.
         stored, response = await asyncio.shield(asyncio.ensure_future(self._insert(
             offer, dict(self.settings), client.id, model_id, req, on_restart, key)))
@@ -82,12 +83,12 @@ class Responses:
             return stored, response
         finally:
             if offer is not None:
-                self.runner.settle(offer, claimed)
+                self.scheduler.settle(offer, claimed)
             # Not when the room offered was for other kinds of model than this task's: whatever
             # frees room for it wakes the scheduler then. Nor when a claim sharing the offer took
             # the room first: that one wakes it.
             if offer is None or claimed is not None:
-                self.runner.wake()
+                self.scheduler.wake()
 
     async def claim_key(self, owner: str, idempotency_key: str, method: str, path: str,
                         body: Any) -> idempotency.Stored | None:
@@ -131,7 +132,7 @@ def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_
                      req: requests.ResponseRequest, on_restart: str, key: tuple[str, str, int] | None,
                      offer: Offer | None) -> Inserted:
     """The response and its queued task (what the answer shows), then, with room `offer`ed, the
-    runner's claim: this task, or one that was there first."""
+    scheduler's claim: this task, or one that was there first."""
     if key is not None:
         stored = idempotency.claim(conn, client_id, key[0], key[1], key[2])
         if stored is not None:
@@ -156,4 +157,4 @@ def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_
         idempotency.finish(conn, client_id, key[0], 202, response, response_id)
     # Only room this task's kind of model can use is worth a claim here: other queued tasks are
     # the scheduler's (and the claim's reads grow with the queue).
-    return None, response, events, claim(conn, offer) if offer and model["format"] in offer.formats else None
+    return None, response, events, claim(conn, offer) if offer and offer.has(model["format"]) else None

@@ -3,7 +3,7 @@ composition root: `__init__` builds every part of the app and gives each what it
 top to bottom for the wiring. The surfaces call the feature services it holds (`service.models`,
 `service.responses`, ...); it owns only the start and stop order: open the store (moving a
 corrupt file aside), settings, owner token, default model, recovery (§11.3), retention, and only
-then the runner. `ready` turns true at the end.
+then the scheduler. `ready` turns true at the end.
 """
 
 from __future__ import annotations
@@ -31,18 +31,21 @@ from app.engine.constraints.grammar_worker import GrammarWorker
 from app.engine.net.remote import Upstreams
 from app.engine.parent.engine import Engine
 from app.engine.parent.modes import EngineModes
+from app.engine.parent.pool import EngineFactory, EnginePool
 from app.events import EventBus
 from app.secrets import hub_token, make_private, owner_vault
 from app.store import config
 from app.store.store import Store
-from app.tasks import downloads, recovery
-from app.tasks.runner import Runner
+from app.tasks import kinds
+from app.tasks.kinds.download import Downloads as Transfers
+from app.tasks.kinds.generation import Generations
+from app.tasks.scheduler import Scheduler
 
 T = TypeVar("T")
 
 
 class AppService:
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, engine_factory: EngineFactory = Engine) -> None:
         self.data_dir = data_dir
         self.ready = False
         self.service_id = ""
@@ -51,28 +54,30 @@ class AppService:
         self.store = Store(data_dir / paths.DB_NAME)
         self.bus = EventBus()
         self.settings = Settings(self.store, self.bus)
-        # The engines and what runs on them: local engines (their modes remembered per model),
-        # remote endpoints, the grammar worker, and the schedulers that hand tasks to them.
-        self.engines: list[Engine] = []
+        # The engines and what runs on them: the pool of local engines (their modes remembered per
+        # model), remote endpoints, the grammar worker, and the one scheduler, whose task kinds
+        # (generations, downloads) hand tasks to them.
         self.modes = EngineModes(self.store, self.bus, lambda: str(self.settings["engine_mode"]))
+        self.pool = EnginePool(self.modes, engine_factory)
         self.upstreams = Upstreams()
         self.grammars = GrammarWorker()
-        self.runner = Runner(self.store, self.bus, self.engines, self.modes, self.upstreams)
-        self.transfers = downloads.Downloads(self.store, self.bus, hub_token)
+        self.scheduler = Scheduler(self.store, self.bus, kinds.build(
+            kinds.Needs(self.store, self.bus, self.pool, self.upstreams, hub_token)))
+        self.generations = self.scheduler.kind(Generations)
+        self.transfers = self.scheduler.kind(Transfers)
         # Reading requests, whose cost grows with their size: off the loop, on threads of their own
         # (a wait on the grammar worker must not hold a thread the default executor's users need).
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="lmsp-requests")
         # The features the surfaces call.
         self.access = Access(self.store, self.bus, owner_vault(data_dir))
-        self.remotes = Remotes(data_dir, self.store, self.bus, self.upstreams, self.runner)
-        self.models = Models(self.store, self.bus, self.engines, self.runner, self.modes, self.remotes)
+        self.remotes = Remotes(data_dir, self.store, self.bus, self.upstreams, self.scheduler)
+        self.models = Models(self.store, self.bus, self.pool, self.modes, self.remotes)
         self.downloads = Downloads(self.store, self.settings, self.transfers)
-        self.embeddings = Embeddings(self.store, self.bus, self.engines, self.runner)
-        self.tasks = Tasks(self.store, self.bus, self.runner, self.transfers)
-        self.responses = Responses(self.store, self.bus, self.settings, self.runner, self.tasks, self.grammars,
+        self.embeddings = Embeddings(self.store, self.bus, self.pool)
+        self.tasks = Tasks(self.store, self.bus, self.scheduler)
+        self.responses = Responses(self.store, self.bus, self.settings, self.scheduler, self.tasks, self.grammars,
                                    self.off_loop)
-        self.housekeeping = Housekeeping(self.store, self.bus, self.settings, self.access, self.remotes,
-                                         self.engines, self.runner)
+        self.housekeeping = Housekeeping(self.store, self.bus, self.settings, self.access, self.remotes, self.pool)
         self.settings.on_change.append(self._apply_settings)
 
     async def start(self) -> None:
@@ -83,12 +88,11 @@ class AppService:
         await self.access.ensure_owner_token()
         await self.models.ensure_default_model()
         await self.modes.open()
-        self.recovery_counts = await self.store.write(recovery.recover)
+        self.recovery_counts = await self.scheduler.recover()
         await self.store.write(idempotency.forget_in_flight)
         await self.housekeeping.purge()
         await self.remotes.open_upstreams()
-        self.runner.start()
-        await self.transfers.start()
+        self.scheduler.start()
         # What start-up made (modules, the app's objects) lives as long as the process: out of the
         # collector's sight, a full collection no longer pauses the loop (and every thread) for tens
         # of milliseconds, 190 ms once a 640 KB request's 10,000 items were decoded. Collected first
@@ -103,20 +107,21 @@ class AppService:
         self.ready = False
         self.models.stop_examining()  # asyncio.run() waits for every thread at exit: they must end now
         self.housekeeping.stop()
-        await asyncio.gather(self.runner.stop(), self.transfers.stop())
+        await self.scheduler.stop()
         self.bus.publish([{"type": "service.stopping"}])
-        await asyncio.gather(*(engine.stop() for engine in self.engines), self.upstreams.close())
+        await asyncio.gather(self.pool.stop(), self.upstreams.close())
         self.grammars.stop()
         self._readers.shutdown(wait=False)
         await self.store.close()
 
     def _apply_settings(self, changes: dict[str, Any]) -> None:
-        """Hand the settings the runner and routing read to them."""
+        """Hand the settings the engine pool, the scheduler and routing read to them."""
         if "max_concurrent_tasks" in changes:
-            self.runner.resize(changes["max_concurrent_tasks"])
+            self.pool.resize(changes["max_concurrent_tasks"])
+            self.scheduler.wake()
         if "max_concurrent_remote_tasks" in changes:
-            self.runner.remote_capacity = changes["max_concurrent_remote_tasks"]
-            self.runner.wake()
+            self.generations.remote_capacity = changes["max_concurrent_remote_tasks"]
+            self.scheduler.wake()
         if "remote_wait_seconds" in changes:
             self.upstreams.wait_seconds = changes["remote_wait_seconds"]
 

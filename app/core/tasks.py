@@ -9,20 +9,18 @@ from app.core.auth import Client
 from app.errors import Conflict, InvalidRequest, NotFound
 from app.events import EventBus, Feed
 from app.store.store import Store
-from app.tasks import downloads, records
-from app.tasks.runner import Runner
+from app.tasks import kinds, records
+from app.tasks.scheduler import Scheduler
 from app.tasks.states import TERMINAL
 
-TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled",
-                   *downloads.TERMINAL_EVENTS)
+TERMINAL_EVENTS = kinds.TERMINAL_EVENTS
 
 
 class Tasks:
-    def __init__(self, store: Store, bus: EventBus, runner: Runner, downloads: downloads.Downloads) -> None:
+    def __init__(self, store: Store, bus: EventBus, scheduler: Scheduler) -> None:
         self.store = store
         self.bus = bus
-        self.runner = runner
-        self.downloads = downloads
+        self.scheduler = scheduler
 
     async def task(self, client: Client, task_id: str) -> dict[str, Any]:
         return records.task_object(await self.owned(client, "task", task_id))
@@ -57,15 +55,8 @@ class Tasks:
 
     async def cancel(self, client: Client, kind: str, ident: str) -> dict[str, Any]:
         row = await self.owned(client, kind, ident)
-        download = row["kind"] == "download"
-        if download:
-            events = await self.store.write(downloads.request_cancel, row["id"])
-        else:
-            events = await self.runner.accept_cancel(row["id"])
-        if events is None:
+        if await self.scheduler.cancel(row["kind"], row["id"]) is None:
             raise Conflict("task_not_cancellable", f"Task {row['id']} has already ended.")
-        self.bus.publish(events)
-        (self.downloads if download else self.runner).cancel(row["id"])
         return records.task_object(await self.store.read(records.one_listed, "t.id", row["id"]))
 
     async def wait(self, task_id: str) -> dict[str, Any]:
@@ -88,7 +79,7 @@ class Tasks:
         return [records.task_object(r) for r in rows[:limit]], len(rows) > limit
 
     def set_paused(self, paused: bool) -> None:
-        self.runner.set_paused(paused)
+        self.scheduler.set_paused(paused)
         self.bus.publish([{"type": "service.paused", "paused": paused}])
 
 

@@ -87,7 +87,7 @@ class Session(QObject):
 
     @property
     def paused(self) -> bool:
-        return bool(self.service.runner.paused)
+        return bool(self.service.scheduler.paused)
 
     @property
     def address(self) -> str:

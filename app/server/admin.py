@@ -119,8 +119,8 @@ async def patch_settings(request: web.Request) -> web.Response:
 async def get_metrics(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     counts = await service.store.read(metrics.task_counts)
-    text = metrics.render(counts, tokens=service.runner.tokens_generated,
-                          tokens_per_second=service.runner.last_tokens_per_second,
+    text = metrics.render(counts, tokens=service.generations.tokens_generated,
+                          tokens_per_second=service.generations.last_tokens_per_second,
                           load_seconds=service.models.model_load_seconds, recovery=service.recovery_counts,
                           latency=request.app[LATENCY], commits=service.store.commits,
                           transactions=service.store.transactions)

@@ -1,1 +1,2 @@
-"""Durable tasks: the state machine, the event log, the runner and recovery (LMSP §6, §11)."""
+"""Durable tasks: the state machine, the event log, the scheduler with its task kinds, and
+recovery (LMSP §6, §11)."""

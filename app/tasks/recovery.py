@@ -1,4 +1,5 @@
-"""Recovery at startup (LMSP §11.3), run before the service accepts or runs anything.
+"""Recovery of generations at startup (LMSP §11.3): the scheduler runs it with the other kinds'
+rules (app/tasks/kinds/), before the service accepts or runs anything.
 
 Each leftover task is moved by its `on_restart` policy, its new state and event in one
 transaction:
@@ -59,15 +60,15 @@ def _move(conn: sqlite3.Connection, task: sqlite3.Row) -> str:
     return f"{status}->{to}"
 
 
-def recover(conn: sqlite3.Connection) -> dict[str, int]:
-    """Apply table 11.3 to every unfinished task. Returns counts like {"running->failed": 2}.
+def recover(conn: sqlite3.Connection, kind: str) -> dict[str, int]:
+    """Apply table 11.3 to every unfinished task of `kind` (the generations': downloads have
+    rules of their own, app/tasks/kinds/download.py). Returns counts like {"running->failed": 2}.
 
     Each task's move is its own savepoint-free statement group inside the caller's
     transaction; the caller runs this on the writer, so all moves commit together."""
     marks = ",".join("?" * len(UNFINISHED))
-    # Downloads continue from their bytes on disk whatever happened: app/tasks/downloads.py.
     leftovers = conn.execute(f"SELECT id, status, on_restart, attempt FROM tasks WHERE status IN ({marks}) "
-                             "AND kind = 'response'", UNFINISHED).fetchall()
+                             "AND kind = ?", (*UNFINISHED, kind)).fetchall()
     counts = Counter(_move(conn, task) for task in leftovers)
     if leftovers:
         log.info("recovered %d unfinished tasks: %s", len(leftovers), dict(counts))

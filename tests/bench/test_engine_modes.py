@@ -31,7 +31,7 @@ def test_decode_speed_fast_vs_safe() -> None:
 
 async def timed_load(service: AppService) -> float:
     """A first load in a fresh engine process, in seconds."""
-    await service.engines[0].stop()
+    await service.pool.engines[0].stop()
     started = time.perf_counter()
     await service.models.load_model(DEFAULT_MODEL_ID)
     return time.perf_counter() - started

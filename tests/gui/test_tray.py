@@ -36,13 +36,13 @@ async def test_pause_and_resume_change_state_icon_and_menu(session: Session, unt
     pause = action(tray, "pause")
     assert pause.text() == "Pause new tasks"
     pause.trigger()
-    assert session.service.runner.paused
+    assert session.service.scheduler.paused
     await until(lambda: shows(tray, "paused"), 10, "paused icon")
     assert "paused" in tray.icon.toolTip()
     resume = action(tray, "pause")
     assert resume.text() == "Resume tasks"
     resume.trigger()
-    assert not session.service.runner.paused
+    assert not session.service.scheduler.paused
     await until(lambda: shows(tray, "idle"), 10, "idle icon")
 
 

@@ -1,8 +1,8 @@
 """Downloads from the Hugging Face hub as durable tasks (LMSP §13).
 
 A download is a task of kind "download": the same table, states, sequence rules, cancel and
-retention as a generation, but run here rather than by the runner: it is I/O, not engine work,
-so it never waits for an engine and runs beside generation (a few at once).
+retention as a generation, taken by the same scheduler, but into slots of its own: it is I/O,
+not engine work, so it never waits for an engine and runs beside generation (a few at once).
 
     queued -> loading (asking the hub where the bytes are) -> running (receiving, verifying)
     -> completed | failed;  queued -> cancelled;  loading|running -> cancelling -> cancelled
@@ -26,20 +26,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import functools
 import json
 import logging
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Coroutine
 
 from app.engine.net import hub
 from app.engine.registry import models
 from app.errors import LmspError
-from app.store.store import Store
 from app.tasks import limits, machine, records
-from app.events import EventBus
+from app.tasks.kinds.base import Claimed, Kind, Needs, Recovered, Room
 from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING, TERMINAL
 
 log = logging.getLogger(__name__)
@@ -50,29 +50,54 @@ TRANSIENT = ("hub_unreachable", "hub_unavailable", "download_interrupted")
 RETRY_SECONDS = (2, 10, 30, 60, 120)  # about four minutes of a lost line before giving up
 
 
-class Downloads:
-    def __init__(self, store: Store, bus: EventBus, token: Callable[[], str | None]) -> None:
-        self.store = store
-        self.bus = bus
-        self.token = token          # the hub token (blocking: a keyring read)
+class Downloads(Kind):
+    name = "download"
+    worker = "lmsp-download"
+    terminal_events = TERMINAL_EVENTS
+
+    def __init__(self, needs: Needs) -> None:
+        self.store = needs.store
+        self.bus = needs.bus
+        self.token = needs.hub_token  # the hub token (blocking: a keyring read)
         self.active: dict[str, hub.Transfer] = {}
-        self._wake = asyncio.Event()
-        self._stopping = False
-        self._main: asyncio.Task[None] | None = None
-        self._workers: set[asyncio.Task[None]] = set()
+        # Whether a claim should look for a download: at start, when one is asked for, when one
+        # ends; no longer once a claim found none (set on the writer, in that claim: whatever
+        # asks for a download commits it, then wakes this, after such a claim has committed).
+        self._look = True
         # The transfers and the hashing of a whole file take minutes: threads of their own, one a
         # slot, so that they never hold the default pool the rest of the service needs.
         self._threads = ThreadPoolExecutor(SLOTS, thread_name_prefix="lmsp-download")
 
-    async def start(self) -> None:
-        """Recovery for downloads, then the scheduler. Call after the store is open."""
-        events, leftovers = await self.store.write(_recover)
-        self.bus.publish(events)
-        await asyncio.to_thread(_remove, leftovers)
-        self._main = asyncio.create_task(self._schedule(), name="lmsp-downloads")
-
     def wake(self) -> None:
-        self._wake.set()
+        """A download may be waiting: the next claim looks for one."""
+        self._look = True
+        self.host.wake()
+
+    def room(self) -> Room | None:
+        if len(self.active) >= SLOTS or not self._look:
+            return None
+        return Room(("download",), tuple(self.active))
+
+    def claim(self, conn: sqlite3.Connection, room: Room) -> Claimed | None:
+        """The oldest download that should be moving and is not: queued, or left mid-way by a stop."""
+        marks = ",".join("?" * len(room.busy))
+        exclude = f" AND id NOT IN ({marks})" if room.busy else ""
+        row = conn.execute(f"SELECT id, status FROM tasks WHERE kind = ? AND status IN ('queued', 'loading', "
+                           f"'running'){exclude} ORDER BY created_at LIMIT 1", (self.name, *room.busy)).fetchone()
+        if row is None:
+            self._look = False
+            return None
+        if row["status"] == QUEUED:
+            machine.transition(conn, row["id"], LOADING, only_from=(QUEUED,))
+        return Claimed(self, row["id"], room, "download", [])
+
+    def start(self, claimed: Claimed) -> Coroutine[Any, Any, None]:
+        transfer = self.active[claimed.task_id] = hub.Transfer()
+        return self._run(claimed.task_id, transfer)
+
+    async def accept_cancel(self, task_id: str) -> list[machine.Event] | None:
+        result: list[machine.Event] | None = await self.store.write(request_cancel, task_id)
+        return result
 
     def cancel(self, task_id: str) -> None:
         """The database already says `cancelling` (or `cancelled`): stop the transfer."""
@@ -80,38 +105,32 @@ class Downloads:
         if transfer is not None:
             transfer.stop = "cancel"
 
-    async def stop(self, grace: float = 5.0) -> None:
+    def recover(self, conn: sqlite3.Connection) -> Recovered:
+        """A download left cancelling ends cancelled; the partial files of every ended download
+        go (off the writer thread, once committed)."""
+        events: list[machine.Event] = []
+        for row in conn.execute("SELECT id FROM tasks WHERE kind = ? AND status = 'cancelling'",
+                                (self.name,)).fetchall():
+            events += _cancelled(conn, row["id"]) or []
+        marks = ",".join("?" * len(TERMINAL))
+        ended = conn.execute(f"SELECT d.partial_path FROM downloads d JOIN tasks t ON t.id = d.task_id "
+                             f"WHERE t.status IN ({marks})", TERMINAL).fetchall()
+        return Recovered(events=events, cleanup=functools.partial(_remove, [r["partial_path"] for r in ended]))
+
+    def halt(self) -> None:
         """Stop the transfers where they are: their bytes stay on disk for the next start."""
-        self._stopping = True
-        self.wake()
         for transfer in self.active.values():
             transfer.stop = "shutdown"
-        if self._workers:
-            await asyncio.wait(list(self._workers), timeout=grace)
-        for worker in list(self._workers) + ([self._main] if self._main else []):
-            worker.cancel()
-        self._threads.shutdown(wait=False)
 
-    async def _schedule(self) -> None:
-        while not self._stopping:
-            self._wake.clear()
-            claimed = await self.store.write(_claim, list(self.active)) if len(self.active) < SLOTS else None
-            if claimed is None:
-                await self._wake.wait()
-                continue
-            task_id, events = claimed
-            self.bus.publish(events)
-            transfer = self.active[task_id] = hub.Transfer()
-            worker = asyncio.create_task(self._run(task_id, transfer), name=f"lmsp-download-{task_id}")
-            self._workers.add(worker)
-            worker.add_done_callback(self._workers.discard)
+    def close(self) -> None:
+        self._threads.shutdown(wait=False)
 
     async def _run(self, task_id: str, transfer: hub.Transfer) -> None:
         try:
             await self._attempts(task_id, transfer)
-        finally:  # only once the task has left `running`: else the scheduler would take it again
+        finally:  # only once the task has left `running`: else a claim would take it again
             self.active.pop(task_id, None)
-            self.wake()
+            self._look = True
 
     async def _attempts(self, task_id: str, transfer: hub.Transfer) -> None:
         row = await self.store.read(_download, task_id)
@@ -275,19 +294,6 @@ def unfinished(conn: sqlite3.Connection, client_id: str, repo: str, file: str, r
     return row["id"] if row else None
 
 
-def _claim(conn: sqlite3.Connection, busy: list[str]) -> tuple[str, list[machine.Event]] | None:
-    """The oldest download that should be moving and is not: queued, or left mid-way by a stop."""
-    marks = ",".join("?" * len(busy))
-    exclude = f" AND id NOT IN ({marks})" if busy else ""
-    row = conn.execute(f"SELECT id, status FROM tasks WHERE kind = 'download' AND status IN ('queued', 'loading', "
-                       f"'running'){exclude} ORDER BY created_at LIMIT 1", busy).fetchone()
-    if row is None:
-        return None
-    if row["status"] == QUEUED:
-        machine.transition(conn, row["id"], LOADING, only_from=(QUEUED,))
-    return row["id"], []
-
-
 def _begin(conn: sqlite3.Connection, task_id: str, have: int, total: int) -> list[machine.Event] | None:
     conn.execute("UPDATE downloads SET bytes = ? WHERE task_id = ?", (have, task_id))
     row = _download(conn, task_id)
@@ -352,15 +358,3 @@ def request_cancel(conn: sqlite3.Connection, task_id: str) -> list[machine.Event
     if events is None:
         events = machine.transition(conn, task_id, CANCELLING, [("download.cancelling", {})])
     return events
-
-
-def _recover(conn: sqlite3.Connection) -> tuple[list[machine.Event], list[str]]:
-    """At start: a download left cancelling ends cancelled. Returns its events and the partial
-    files of every ended download (removed off the writer thread)."""
-    events: list[machine.Event] = []
-    for row in conn.execute("SELECT id FROM tasks WHERE kind = 'download' AND status = 'cancelling'").fetchall():
-        events += _cancelled(conn, row["id"]) or []
-    marks = ",".join("?" * len(TERMINAL))
-    ended = conn.execute(f"SELECT d.partial_path FROM downloads d JOIN tasks t ON t.id = d.task_id "
-                         f"WHERE t.status IN ({marks})", TERMINAL).fetchall()
-    return events, [r["partial_path"] for r in ended]

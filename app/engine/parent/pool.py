@@ -1,0 +1,99 @@
+"""The engine pool: the one owner of the local engines (one llama.cpp child each).
+
+It makes them (`resize`), says which is idle and which holds a model, lends one to a task
+(`lease`, by task id, until `release`) and lets a model go (`unload`, `unload_idle`). The
+scheduler and the core ask it; nobody else keeps a list of engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Callable, Sequence
+
+from app.engine.parent.engine import Engine
+from app.engine.parent.modes import EngineModes
+from app.engine.registry.models import Registered
+
+log = logging.getLogger(__name__)
+# Makes an engine: (name, modes, n_threads=...) -> Engine. A test passes a scripted one.
+EngineFactory = Callable[..., Engine]
+
+
+class EnginePool:
+    def __init__(self, modes: EngineModes, factory: EngineFactory = Engine) -> None:
+        self.modes = modes
+        self.factory = factory
+        self._engines: list[Engine] = []
+        self._leases: dict[str, Engine] = {}  # task id -> the engine it runs on
+        self.capacity = 0  # how many tasks may run at once locally (max_concurrent_tasks)
+
+    @property
+    def engines(self) -> Sequence[Engine]:
+        """Every engine made, those beyond `capacity` included (they rest once their task ends)."""
+        return tuple(self._engines)
+
+    def resize(self, capacity: int) -> None:
+        """Change how many tasks run at once; engines beyond it finish their task and then rest."""
+        # Engines share the cores: several llama.cpp processes each spinning every core would
+        # all run slower than one. An engine keeps its share until it is restarted.
+        threads = max(1, (os.cpu_count() or 1) // capacity)
+        while len(self._engines) < capacity:
+            self._engines.append(self.factory(f"engine{len(self._engines)}", self.modes, n_threads=threads))
+        self.capacity = capacity
+
+    def busy(self, engine: Engine) -> bool:
+        return any(leased is engine for leased in self._leases.values())
+
+    def idle(self) -> Engine | None:
+        """The first engine in use that no task holds."""
+        return next((e for e in self._engines[:self.capacity] if not self.busy(e)), None)
+
+    def lease(self, task_id: str, engine: Engine) -> None:
+        assert not self.busy(engine)
+        self._leases[task_id] = engine
+
+    def release(self, task_id: str) -> None:
+        """The task no longer uses its engine (again is fine: a task hands its engine over first)."""
+        self._leases.pop(task_id, None)
+
+    def holding(self, path: str | None) -> list[Engine]:
+        """The engines that have this model file loaded (none for a remote model: it has no path)."""
+        return [e for e in self._engines if e.model_path is not None and e.model_path == path]
+
+    def loaded_paths(self) -> set[str]:
+        return {e.model_path for e in self._engines if e.model_path and e.alive}
+
+    def refused(self, file: Registered) -> bool:
+        """Whether an engine found other bytes in this file than were registered."""
+        return any(file in e.refused for e in self._engines)
+
+    def for_embedding(self, path: str) -> Engine:
+        """An engine without a task, the model's own first; else one with the model (it waits its turn)."""
+        engines = self._engines[:self.capacity]
+        candidates = [e for e in engines if not self.busy(e)] or engines
+        return min(candidates, key=lambda e: e.model_path != path)
+
+    async def unload(self, path: str | None, when: Callable[[Engine], bool] = lambda _: True) -> bool:
+        """Unload the idle engines holding `path` (those `when` picks). True when a busy one holds it."""
+        busy = False
+        for engine in self.holding(path):
+            if self.busy(engine):
+                busy = True
+            elif when(engine):
+                await engine.unload()
+        return busy
+
+    async def unload_idle(self, ttl: float) -> int:
+        """Unload the models no task has used for `ttl` seconds (0: never). How many engines let one go."""
+        unloaded = 0
+        for engine in self._engines:
+            if ttl and engine.model_path and not self.busy(engine) and engine.idle_for() > ttl:
+                log.info("%s: unloading %s after %d s idle", engine.name, engine.model_path, ttl)
+                await engine.unload()
+                unloaded += 1
+        return unloaded
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(engine.stop() for engine in self._engines))

@@ -1,0 +1,141 @@
+"""A generation's transactions: each runs on the writer thread and returns the events it wrote
+(None when the task was no longer where the write expected it: a cancel came first)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import replace
+from typing import Any
+
+from app.engine.registry import models
+from app.errors import LmspError
+from app.tasks import calls, machine, output, records
+from app.tasks.kinds.generation_job import Chunk, EngineRoom, Prepared
+from app.tasks.machine import RESPONSE
+from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING
+
+# The task taken: its id, its client, its model's format, the events taking it wrote, what it needs to start.
+Taken = tuple[str, str, str, list[machine.Event], Prepared]
+
+
+def _prepare(conn: sqlite3.Connection, task_id: str) -> Prepared:
+    """Read in the claim's transaction: a trip to a reader thread would add a wake-up to the start.
+    The output is read once, with its ids (`one_task` would read its text a second time)."""
+    row = dict(records.joined(conn, "t.id = ?", (task_id,))[0])
+    ids, text = output.read(conn, task_id)
+    request, running = json.loads(row["request"]), row["status"] == RUNNING
+    try:
+        return Prepared(row, request, ids, text, models.usable(conn, row["model_id"]), None, running)
+    except LmspError as exc:
+        return Prepared(row, request, ids, text, None, exc, running)
+
+
+
+def take(conn: sqlite3.Connection, kind: str, room: EngineRoom) -> Taken | None:
+    """The next task of `kind` to run in `room` (its names: a local engine `gguf`, `remote`): a
+    resumed `running` task first, else a queued one, round-robin by client: the oldest of the
+    first client after the last one served (in id order, wrapping around) that has one. A client
+    with 50 queued tasks delays another's single task by one task, not 50. When the engine offered
+    holds the task's model, the task is `running` in the same commit. None when nothing waits."""
+    busy, formats = room.busy, room.names
+    # A task whose model was deleted is taken as a local one, and fails as such.
+    tasks = ("SELECT t.id, r.client_id, COALESCE(m.format, 'gguf') AS format FROM tasks t "
+             "JOIN responses r ON r.id = t.response_id LEFT JOIN models m ON m.id = r.model_id "
+             f"WHERE t.kind = ? AND COALESCE(m.format, 'gguf') IN ({','.join('?' * len(formats))})")
+    exclude = f" AND t.id NOT IN ({','.join('?' * len(busy))})" if busy else ""
+    row = conn.execute(f"{tasks} AND t.status = 'running'{exclude} ORDER BY t.created_at LIMIT 1",
+                       (kind, *formats, *busy)).fetchone()
+    if row is not None:
+        return row["id"], row["client_id"], row["format"], [], _prepare(conn, row["id"])
+    row = conn.execute(f"{tasks} AND t.status = 'queued' ORDER BY r.client_id <= ?, r.client_id, t.created_at LIMIT 1",
+                       (kind, *formats, room.last_client)).fetchone()
+    if row is None:
+        return None
+    events = machine.transition(conn, row["id"], LOADING, [("response.loading", {"progress": 0.0})])
+    assert events is not None
+    task = _prepare(conn, row["id"])
+    if task.model is not None and room.ready is not None and models.registered(task.model) == room.ready:
+        # Nothing to load: the task starts running in this commit, not in one of its own.
+        started = start_running(conn, row["id"], records.message_id(task.row["response_id"]),
+                                bool(task.request.get("call")))
+        assert started is not None
+        events, task = events + started, replace(task, running=True)
+    return row["id"], row["client_id"], row["format"], events, task
+
+
+def waiting(conn: sqlite3.Connection, task_id: str, message: str) -> list[machine.Event] | None:
+    return machine.record(conn, task_id, (LOADING,), [("response.loading", {"progress": 0.0, "message": message})])
+
+
+def reset_output(conn: sqlite3.Connection, task_id: str, resume_mode: str) -> list[machine.Event] | None:
+    """A new attempt from nothing, in place: the output goes, and the event says so."""
+    task = conn.execute("SELECT status, attempt FROM tasks WHERE id = ?", (task_id,)).fetchone()
+    if task["status"] != RUNNING:
+        return None
+    output.clear(conn, task_id)  # first: the response in the event shows the output as it now is
+    return machine.record(conn, task_id, (RUNNING,), [("response.in_progress", {
+        "response": RESPONSE, "output_reset": True, "resume_mode": resume_mode})],
+        attempt=task["attempt"] + 1, output_tokens=0, tokens_per_second=None)
+
+
+def start_running(conn: sqlite3.Connection, task_id: str, item_id: str, call: bool) -> list[machine.Event] | None:
+    # The output message and its text part open before the first delta, as OpenAI's stream does:
+    # the openai SDK's `responses.stream()` helper refuses deltas for an item it was not given.
+    # A function call's item opens once its name is decoded (calls.CallStream).
+    item = {"type": "message", "id": item_id, "role": "assistant", "status": "in_progress", "content": []}
+    part = {"type": "output_text", "text": "", "annotations": []}
+    opened = [] if call else [
+        ("response.output_item.added", {"output_index": 0, "item": item}),
+        ("response.content_part.added", {"item_id": item_id, "output_index": 0, "content_index": 0, "part": part})]
+    return machine.transition(conn, task_id, RUNNING, [
+        ("response.loading", {"progress": 1.0}),
+        ("response.in_progress", {"response": RESPONSE}),
+        *opened,
+    ], only_from=(LOADING,), started_at=time.time())
+
+
+def save_output(conn: sqlite3.Connection, task_id: str, chunk: Chunk) -> list[machine.Event] | None:
+    events = machine.record(conn, task_id, (RUNNING,), chunk.events, output_tokens=chunk.output_tokens,
+                            tokens_per_second=chunk.tokens_per_second)
+    if events is not None and (chunk.ids or chunk.text):
+        output.append(conn, task_id, chunk.ids, chunk.text)
+    return events
+
+
+def complete(conn: sqlite3.Connection, task_id: str, last: Chunk, ending: list[calls.Event], reason: str,
+              usage: dict[str, Any]) -> list[machine.Event] | None:
+    saved = save_output(conn, task_id, last)
+    if saved is None:
+        return None
+    done = machine.transition(
+        conn, task_id, COMPLETED,
+        [*ending, ("response.incomplete" if reason == "length" else "response.completed", {"response": RESPONSE})],
+        finish_reason=reason, input_tokens=usage.get("input_tokens", 0), cached_tokens=usage.get("cached_tokens", 0),
+        finished_at=time.time())
+    assert done is not None
+    return saved + done
+
+
+
+def fail(conn: sqlite3.Connection, task_id: str, code: str, message: str) -> list[machine.Event] | None:
+    error = {"code": code, "message": message}
+    return machine.transition(conn, task_id, FAILED, [("response.failed", {"response": RESPONSE, "error": error})],
+                              error_code=code, error_message=message, finished_at=time.time())
+
+
+def cancelled(conn: sqlite3.Connection, task_id: str) -> list[machine.Event] | None:
+    return machine.transition(conn, task_id, CANCELLED, [("response.cancelled", {"response": RESPONSE})],
+                              only_from=(CANCELLING,), finished_at=time.time())
+
+
+def request_cancel(conn: sqlite3.Connection, task_id: str, held: Chunk | None = None) -> list[machine.Event] | None:
+    """Accept a cancel atomically: queued ends at once, loading/running go to `cancelling`, after
+    the output the task `held` back. None when the task is already finished."""
+    saved = (save_output(conn, task_id, held) or []) if held is not None else []
+    events = machine.transition(conn, task_id, CANCELLED, [("response.cancelled", {"response": RESPONSE})],
+                                only_from=(QUEUED,), finished_at=time.time())
+    if events is None:
+        events = machine.transition(conn, task_id, CANCELLING, [("response.cancelling", {})])
+    return None if events is None else saved + events
