@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import sqlite3
@@ -27,6 +26,7 @@ from typing import Any
 
 from app.engine.registry import models
 from app.engine.parent.engine import Engine, EngineError, Generation, Runs
+from app.engine.request import Request
 from app.engine.parent.modes import EngineModes
 from app.engine.net.remote import RemoteEngine, Upstreams
 from app.errors import LmspError, StoreError
@@ -61,7 +61,7 @@ class Prepared:
     """What a task needs to start, read in one go: its row and request, its output so far, and its
     model's row (or why the model cannot be used)."""
     row: dict[str, Any]
-    request: dict[str, Any]  # parsed once, here: a start in the claim's commit needs it too
+    request: Request  # read once, here: a start in the claim's commit needs it too
     ids: list[int]
     text: str
     model: sqlite3.Row | None
@@ -357,12 +357,10 @@ class Runner:
         request = task.request
         ids, job.text = task.ids, task.text
         job.tokens = row["output_tokens"]  # a remote task's output has a count but no token ids
-        if request.get("call"):
+        if request.call:
             job.call = calls.CallStream(row["response_id"], job.text)
-        gen = Generation(messages=calls.prompt(request), max_tokens=row["max_output_tokens"],
-                         temperature=request.get("temperature", 1.0), top_p=request.get("top_p", 1.0),
-                         seed=request.get("seed"), stop=request.get("stop"), constraint=request.get("constraint"),
-                         prefix_ids=ids, prefix_text=job.text, prefix_tokens=job.tokens)
+        gen = Generation(request, row["max_output_tokens"], prefix_ids=ids, prefix_text=job.text,
+                         prefix_tokens=job.tokens)
 
         async def waiting(message: str) -> None:
             if await self.write(_waiting, job.task_id, message) is None:
@@ -382,7 +380,7 @@ class Runner:
             # `running` commits while the engine reads the prompt, so its fsync is not added to
             # the wait for the first token; nothing else of the task is written before it has.
             job.starting = asyncio.ensure_future(self.write(
-                _start_running, job.task_id, job.item_id, bool(request.get("call"))))
+                _start_running, job.task_id, job.item_id, request.call))
             job.starting.add_done_callback(lambda _: _settle_start(job))
         reason, usage = "cancelled", {}
         job.started = time.monotonic()  # tokens/s counts generation, not the model load
@@ -539,7 +537,7 @@ def _prepare(conn: sqlite3.Connection, task_id: str) -> Prepared:
     The output is read once, with its ids (`one_task` would read its text a second time)."""
     row = dict(records.joined(conn, "t.id = ?", (task_id,))[0])
     ids, text = output.read(conn, task_id)
-    request, running = json.loads(row["request"]), row["status"] == RUNNING
+    request, running = Request.from_json(row["request"]), row["status"] == RUNNING
     try:
         return Prepared(row, request, ids, text, models.usable(conn, row["model_id"]), None, running)
     except LmspError as exc:
@@ -582,7 +580,7 @@ def claim(conn: sqlite3.Connection, offer: Offer) -> Claimed | None:
     if task.model is not None and offer.ready is not None and models.registered(task.model) == offer.ready:
         # Nothing to load: the task starts running in this commit, not in one of its own.
         started = _start_running(conn, row["id"], records.message_id(task.row["response_id"]),
-                                 bool(task.request.get("call")))
+                                 task.request.call)
         assert started is not None
         events, task = events + started, replace(task, running=True)
     return Claimed(row["id"], row["client_id"], row["format"], events, task)
