@@ -3,9 +3,7 @@
 It runs in its own process so that a bad model file or a crash inside llama.cpp cannot take
 the app down. It speaks plain dicts over a multiprocessing pipe:
 
-  parent -> child  {"op": "load", "file", "n_ctx", "n_threads", "safe"}
-                   {"op": "generate", "job", "request" (app/engine/request.py), "max_tokens", "prefix_ids",
-                    "emitted_chars"}
+  parent -> child  {"op": "load", "file", "n_ctx", "n_threads", "safe"} | {"op": "generate", "job", "request", ...}
                    {"op": "embed", "job", "texts", "dimensions"} | {"op": "cancel", "job"} | {"op": "shutdown"}
   child -> parent  {"ev": "backend", "cpu_variant"} then {"ev": "loaded", ...}
                    {"ev": "chunk", "job", "ids", "text", "last"?} (`last`: no token follows, `done` does)

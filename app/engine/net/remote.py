@@ -235,13 +235,12 @@ def sampling(request: Request) -> dict[str, Any]:
 
 def chat_request(endpoint: Endpoint, gen: Generation) -> dict[str, Any]:
     """The chat completion request for `gen` from its start, streamed, with the usage at the end."""
-    request = gen.request
-    body: dict[str, Any] = {"model": endpoint.model, "messages": request.prompt(),
-                            "stream_options": {"include_usage": True}, **sampling(request)}
+    body: dict[str, Any] = {"model": endpoint.model, "messages": gen.request.prompt(),
+                            "stream_options": {"include_usage": True}, **sampling(gen.request)}
     if gen.max_tokens is not None:
         body["max_tokens"] = gen.max_tokens
-    if request.constraint is not None:
-        schema = request.constraint.get("schema")
+    if gen.request.constraint is not None:
+        schema = gen.request.constraint.get("schema")
         body["response_format"] = ({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
                                    if schema is not None else {"type": "json_object"})
     return body
@@ -359,8 +358,7 @@ class RemoteEngine:
         rendered = await client.post(root + "/apply-template", headers=endpoint.headers(), timeout=CONNECT_SECONDS,
                                      json={"messages": self.gen.request.prompt()})
         rendered.raise_for_status()
-        body = {"prompt": rendered.json()["prompt"] + self.text, "cache_prompt": True,
-                **sampling(self.gen.request)}
+        body = {"prompt": rendered.json()["prompt"] + self.text, "cache_prompt": True, **sampling(self.gen.request)}
         if self.gen.max_tokens is not None:
             body["n_predict"] = max(1, self.gen.max_tokens - self.tokens)
         return root + "/completion", body, read_completion
