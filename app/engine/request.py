@@ -64,6 +64,7 @@ OMITTED_WHEN_UNSET = ("constraint", "call", "previous_response_id", "history")
 
 @dataclass(frozen=True)
 class Request:
+    """What the model is asked for, as accepted: the chat, the sampling, the output's shape."""
     messages: list[ChatMessage]  # all the model sees: the instructions first, earlier turns, the input
     instructions: str | None = None
     temperature: float = 1.0
@@ -79,6 +80,7 @@ class Request:
     history: int = 0  # how many of `messages` came from it, once the chain is resolved
 
     def to_json(self) -> str:
+        """The text stored with the response (the limits count its bytes)."""
         stored = {f.name: getattr(self, f.name) for f in fields(self)}
         return json.dumps({k: v for k, v in stored.items() if v or k not in OMITTED_WHEN_UNSET})
 
@@ -89,16 +91,15 @@ class Request:
         stored = json.loads(text)
         if not isinstance(stored, dict):
             raise ValueError("A stored request is a JSON object.")
-        known = {f.name: f for f in fields(cls)}
         for key, value in stored.items():
-            if key not in known:
+            if key not in _SHAPES:
                 raise ValueError(f"A stored request has no field {key!r}.")
             if not isinstance(value, _SHAPES[key]):
                 raise ValueError(f"A stored request's {key!r} is not {_SHAPES[key]}.")
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                    for m in stored.get("messages", [])):
             raise ValueError("A stored request's messages each have a role and a content.")
-        return cls(**{"messages": [], **stored})
+        return cls(**{"messages": [], **stored})  # a row without messages: only ever one made by hand
 
     def seen(self) -> list[ChatMessage]:
         """Every message but the instructions: the earlier turns, then the input."""
