@@ -11,6 +11,7 @@ from app.core.service import AppService
 from app.core.tasks import TERMINAL_EVENTS
 from app.engine.registry import models
 from app.engine.parent.engine import Generation
+from app.engine.request import Request
 from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.errors import Conflict
 from app.tasks.states import TERMINAL
@@ -103,7 +104,7 @@ async def test_a_cancel_before_the_engine_child_has_the_job_ends_the_generation_
     generation then ends `cancelled` at once, and the engine's next task runs normally."""
     engine = service.pool.engines[0]
     model = await service.store.read(models.usable, DEFAULT_MODEL_ID)
-    gen = Generation(messages=[{"role": "user", "content": "Say hi"}], max_tokens=8, temperature=0)
+    gen = Generation(Request([{"role": "user", "content": "Say hi"}], temperature=0), max_tokens=8)
 
     async def waiting(_: str) -> None:
         pass

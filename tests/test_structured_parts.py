@@ -88,11 +88,11 @@ def test_forced_calls_are_one_schema_over_name_and_arguments() -> None:
     tools = [{"type": "function", "name": "owner", "parameters": Owner.model_json_schema()},
              {"type": "function", "name": "ping"}]
     parsed = structured.parse({"tools": tools, "tool_choice": "required"}, grammar.convert_all)
-    assert parsed["call"] and grammar.convert(parsed["constraint"]["schema"])[0] is None
-    assert parsed["tools"][1]["parameters"] == structured.NO_PARAMETERS
+    assert parsed.call and parsed.constraint and grammar.convert(parsed.constraint["schema"])[0] is None
+    assert parsed.tools[1]["parameters"] == structured.NO_PARAMETERS
     named = structured.parse({"tools": tools, "tool_choice": {"type": "function", "name": "ping"}}, grammar.convert_all)
-    assert named["constraint"]["schema"]["properties"]["name"] == {"const": "ping"}
-    assert "constraint" not in structured.parse({"tools": tools, "tool_choice": "auto"}, grammar.convert_all)
+    assert named.constraint and named.constraint["schema"]["properties"]["name"] == {"const": "ping"}
+    assert structured.parse({"tools": tools, "tool_choice": "auto"}, grammar.convert_all).constraint is None
     with pytest.raises(LmspError) as refused:
         structured.parse({"tools": tools, "tool_choice": {"type": "function", "name": "nope"}}, grammar.convert_all)
     assert refused.value.param == "tool_choice.name"

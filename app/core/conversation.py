@@ -15,10 +15,11 @@ whose message says which and why. A `store: false` response is 400: it is never 
 
 from __future__ import annotations
 
-import json
 import sqlite3
+from dataclasses import replace
 from typing import Any
 
+from app.engine.request import ChatMessage, Request
 from app.errors import InvalidRequest, LmspError
 from app.tasks import output, records
 from app.tasks.states import COMPLETED
@@ -26,7 +27,6 @@ from app.tasks.states import COMPLETED
 PARAM = "previous_response_id"
 MAX_LINKS = 10_000                    # responses in one chain: the walk is bounded whatever is stored
 MAX_HISTORY_CHARS = 16 * 1024 * 1024  # what a continuation carries over; the engine's context check refuses far less
-Message = dict[str, Any]
 
 
 def _not_found(message: str) -> LmspError:
@@ -48,7 +48,7 @@ def _link(conn: sqlite3.Connection, client_id: str, response_id: str, asked: str
     return row
 
 
-def history(conn: sqlite3.Connection, client_id: str, previous_id: str) -> list[Message]:
+def history(conn: sqlite3.Connection, client_id: str, previous_id: str) -> list[ChatMessage]:
     """The messages that come before the new input when continuing `previous_id`."""
     row = _link(conn, client_id, previous_id, previous_id)
     if not row["store"]:
@@ -61,39 +61,29 @@ def history(conn: sqlite3.Connection, client_id: str, previous_id: str) -> list[
             raise InvalidRequest(f"The conversation is longer than {MAX_LINKS} responses.", param=PARAM,
                                  code="conversation_too_long")
         ancestor = _link(conn, client_id, ancestor, previous_id)["previous_response_id"]
-    request = json.loads(conn.execute("SELECT request FROM responses WHERE id = ?", (previous_id,)).fetchone()[0])
-    messages = [*seen(request), {"role": "assistant", "content": output.text(conn, row["task_id"])}]
+    stored = conn.execute("SELECT request FROM responses WHERE id = ?", (previous_id,)).fetchone()[0]
+    answer: ChatMessage = {"role": "assistant", "content": output.text(conn, row["task_id"])}
+    messages = [*Request.from_json(stored).seen(), answer]
     if sum(len(m["content"]) for m in messages) > MAX_HISTORY_CHARS:
         raise InvalidRequest(f"The conversation is longer than {MAX_HISTORY_CHARS} characters.", param=PARAM,
                              code="conversation_too_long")
     return messages
 
 
-def continued(generation: dict[str, Any], previous_id: str, earlier: list[Message]) -> dict[str, Any]:
-    """The generation request with the earlier messages after its instructions, before its input."""
-    messages = generation["messages"]
-    cut = _instructions(generation)
-    return {**generation, "messages": [*messages[:cut], *earlier, *messages[cut:]],
-            "previous_response_id": previous_id, "history": len(earlier)}
+def continued(request: Request, earlier: list[ChatMessage]) -> Request:
+    """The request with the earlier messages after its instructions, before its input."""
+    cut = 0 if request.instructions is None else 1
+    messages = request.messages
+    return replace(request, messages=[*messages[:cut], *earlier, *messages[cut:]], history=len(earlier))
 
 
-def _instructions(request: dict[str, Any]) -> int:
-    """How many leading messages are the request's own `instructions` (0 or 1)."""
-    return 0 if request.get("instructions") is None else 1
-
-
-def seen(request: dict[str, Any]) -> list[Message]:
-    """Every message of a stored request but its instructions: the earlier turns, then its input."""
-    return request["messages"][_instructions(request):]
-
-
-def input_items(response_id: str, request: dict[str, Any]) -> list[dict[str, Any]]:
+def input_items(response_id: str, request: Request) -> list[dict[str, Any]]:
     """The input of a response in OpenAI's item shape, oldest first: earlier turns included."""
     base = records.message_id(response_id)
     return [{"id": f"{base}_{i}", "type": "message", "role": m["role"], "status": "completed",
              "content": [{"type": "output_text", "text": m["content"], "annotations": []} if m["role"] == "assistant"
                          else {"type": "input_text", "text": m["content"]}]}
-            for i, m in enumerate(seen(request))]
+            for i, m in enumerate(request.seen())]
 
 
 def page(items: list[dict[str, Any]], order: str, after: str | None, limit: int) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.core import structured
+from app.engine.request import ChatMessage, Request
 from app.errors import InvalidRequest
 from app.store.config import ON_RESTART
 
@@ -20,28 +21,18 @@ CALL_ITEMS = {"function_call", "function_call_output"}
 MAX_ITEMS = 10_000
 
 
-@dataclass
+@dataclass(frozen=True)
 class ResponseRequest:
+    """A `POST /v1/responses` body, read: the generation `request` the engine runs (stored with the
+    response as JSON), and what the response and its task keep in their own columns."""
+    request: Request
     model: str | None
-    messages: list[dict[str, str]]
     max_output_tokens: int | None
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: list[str]
     metadata: dict[str, str]
     stream: bool
     background: bool
     on_restart: str | None
-    instructions: str | None
-    structured: dict[str, Any]  # text.format, tools, tool_choice and the constraint (app/core/structured.py)
-    previous_response_id: str | None = None  # resolved into `messages` when accepted (app/core/conversation.py)
     store: bool = True
-
-    def generation(self) -> dict[str, Any]:
-        """What the engine needs; stored with the response so a restart can redo or resume it."""
-        return {"messages": self.messages, "instructions": self.instructions, "temperature": self.temperature,
-                "top_p": self.top_p, "seed": self.seed, "stop": self.stop, **self.structured}
 
 
 def _is_int(v: Any) -> bool:
@@ -67,14 +58,14 @@ def text_of(content: Any, param: str) -> str:
     raise InvalidRequest("`content` must be a string or a list of text parts.", param=param)
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any) -> list[ChatMessage]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise InvalidRequest("`input` must be a string or a non-empty list of messages.", param="input")
     if len(value) > MAX_ITEMS:
         raise InvalidRequest(f"`input` has {len(value)} items; at most {MAX_ITEMS} are allowed.", param="input")
-    out = []
+    out: list[ChatMessage] = []
     calls: dict[str, str] = {}  # call_id -> the function of the first call with it, so far
     for i, item in enumerate(value):
         if isinstance(item, dict) and item.get("type") in CALL_ITEMS:
@@ -148,6 +139,8 @@ def parse(body: Any, convert: structured.Convert) -> ResponseRequest:
     if flags["background"] and not flags["store"]:  # as OpenAI: a background response is fetched later
         raise InvalidRequest("A background response must be stored: `store: false` needs `background: false`.",
                              param="store")
-    return ResponseRequest(model, messages, max_tokens, float(temperature), float(top_p), seed, stop, metadata,
-                           flags["stream"], flags["background"], on_restart, instructions,
-                           structured.parse(body, convert), previous, flags["store"])
+    parts = structured.parse(body, convert)
+    request = Request(messages, instructions, float(temperature), float(top_p), seed, stop, parts.format, parts.tools,
+                      parts.tool_choice, parts.constraint, parts.call, previous)
+    return ResponseRequest(request, model, max_tokens, metadata, flags["stream"], flags["background"], on_restart,
+                           flags["store"])

@@ -18,6 +18,7 @@ from app.core.ids import new_id
 from app.core.tasks import Tasks
 from app.engine.constraints.grammar_worker import GrammarWorker
 from app.engine.registry import models
+from app.engine.request import Request
 from app.errors import Conflict, LmspError, NotFound
 from app.events import EventBus
 from app.store.store import Store
@@ -113,7 +114,7 @@ class Responses:
                           limit: int = 20) -> dict[str, Any]:
         """The input a response's model saw (earlier turns included, instructions not), OpenAI's list shape."""
         row = await self.tasks.owned(client, "response", response_id, whole=True)
-        items = conversation.input_items(response_id, json.loads(row["request"]))
+        items = conversation.input_items(response_id, Request.from_json(row["request"]))
         return conversation.page(items, order, after, limit)
 
     async def delete_response(self, client: Client, response_id: str) -> None:
@@ -142,17 +143,15 @@ def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_
     except NotFound as exc:
         raise LmspError("model_not_found", f"The model {model_id!r} does not exist.", param="model",
                         status=404) from exc
-    generation = req.generation()
-    if req.previous_response_id is not None:
-        earlier = conversation.history(conn, client_id, req.previous_response_id)
-        generation = conversation.continued(generation, req.previous_response_id, earlier)
+    request, previous = req.request, req.request.previous_response_id
+    if previous is not None:
+        request = conversation.continued(request, conversation.history(conn, client_id, previous))
     response_id, task_id = new_id("resp"), new_id("task")
-    limits.store_request(conn, settings, response_id, client_id, model_id, json.dumps(generation), req.background,
-                         json.dumps(req.metadata), time.time(), previous_response_id=req.previous_response_id,
-                         store=int(req.store))
+    limits.store_request(conn, settings, response_id, client_id, model_id, request.to_json(), req.background,
+                         json.dumps(req.metadata), time.time(), previous_response_id=previous, store=int(req.store))
     events = machine.create(conn, task_id, response_id, on_restart, req.max_output_tokens)
     # `queued` carries the response as it now stands, but for what it echoes of the request
-    response = {**events[-1]["response"], **records.echoed(generation)}
+    response = {**events[-1]["response"], **records.echoed(request)}
     if key is not None and req.background:  # the key and the task it created commit together
         idempotency.finish(conn, client_id, key[0], 202, response, response_id)
     # Only room this task's kind of model can use is worth a claim here: other queued tasks are

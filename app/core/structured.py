@@ -12,27 +12,40 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from app.engine.constraints.grammar import Converted, too_large
+from app.engine.request import TEXT, ChatMessage, Constraint, Format, Schema, Tool, ToolChoice
 from app.errors import InvalidRequest, LmspError
 
-TEXT = {"type": "text"}
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+NO_PARAMETERS: Schema = {"type": "object", "properties": {}, "additionalProperties": False}
 # Schemas to grammars: app/engine/constraints/grammar_worker.py, or `grammar.convert_all` where no loop waits.
 Convert = Callable[[list[Any]], list[Converted]]
 
 
-def _format(text: Any) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Structured:
+    """The request's structured-output and tool fields (app/engine/request.py `Request` has them)."""
+    format: Format
+    tools: list[Tool]
+    tool_choice: ToolChoice
+    constraint: Constraint | None = None
+    call: bool = False
+
+
+def _format(text: Any) -> Format:
     if text is None:
         return TEXT
     if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
         raise InvalidRequest("`text` must be an object with a `format`.", param="text")
     fmt = text.get("format") or TEXT
     kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind in ("text", "json_object"):
-        return {"type": kind}
+    if kind == "text":
+        return {"type": "text"}
+    if kind == "json_object":
+        return {"type": "json_object"}
     if kind != "json_schema":
         raise InvalidRequest("`text.format.type` must be text, json_schema or json_object.", param="text.format.type")
     if not isinstance(fmt.get("name"), str) or not NAME.match(fmt["name"]):
@@ -41,13 +54,14 @@ def _format(text: Any) -> dict[str, Any]:
         raise InvalidRequest("`text.format.schema` must be a JSON schema object.", param="text.format.schema")
     if not isinstance(fmt.get("strict", False), (bool, type(None))):
         raise InvalidRequest("`text.format.strict` must be true or false.", param="text.format.strict")
-    out = {"type": "json_schema", "name": fmt["name"], "schema": fmt["schema"], "strict": bool(fmt.get("strict"))}
+    out: Format = {"type": "json_schema", "name": fmt["name"], "schema": fmt["schema"],
+                   "strict": bool(fmt.get("strict"))}
     if isinstance(fmt.get("description"), str):
         out["description"] = fmt["description"]
     return out
 
 
-def _tool(tool: Any, param: str) -> dict[str, Any]:
+def _tool(tool: Any, param: str) -> Tool:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         raise InvalidRequest("Only function tools (`type: function`) are supported.", param=f"{param}.type")
     if not isinstance(tool.get("name"), str) or not NAME.match(tool["name"]):
@@ -64,7 +78,7 @@ def _tool(tool: Any, param: str) -> dict[str, Any]:
             "strict": bool(tool.get("strict", True))}
 
 
-def _tools(value: Any) -> list[dict[str, Any]]:
+def _tools(value: Any) -> list[Tool]:
     if value is None:
         return []
     if not isinstance(value, list):
@@ -76,13 +90,15 @@ def _tools(value: Any) -> list[dict[str, Any]]:
     return tools
 
 
-def _choice(value: Any, tools: list[dict[str, Any]]) -> str | dict[str, Any]:
-    if value is None:
+def _choice(value: Any, tools: list[Tool]) -> ToolChoice:
+    if value is None or value == "auto":
         return "auto"
-    if value in ("auto", "none", "required"):
-        if value == "required" and not tools:
+    if value == "none":
+        return "none"
+    if value == "required":
+        if not tools:
             raise InvalidRequest("`tool_choice: required` needs at least one tool.", param="tool_choice")
-        return str(value)
+        return "required"
     if isinstance(value, dict) and value.get("type") == "function":
         if not any(t["name"] == value.get("name") for t in tools):
             raise InvalidRequest(f"No function named {value.get('name')!r} in `tools`.", param="tool_choice.name")
@@ -91,7 +107,7 @@ def _choice(value: Any, tools: list[dict[str, Any]]) -> str | dict[str, Any]:
                          param="tool_choice")
 
 
-def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+def call_schema(tools: list[Tool]) -> Schema:
     """One schema for `{"name", "arguments"}` over the given functions. Each function's
     parameters move under `$defs/fn<i>`, their local `$ref`s rewritten to follow them."""
     defs, choices = {}, []
@@ -112,13 +128,12 @@ def _moved(node: Any, prefix: str) -> Any:
             for k, v in node.items()}
 
 
-def parse(body: dict[str, Any], convert: Convert) -> dict[str, Any]:
+def parse(body: dict[str, Any], convert: Convert) -> Structured:
     """The request's structured-output and tool fields, checked, as stored with it: the grammar
     of its constraint too, converted once here."""
     fmt = _format(body.get("text"))
     tools = _tools(body.get("tools"))
     choice = _choice(body.get("tool_choice"), tools)
-    out: dict[str, Any] = {"format": fmt, "tools": tools, "tool_choice": choice}
     forced = tools if choice == "required" else [t for t in tools if isinstance(choice, dict)
                                                  and t["name"] == choice["name"]]
     schemas = [("text.format.schema", fmt["schema"])] if fmt["type"] == "json_schema" else []
@@ -133,16 +148,16 @@ def parse(body: dict[str, Any], convert: Convert) -> dict[str, Any]:
         raise LmspError("unsupported_schema", f"This schema cannot be enforced while decoding: {refusals[0][1]}.",
                         param=refusals[0][0], status=400)
     if forced:
-        out["constraint"] = {"type": "json_schema", "schema": schemas[-1][1], "gbnf": converted[-1][1]}
-        out["call"] = True
-    elif fmt["type"] == "json_object":
-        out["constraint"] = fmt
-    elif fmt["type"] == "json_schema":
-        out["constraint"] = {"type": "json_schema", "schema": fmt["schema"], "gbnf": converted[0][1]}
-    return out
+        constraint: Constraint = {"type": "json_schema", "schema": schemas[-1][1], "gbnf": converted[-1][1]}
+        return Structured(fmt, tools, choice, constraint, call=True)
+    if fmt["type"] == "json_object":
+        return Structured(fmt, tools, choice, {"type": "json_object"})
+    if fmt["type"] == "json_schema":
+        return Structured(fmt, tools, choice, {"type": "json_schema", "schema": fmt["schema"], "gbnf": converted[0][1]})
+    return Structured(fmt, tools, choice)
 
 
-def item_message(item: dict[str, Any], calls: dict[str, str], param: str) -> dict[str, str]:
+def item_message(item: dict[str, Any], calls: dict[str, str], param: str) -> ChatMessage:
     """A `function_call` or `function_call_output` input item as a chat message. A call reads
     as the JSON the model writes for one; its result as a user turn naming the function
     (every chat template knows user turns; not all know a `tool` role). `calls`: the calls

@@ -1,5 +1,5 @@
-"""A forced function call: how the model is asked for it, and how its output becomes a
-`function_call` item and its stream events.
+"""A forced function call: how its output becomes a `function_call` item and its stream
+events (how the model is asked for it: app/engine/request.py `Request.prompt`).
 
 The grammar (app/core/structured.py `call_schema`) makes the model write exactly one JSON
 object `{"name": "<function>", "arguments": {...}}`, name first. Everything after the head
@@ -81,20 +81,3 @@ class CallStream:
                                                             "name": final["name"], "arguments": final["arguments"]}),
                 ("response.output_item.done", {"output_index": 0, "item": final})]
 
-
-def prompt(request: dict[str, Any]) -> list[dict[str, str]]:
-    """The messages the model sees. For a forced call, the functions it may call are described
-    in the system message (the grammar decides the shape; this tells the model what the
-    functions are for)."""
-    messages: list[dict[str, str]] = request["messages"]
-    if not request.get("call"):
-        return messages
-    choice = request["tool_choice"]
-    tools = [t for t in request["tools"] if choice == "required" or t["name"] == choice["name"]]
-    listed = json.dumps([{k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
-                         for t in tools])
-    note = (f"You can call these functions: {listed}\nCall one now, answering with JSON "
-            '{"name": <function name>, "arguments": <its arguments>}.')
-    if messages and messages[0]["role"] == "system":
-        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{note}"}, *messages[1:]]
-    return [{"role": "system", "content": note}, *messages]

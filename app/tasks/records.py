@@ -7,6 +7,7 @@ import json
 import sqlite3
 from typing import Any, Mapping
 
+from app.engine.request import Request
 from app.tasks import calls, output
 from app.tasks.states import CANCELLED, COMPLETED, FAILED, QUEUED
 
@@ -91,12 +92,12 @@ def task_object(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def response_object(row: Mapping[str, Any]) -> dict[str, Any]:
-    request = json.loads(row["request"])
+    request = Request.from_json(row["request"])
     status = response_status(row)
     text = row["output_text"]
     done = status in ("completed", "incomplete")
     item_status = "completed" if status == "completed" else ("in_progress" if status == "in_progress" else "incomplete")
-    if request.get("call"):  # a forced function call: its item, once the model has named the function
+    if request.call:  # a forced function call: its item, once the model has named the function
         call = calls.item(row["response_id"], text, item_status)
         output, text = ([call] if call else []), ""
     else:
@@ -116,8 +117,8 @@ def response_object(row: Mapping[str, Any]) -> dict[str, Any]:
         "background": bool(row["background"]), "metadata": json.loads(row["metadata"]),
         "previous_response_id": row["previous_response_id"], "store": bool(row["store"]),
         "max_output_tokens": row["max_output_tokens"],
-        "temperature": request.get("temperature"), "top_p": request.get("top_p"),
-        "tool_choice": request.get("tool_choice", "auto"), "parallel_tool_calls": False,
+        "temperature": request.temperature, "top_p": request.top_p,
+        "tool_choice": request.tool_choice, "parallel_tool_calls": False,
         "task": {"id": row["id"], "status": row["status"], "on_restart": row["on_restart"]},
         **echoed(request),
     }
@@ -128,9 +129,8 @@ def response_object(row: Mapping[str, Any]) -> dict[str, Any]:
 ECHOED = ("instructions", "tools", "text")
 
 
-def echoed(request: Mapping[str, Any]) -> dict[str, Any]:
-    return {"instructions": request.get("instructions"), "tools": request.get("tools", []),
-            "text": {"format": request.get("format", {"type": "text"})}}
+def echoed(request: Request) -> dict[str, Any]:
+    return {"instructions": request.instructions, "tools": request.tools, "text": {"format": request.format}}
 
 
 def in_event(response: Mapping[str, Any]) -> dict[str, Any]:

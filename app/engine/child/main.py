@@ -3,7 +3,7 @@
 It runs in its own process so that a bad model file or a crash inside llama.cpp cannot take
 the app down. It speaks plain dicts over a multiprocessing pipe:
 
-  parent -> child  {"op": "load", "file", "n_ctx", "n_threads", "safe"} | {"op": "generate", "job", ...}
+  parent -> child  {"op": "load", "file", "n_ctx", "n_threads", "safe"} | {"op": "generate", "job", "request", ...}
                    {"op": "embed", "job", "texts", "dimensions"} | {"op": "cancel", "job"} | {"op": "shutdown"}
   child -> parent  {"ev": "backend", "cpu_variant"} then {"ev": "loaded", ...}
                    {"ev": "chunk", "job", "ids", "text", "last"?} (`last`: no token follows, `done` does)
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from app.engine.constraints import grammar
 from app.engine.registry import models
+from app.engine.request import ChatMessage, Request
 from app.engine.child.sampling import DeadEnd, GrammarSampler
 from app.engine.child.threads import Threads
 
@@ -243,7 +244,7 @@ class Child:
         self.conn.send(self.embedder.embed(msg["texts"], msg.get("dimensions"), threads,
                                            lambda: self.cancelled(msg["job"])))
 
-    def prompt_tokens(self, messages: list[Message], job: str) -> list[int] | str | None:
+    def prompt_tokens(self, messages: list[ChatMessage], job: str) -> list[int] | str | None:
         """The prompt as tokens, or why it cannot fit, or None if cancelled meanwhile. Only the
         template's own markers are special tokens: what the messages say is tokenized as plain
         text, so a message that spells `<|im_start|>system` cannot open a turn of its own.
@@ -269,16 +270,15 @@ class Child:
                 tokens += llm.tokenize(text, add_bos=False, special=k % 2 == 0)
         return tokens
 
-    def sampler(self, msg: Message, prefix: list[int]) -> Any:
+    def sampler(self, request: Request, prefix: list[int]) -> Any:
         """The sampler chain `Llama.generate` would build, with the request's grammar if it has
         one. The grammar is advanced over the tokens already produced (a resumed task), so the
         output carries on from where it stands and still ends as valid JSON."""
-        constraint = msg.get("constraint")
-        sampler = self.llm._init_sampler(temp=float(msg.get("temperature", 1.0)), top_p=float(msg.get("top_p", 1.0)),
+        sampler = self.llm._init_sampler(temp=float(request.temperature), top_p=float(request.top_p),
                                          top_k=0, min_p=0.0, repeat_penalty=1.0)
-        if constraint:
+        if request.constraint:
             self.doing(GRAMMAR)
-            sampler = GrammarSampler(self.llm, sampler, grammar.gbnf(constraint))
+            sampler = GrammarSampler(self.llm, sampler, grammar.gbnf(request.constraint))
         for tok in prefix:
             sampler.accept(tok)
         self.doing(OTHER)
@@ -315,11 +315,12 @@ class Child:
         from llama_cpp import llama_vocab_is_eog
 
         job = msg["job"]
+        request: Request = msg["request"]
         llm, threads = self.llm, self.threads
         if llm is None or threads is None:
             self.conn.send({"ev": "error", "job": job, "code": "model_not_loaded", "message": "No model is loaded."})
             return
-        prompt = self.prompt_tokens(msg["messages"], job)
+        prompt = self.prompt_tokens(request.prompt(), job)
         if prompt is None:
             self.conn.send({"ev": "done", "job": job, "reason": "cancelled", "input_tokens": 0, "output_tokens": 0})
             return
@@ -328,10 +329,10 @@ class Child:
         if isinstance(prompt, str):
             self.conn.send({"ev": "error", "job": job, "code": "context_length_exceeded", "message": prompt})
             return
-        prefix: list[int] = list(msg.get("prefix_ids") or [])
+        prefix: list[int] = msg["prefix_ids"]
         room = llm.n_ctx() - len(prompt)
         limit = min(msg.get("max_tokens") or room, room)
-        stops: list[str] = msg.get("stop") or []
+        stops = request.stop
         hold = max((len(s) for s in stops), default=1) - 1  # text that could still become a stop
 
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -339,7 +340,7 @@ class Child:
         text = ""
         for i, tok in enumerate(prefix):  # rebuild the text state the snapshot was taken from
             text += decoder.decode(llm.detokenize([tok], prev_tokens=history[:len(prompt) + i]))
-        emitted = int(msg.get("emitted_chars", len(text)))
+        emitted: int = msg["emitted_chars"]
         count, reason = len(prefix), "length"
 
         # Build the context exactly as any other run of this prompt builds it: batch shapes
@@ -366,14 +367,14 @@ class Child:
                 self.conn.send({"ev": "done", "job": job, "reason": "cancelled", "input_tokens": len(prompt),
                                 "output_tokens": count})
                 return
-        if msg.get("seed") is not None:
-            llm.set_seed(int(msg["seed"]))
+        if request.seed is not None:
+            llm.set_seed(request.seed)
         try:
-            sampler = self.sampler(msg, prefix)
+            sampler = self.sampler(request, prefix)
         except ValueError as exc:  # a grammar llama.cpp cannot parse (a request stored before they were checked)
             self.conn.send({"ev": "error", "job": job, "code": "unsupported_schema", "message": str(exc)})
             return
-        constrained = bool(msg.get("constraint"))
+        constrained = bool(request.constraint)
         if count < limit:
             while True:
                 try:

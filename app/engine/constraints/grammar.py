@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from app.engine.constraints.gbnf import dead_end
+from app.engine.request import Constraint
 
 JSON_OBJECT = {"type": "json_object"}
 # Keywords that never change which documents are valid.
@@ -67,7 +68,7 @@ def _converter() -> ModuleType:
     return module
 
 
-def gbnf(constraint: dict[str, Any]) -> str:
+def gbnf(constraint: Constraint) -> str:
     """The grammar text for a constraint: the one converted when the request was accepted."""
     module = _converter()
     if constraint["type"] == "json_object":

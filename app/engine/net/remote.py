@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import httpx2
 
 from app.engine.parent.engine import EngineError, Generation, Message, Waiting
+from app.engine.request import Request
 from app.logs import redact
 
 log = logging.getLogger(__name__)
@@ -222,24 +223,24 @@ class Upstreams:
             self._client = None
 
 
-def sampling(gen: Generation) -> dict[str, Any]:
-    """The sampling fields of `gen`, and `stream`, as both OpenAI's and llama-server's APIs name them."""
-    fields: dict[str, Any] = {"temperature": gen.temperature, "top_p": gen.top_p, "stream": True}
-    if gen.seed is not None:
-        fields["seed"] = gen.seed
-    if gen.stop:
-        fields["stop"] = gen.stop
+def sampling(request: Request) -> dict[str, Any]:
+    """The sampling fields of `request`, and `stream`, as both OpenAI's and llama-server's APIs name them."""
+    fields: dict[str, Any] = {"temperature": request.temperature, "top_p": request.top_p, "stream": True}
+    if request.seed is not None:
+        fields["seed"] = request.seed
+    if request.stop:
+        fields["stop"] = request.stop
     return fields
 
 
 def chat_request(endpoint: Endpoint, gen: Generation) -> dict[str, Any]:
     """The chat completion request for `gen` from its start, streamed, with the usage at the end."""
-    body: dict[str, Any] = {"model": endpoint.model, "messages": gen.messages,
-                            "stream_options": {"include_usage": True}, **sampling(gen)}
+    body: dict[str, Any] = {"model": endpoint.model, "messages": gen.request.prompt(),
+                            "stream_options": {"include_usage": True}, **sampling(gen.request)}
     if gen.max_tokens is not None:
         body["max_tokens"] = gen.max_tokens
-    if gen.constraint is not None:
-        schema = gen.constraint.get("schema")
+    if gen.request.constraint is not None:
+        schema = gen.request.constraint.get("schema")
         body["response_format"] = ({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
                                    if schema is not None else {"type": "json_object"})
     return body
@@ -282,7 +283,7 @@ class RemoteEngine:
         self.upstreams = upstreams
         self.model_id = ""
         self.name = "remote"
-        self.gen = Generation([], None)
+        self.gen = Generation(Request([]), None)
         self.text = ""          # the output so far, committed or streamed
         self.tokens = 0
         self._endpoint: Endpoint | None = None  # the endpoint streaming, and its stream's messages
@@ -355,9 +356,9 @@ class RemoteEngine:
             return endpoint.url("/chat/completions"), chat_request(endpoint, self.gen), read_chat
         root = endpoint.base_url.removesuffix("/v1")
         rendered = await client.post(root + "/apply-template", headers=endpoint.headers(), timeout=CONNECT_SECONDS,
-                                     json={"messages": self.gen.messages})
+                                     json={"messages": self.gen.request.prompt()})
         rendered.raise_for_status()
-        body = {"prompt": rendered.json()["prompt"] + self.text, "cache_prompt": True, **sampling(self.gen)}
+        body = {"prompt": rendered.json()["prompt"] + self.text, "cache_prompt": True, **sampling(self.gen.request)}
         if self.gen.max_tokens is not None:
             body["n_predict"] = max(1, self.gen.max_tokens - self.tokens)
         return root + "/completion", body, read_completion

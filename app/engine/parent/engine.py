@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
@@ -29,6 +29,7 @@ from app.engine.child import main as child
 from app.engine.parent import cpu
 from app.engine.registry import models
 from app.engine.registry.models import Registered
+from app.engine.request import Request
 from app.engine.parent.modes import FAST, SAFE, EngineModes
 
 log = logging.getLogger(__name__)
@@ -53,17 +54,12 @@ class EngineError(Exception):
         self.param = param  # the request field at fault, if the request was
 
 
-@dataclass
+@dataclass(frozen=True)
 class Generation:
-    """What the engine needs to generate, and where to pick up from (resume)."""
-    messages: list[Message]
+    """One run of a request: the request as stored, its task's limit, and where to pick up from (resume)."""
+    request: Request
     max_tokens: int | None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] | None = None
-    constraint: dict[str, Any] | None = None  # JSON the output must be (app/engine/constraints/grammar.py)
-    prefix_ids: list[int] | None = None  # the output so far: its token ids (local engines)
+    prefix_ids: list[int] = field(default_factory=list)  # the output so far: its token ids (local engines)
     prefix_text: str = ""                # its text
     prefix_tokens: int = 0               # and how many tokens it counted (a remote one has no ids)
 
@@ -311,15 +307,15 @@ class Engine:
             # An embedding may have had the lock since `open` and loaded its own model: the task's
             # comes back first (nothing to do when it is still loaded).
             await self._load(file, crashes)
-            ids, emitted = list(gen.prefix_ids or []), len(gen.prefix_text)
-            fields = {k: v for k, v in gen.__dict__.items() if k not in ("prefix_text", "prefix_tokens")}
+            ids, emitted = list(gen.prefix_ids), len(gen.prefix_text)
             while True:
                 if self._cancelled:  # before the child had this job (a reload, a restart after a crash)
                     yield {"ev": "done", "reason": "cancelled", "input_tokens": 0, "output_tokens": 0}
                     return
                 job = f"job{next(self._ids)}"
                 self._job = job
-                self._send({"op": "generate", "job": job, **fields, "prefix_ids": ids, "emitted_chars": emitted})
+                self._send({"op": "generate", "job": job, "request": gen.request, "max_tokens": gen.max_tokens,
+                            "prefix_ids": ids, "emitted_chars": emitted})
                 while True:
                     msg = await self._next()
                     if msg is CRASHED:

@@ -181,7 +181,7 @@ class Generations(Kind):
             # `running` commits while the engine reads the prompt, so its fsync is not added to
             # the wait for the first token; nothing else of the task is written before it has.
             job.starting = asyncio.ensure_future(self.write(
-                writes.start_running, job.task_id, job.item_id, bool(task.request.get("call"))))
+                writes.start_running, job.task_id, job.item_id, task.request.call))
             job.starting.add_done_callback(lambda _: settle_start(job))
         job.started = time.monotonic()  # tokens/s counts generation, not the model load
         failure: EngineError | None = None
@@ -201,12 +201,10 @@ class Generations(Kind):
                  row["output_tokens"])
         ids, job.text = task.ids, task.text
         job.tokens = row["output_tokens"]  # a remote task's output has a count but no token ids
-        if request.get("call"):
+        if request.call:
             job.call = calls.CallStream(row["response_id"], job.text)
-        gen = Generation(messages=calls.prompt(request), max_tokens=row["max_output_tokens"],
-                         temperature=request.get("temperature", 1.0), top_p=request.get("top_p", 1.0),
-                         seed=request.get("seed"), stop=request.get("stop"), constraint=request.get("constraint"),
-                         prefix_ids=ids, prefix_text=job.text, prefix_tokens=job.tokens)
+        gen = Generation(request, row["max_output_tokens"], prefix_ids=ids, prefix_text=job.text,
+                         prefix_tokens=job.tokens)
 
         async def waiting(message: str) -> None:
             if await self.write(writes.waiting, job.task_id, message) is None:

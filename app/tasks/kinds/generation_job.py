@@ -12,6 +12,7 @@ from typing import Any
 
 from app.engine.parent.engine import Engine, Runs
 from app.engine.registry.models import Registered
+from app.engine.request import Request
 from app.errors import LmspError
 from app.tasks import calls, machine
 from app.tasks.kinds.base import Room
@@ -41,7 +42,7 @@ class Prepared:
     """What a task needs to start, read in one go: its row and request, its output so far, and its
     model's row (or why the model cannot be used)."""
     row: dict[str, Any]
-    request: dict[str, Any]  # parsed once, here: a start in the claim's commit needs it too
+    request: Request  # read once, here: a start in the claim's commit needs it too
     ids: list[int]
     text: str
     model: sqlite3.Row | None

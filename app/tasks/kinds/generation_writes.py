@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import time
 from dataclasses import replace
 from typing import Any
 
 from app.engine.registry import models
+from app.engine.request import Request
 from app.errors import LmspError
 from app.tasks import calls, machine, output, records
 from app.tasks.kinds.generation_job import Chunk, EngineRoom, Prepared
@@ -25,7 +25,7 @@ def _prepare(conn: sqlite3.Connection, task_id: str) -> Prepared:
     The output is read once, with its ids (`one_task` would read its text a second time)."""
     row = dict(records.joined(conn, "t.id = ?", (task_id,))[0])
     ids, text = output.read(conn, task_id)
-    request, running = json.loads(row["request"]), row["status"] == RUNNING
+    request, running = Request.from_json(row["request"]), row["status"] == RUNNING
     try:
         return Prepared(row, request, ids, text, models.usable(conn, row["model_id"]), None, running)
     except LmspError as exc:
@@ -59,7 +59,7 @@ def take(conn: sqlite3.Connection, kind: str, room: EngineRoom) -> Taken | None:
     if task.model is not None and room.ready is not None and models.registered(task.model) == room.ready:
         # Nothing to load: the task starts running in this commit, not in one of its own.
         started = start_running(conn, row["id"], records.message_id(task.row["response_id"]),
-                                bool(task.request.get("call")))
+                                task.request.call)
         assert started is not None
         events, task = events + started, replace(task, running=True)
     return row["id"], row["client_id"], row["format"], events, task

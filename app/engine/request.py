@@ -1,0 +1,132 @@
+"""A generation request: what a response asks the model for, in the one form it keeps from the
+parser (app/core/requests.py) to the engine child or a remote endpoint.
+
+It is stored with its response as JSON (`to_json`) and read back (`from_json`) by the runner,
+which hands it to the engine as it is: over the pipe to the child (pickled) or as the body of a
+remote endpoint's request. What a response echoes of it (app/tasks/records.py) and a
+conversation's earlier turns (app/core/conversation.py) are read from it too. The task's own
+columns (model, `max_output_tokens`, `background`, `store`, metadata) are not in it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, NotRequired, TypedDict
+
+# A JSON schema, as the client wrote it: any JSON object.
+Schema = dict[str, Any]
+
+
+class ChatMessage(TypedDict):
+    role: str  # system | user | assistant
+    content: str
+
+
+class Format(TypedDict):
+    """`text.format` as a response echoes it: `text`, `json_object`, or `json_schema` with the rest."""
+    type: Literal["text", "json_object", "json_schema"]
+    name: NotRequired[str]
+    schema: NotRequired[Schema]
+    strict: NotRequired[bool]
+    description: NotRequired[str]
+
+
+class Tool(TypedDict):
+    type: Literal["function"]
+    name: str
+    description: str | None
+    parameters: Schema
+    strict: bool
+
+
+class NamedTool(TypedDict):
+    type: Literal["function"]
+    name: str
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedTool
+
+
+class Constraint(TypedDict):
+    """JSON the output must be: any object, or one matching `schema` under the grammar converted
+    from it when the request was accepted (app/engine/constraints/grammar.py)."""
+    type: Literal["json_object", "json_schema"]
+    schema: NotRequired[Schema]
+    gbnf: NotRequired[str]  # absent in requests stored before schemas were converted on arrival
+
+
+TEXT: Format = {"type": "text"}
+# Left out of the stored JSON at their defaults: earlier versions wrote them only when set, so
+# every row, old or new, has one shape.
+OMITTED_WHEN_UNSET = ("constraint", "call", "previous_response_id", "history")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the model is asked for, as accepted: the chat, the sampling, the output's shape."""
+    messages: list[ChatMessage]  # all the model sees: the instructions first, earlier turns, the input
+    instructions: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    format: Format = field(default_factory=lambda: TEXT)
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: ToolChoice = "auto"
+    constraint: Constraint | None = None
+    call: bool = False  # a forced function call (app/tasks/calls.py): `constraint` is its schema
+    previous_response_id: str | None = None  # the response this one continues (app/core/conversation.py)
+    history: int = 0  # how many of `messages` came from it, once the chain is resolved
+
+    def to_json(self) -> str:
+        """The text stored with the response (the limits count its bytes)."""
+        stored = {f.name: getattr(self, f.name) for f in fields(self)}
+        return json.dumps({k: v for k, v in stored.items() if v or k not in OMITTED_WHEN_UNSET})
+
+    @classmethod
+    def from_json(cls, text: str) -> Request:
+        """A request as stored, by this version or an earlier one (which left out what it did not
+        know yet: structured output, conversations). ValueError if the row is not one."""
+        stored = json.loads(text)
+        if not isinstance(stored, dict):
+            raise ValueError("A stored request is a JSON object.")
+        for key, value in stored.items():
+            if key not in _SHAPES:
+                raise ValueError(f"A stored request has no field {key!r}.")
+            if not isinstance(value, _SHAPES[key]):
+                raise ValueError(f"A stored request's {key!r} is not {_SHAPES[key]}.")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                   for m in stored.get("messages", [])):
+            raise ValueError("A stored request's messages each have a role and a content.")
+        return cls(**{"messages": [], **stored})  # a row without messages: only ever one made by hand
+
+    def seen(self) -> list[ChatMessage]:
+        """Every message but the instructions: the earlier turns, then the input."""
+        return self.messages[0 if self.instructions is None else 1:]
+
+    def prompt(self) -> list[ChatMessage]:
+        """The messages the model is given. For a forced call, the functions it may call are
+        described in the system message (the grammar decides the shape; this tells the model
+        what the functions are for)."""
+        if not self.call:
+            return self.messages
+        choice = self.tool_choice
+        named = choice["name"] if isinstance(choice, dict) else None
+        tools = [t for t in self.tools if choice == "required" or t["name"] == named]
+        listed = json.dumps([{k: v for k, v in (("name", t["name"]), ("description", t["description"]),
+                                                ("parameters", t["parameters"])) if v is not None} for t in tools])
+        note = (f"You can call these functions: {listed}\nCall one now, answering with JSON "
+                '{"name": <function name>, "arguments": <its arguments>}.')
+        messages = self.messages
+        if messages and messages[0]["role"] == "system":
+            return [{"role": "system", "content": f"{messages[0]['content']}\n\n{note}"}, *messages[1:]]
+        return [{"role": "system", "content": note}, *messages]
+
+
+# The JSON type of each stored field (a float field may have been written as an integer).
+_SHAPES: dict[str, type | tuple[type, ...]] = {
+    "messages": list, "instructions": (str, type(None)), "temperature": (int, float), "top_p": (int, float),
+    "seed": (int, type(None)), "stop": list, "format": dict, "tools": list, "tool_choice": (str, dict),
+    "constraint": (dict, type(None)), "call": bool, "previous_response_id": (str, type(None)), "history": int,
+}
