@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from app import paths
-from app.core import auth, conversation, idempotency, requests
+from app.core import auth, conversation, idempotency, metrics, requests
 from app.core.access import AccessFacade
 from app.core.downloads_facade import DownloadsFacade
 from app.core.embeddings import EmbeddingsFacade
@@ -408,6 +408,19 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
                 "service": {"id": self.service_id, "name": "LMSP Tray"},
                 "auth": {"pairing": "user_approval"}, "api_base": "/v1",
                 "recovered_from_corruption": self.store.recovered_from_corruption}
+
+    # -- for the surfaces, which reach neither the store nor the runner (issue 37) ----------
+
+    async def task_status(self, task_id: str) -> str | None:
+        """The task's status; None if there is no such task."""
+        return await self.store.read(machine.status_of, task_id)
+
+    async def metrics_text(self, latency: metrics.LatencyHistogram) -> str:
+        """/metrics in Prometheus text, with the HTTP surface's own request `latency`."""
+        return metrics.render(await self.store.read(metrics.task_counts), tokens=self.runner.tokens_generated,
+                              tokens_per_second=self.runner.last_tokens_per_second,
+                              load_seconds=self.model_load_seconds, recovery=self.recovery_counts,
+                              latency=latency, commits=self.store.commits, transactions=self.store.transactions)
 
 
 def _list_tasks(conn: sqlite3.Connection, client_id: str | None, status: str | None, limit: int,
