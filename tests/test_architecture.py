@@ -38,6 +38,12 @@ def test_the_server_imports_no_qt_and_the_gui_no_server() -> None:
     assert offenders(("gui",), ("aiohttp", "app.server")) == []
 
 
+def test_the_surfaces_import_only_the_core_and_the_ground_floor() -> None:
+    """server/ and gui/ translate (HTTP, widgets) and call the core: the store, the tasks and the
+    engine are reached through it, so a rule lives in one place for every surface."""
+    assert offenders(("server", "gui"), ("app.store", "app.tasks", "app.engine")) == []
+
+
 def test_the_gui_reaches_state_only_through_the_facade() -> None:
     """No SQL from the GUI: not the store, not the engine, not the scheduler."""
     assert offenders(("gui",), ("sqlite3", "app.store", "app.engine", "app.tasks.scheduler", "app.tasks.kinds", "app.tasks.machine",

@@ -11,8 +11,8 @@ from typing import Any
 
 import aiohttp
 
+from app.core import follow
 from app.core.service import AppService
-from app.server import sse
 from app.server.app import Server
 from app import events as bus
 from tests.conftest import Headless, wait_until
@@ -136,12 +136,12 @@ async def test_a_reader_far_behind_its_feed_still_gets_every_event_once(
     """A stream that stops reading while its task runs keeps only FEED_BYTES of live events; when it
     reads again, what it missed comes from the log, page by page: no gap, no duplicate."""
     monkeypatch.setattr(bus, "FEED_BYTES", 1024)  # a few deltas
-    monkeypatch.setattr(sse, "PAGE_BYTES", 2048)
+    monkeypatch.setattr(follow, "PAGE_BYTES", 2048)
     service.tasks.set_paused(True)
     created = await (await api.post("/v1/responses", json={"input": COUNT, "max_output_tokens": 120,
                                                            "temperature": 0, "background": True})).json()
     task_id = created["task"]["id"]
-    events = sse.follow(service, task_id, -1)
+    events = follow.follow(service.tasks, task_id, -1)
     seen = [await anext(events), await anext(events)]  # created, queued: the replay
     first_live = asyncio.ensure_future(anext(events))
     await asyncio.sleep(0.2)  # it waits on the feed

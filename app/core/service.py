@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from app import paths
-from app.core import idempotency
+from app.core import idempotency, metrics
 from app.core.access import Access
 from app.core.downloads import Downloads
 from app.core.embeddings import Embeddings
@@ -128,6 +128,13 @@ class AppService:
     async def off_loop(self, read: Callable[..., T], *args: Any) -> T:
         """`read(*args)` on a request reader's thread: reading a request whose cost grows with it."""
         return await asyncio.get_running_loop().run_in_executor(self._readers, read, *args)
+
+    async def metrics_text(self, latency: metrics.LatencyHistogram) -> str:
+        """/metrics in Prometheus text, with the HTTP surface's own request `latency`."""
+        return metrics.render(await self.store.read(metrics.task_counts), tokens=self.generations.tokens_generated,
+                              tokens_per_second=self.generations.last_tokens_per_second,
+                              load_seconds=self.models.model_load_seconds, recovery=self.recovery_counts,
+                              latency=latency, commits=self.store.commits, transactions=self.store.transactions)
 
     def describe(self) -> dict[str, Any]:
         return {"protocol": "lmsp", "version": "1.0",

@@ -9,7 +9,7 @@ from app.core.auth import Client
 from app.errors import Conflict, InvalidRequest, NotFound
 from app.events import EventBus, Feed
 from app.store.store import Store
-from app.tasks import kinds, records
+from app.tasks import kinds, machine, records
 from app.tasks.scheduler import Scheduler
 from app.tasks.states import TERMINAL
 
@@ -37,6 +37,10 @@ class Tasks:
                 client.is_admin or row["client_id"] == client.id):
             raise NotFound(kind, ident)  # another client's id looks exactly like a missing one
         return row
+
+    async def status(self, task_id: str) -> str | None:
+        """The task's status; None if there is no such task."""
+        return await self.store.read(machine.status_of, task_id)
 
     async def events(self, client: Client, task_id: str, after: int) -> list[dict[str, Any]]:
         await self.owned(client, "task", task_id)

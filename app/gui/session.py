@@ -13,11 +13,11 @@ from urllib.parse import urlsplit
 from PySide6.QtCore import QObject, Signal
 
 from app.core.auth import Client
+from app.core.follow import UNFINISHED
 from app.core.service import AppService
 from app.core.tasks import TERMINAL_EVENTS
 from app.gui.async_ui import spawn
 from app.gui.bridge import Bridge
-from app.tasks.states import UNFINISHED
 
 ACTIVE = UNFINISHED  # the task statuses that are not final
 # The task status each event moves to; terminal events drop the task from `active`.

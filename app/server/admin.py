@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from app.core import metrics
+from app.core.caller import unless_left
 from app.errors import Forbidden, InvalidRequest
-from app.server.handlers import unless_client_leaves
+from app.server.handlers import caller_left
 from app.server.keys import CLIENT, LATENCY, SERVICE
 from app.server.middleware import read_json
 from app.server.peer import requester
@@ -60,7 +60,7 @@ async def register_model(request: web.Request) -> web.Response:
     try:
         # Validating and hashing can take minutes: if the client leaves, the work stops too.
         registering = request.app[SERVICE].models.register_model(body, client=request[CLIENT])
-        registered = await unless_client_leaves(request, registering)
+        registered = await unless_left(caller_left(request), registering)
         return web.json_response(registered, status=201)
     except OSError as exc:  # the path itself is unusable: name too long, a directory we may not read...
         raise InvalidRequest(f"The model path cannot be used: {exc.strerror or exc}.", param="path") from None
@@ -117,12 +117,6 @@ async def patch_settings(request: web.Request) -> web.Response:
 
 
 async def get_metrics(request: web.Request) -> web.Response:
-    service = request.app[SERVICE]
-    counts = await service.store.read(metrics.task_counts)
-    text = metrics.render(counts, tokens=service.generations.tokens_generated,
-                          tokens_per_second=service.generations.last_tokens_per_second,
-                          load_seconds=service.models.model_load_seconds, recovery=service.recovery_counts,
-                          latency=request.app[LATENCY], commits=service.store.commits,
-                          transactions=service.store.transactions)
+    text = await request.app[SERVICE].metrics_text(request.app[LATENCY])
     return web.Response(text=text, content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})

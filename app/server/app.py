@@ -17,8 +17,7 @@ from app.server import handlers as h
 from app.server.chat import chat_completions
 from app.server.gate import Gate, cap, fair_share
 from app.server.keys import BUSY, HOSTS, IN_FLIGHT, LATENCY, SCOPES, SERVICE
-from app.server.middleware import (LOCAL_HOSTS, authorize, boundary, cors_headers, errors, idempotent, timing,
-                                   working)
+from app.server.middleware import LOCAL_HOSTS, authorize, boundary, cors_headers, errors, keyed, timing, working
 
 MAX_BODY = 8 * 1024 * 1024
 # asyncio accepts up to `backlog` connections at each wake-up, a descriptor each at once, and asks
@@ -29,38 +28,42 @@ MAX_BODY = 8 * 1024 * 1024
 ACCEPT_BATCH, QUEUE = 128, 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# One table: every route, and the scope it needs (None: open to any local caller).
+# One table: every route, and the scope it needs (None: open to any local caller). A POST by a
+# client takes an `Idempotency-Key` (LMSP §7): `keyed` for most; the routes that create a response
+# claim theirs in the transaction that creates its task (app/core/answers.py). Without a client
+# (pairing requests) a key is ignored: it would be shared by every local program, and a replay
+# would hand one app's pairing to another.
 ROUTES: list[tuple[str, str, Handler, str | None]] = [
     ("GET", "/lmsp", h.discovery, None),
     ("GET", "/health", h.health, None),
     ("POST", "/v1/responses", h.create_response, "responses:write"),
     ("GET", "/v1/responses/{response_id}", h.get_response, "responses:read"),
     ("GET", "/v1/responses/{response_id}/input_items", h.input_items, "responses:read"),
-    ("POST", "/v1/responses/{response_id}/cancel", h.cancel_response, "responses:write"),
+    ("POST", "/v1/responses/{response_id}/cancel", keyed(h.cancel_response), "responses:write"),
     ("GET", "/v1/tasks/{task_id}", h.get_task, "tasks:read"),
     ("GET", "/v1/tasks/{task_id}/events", h.task_events, "tasks:read"),
-    ("POST", "/v1/tasks/{task_id}/cancel", h.cancel_task, "tasks:cancel"),
+    ("POST", "/v1/tasks/{task_id}/cancel", keyed(h.cancel_task), "tasks:cancel"),
     ("GET", "/v1/tasks", h.list_tasks, "tasks:read"),
     ("DELETE", "/v1/responses/{response_id}", h.delete_response, "responses:write"),
     ("POST", "/v1/chat/completions", chat_completions, "responses:write"),
-    ("POST", "/v1/embeddings", h.embeddings, "responses:write"),
+    ("POST", "/v1/embeddings", keyed(h.embeddings, kept=False), "responses:write"),
     ("POST", "/v1/pairings", a.request_pairing, None),
     ("GET", "/v1/pairings", a.list_pairings, "admin"),
     ("GET", "/v1/pairings/{pairing_id}", a.pairing_status, None),
-    ("POST", "/v1/pairings/{pairing_id}/approve", a.approve_pairing, "admin"),
-    ("POST", "/v1/pairings/{pairing_id}/deny", a.deny_pairing, "admin"),
+    ("POST", "/v1/pairings/{pairing_id}/approve", keyed(a.approve_pairing), "admin"),
+    ("POST", "/v1/pairings/{pairing_id}/deny", keyed(a.deny_pairing), "admin"),
     ("GET", "/v1/clients", a.list_clients, "admin"),
     ("DELETE", "/v1/clients/{client_id}", a.revoke_client, "admin"),
     ("GET", "/v1/models", a.list_models, "models:read"),
-    ("POST", "/v1/models", a.register_model, "models:write"),
-    ("POST", "/v1/models/downloads", a.create_download, "models:write"),
-    ("POST", "/v1/models/remote/test", a.test_endpoint, "admin"),
+    ("POST", "/v1/models", keyed(a.register_model), "models:write"),
+    ("POST", "/v1/models/downloads", keyed(a.create_download), "models:write"),
+    ("POST", "/v1/models/remote/test", keyed(a.test_endpoint), "admin"),
     ("GET", "/v1/models/downloads/files", a.hub_files, "models:read"),
     ("GET", "/v1/models/{model_id}", a.get_model, "models:read"),
     ("PATCH", "/v1/models/{model_id}", a.update_model, "admin"),
     ("DELETE", "/v1/models/{model_id}", a.delete_model, "models:write"),
-    ("POST", "/v1/models/{model_id}/load", a.load_model, "models:write"),
-    ("POST", "/v1/models/{model_id}/unload", a.unload_model, "models:write"),
+    ("POST", "/v1/models/{model_id}/load", keyed(a.load_model), "models:write"),
+    ("POST", "/v1/models/{model_id}/unload", keyed(a.unload_model), "models:write"),
     ("DELETE", "/v1/models/{model_id}/engine-mode", a.forget_engine_mode, "admin"),
     ("GET", "/v1/settings", a.get_settings, "admin"),
     ("PATCH", "/v1/settings", a.patch_settings, "admin"),
@@ -70,7 +73,7 @@ ROUTES: list[tuple[str, str, Handler, str | None]] = [
 
 
 def make_app(service: AppService) -> web.Application:
-    app = web.Application(middlewares=[working, timing, errors, boundary, authorize, fair_share, idempotent],
+    app = web.Application(middlewares=[working, timing, errors, boundary, authorize, fair_share],
                           client_max_size=MAX_BODY)
     app[SERVICE] = service
     app[LATENCY] = LatencyHistogram()

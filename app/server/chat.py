@@ -10,11 +10,13 @@ from typing import Any, Awaitable
 
 from aiohttp import web
 
+from app.core.answers import Ask
+from app.core.follow import Events
 from app.core.requests import text_of
 from app.core.tasks import TERMINAL_EVENTS
 from app.errors import Failed, InvalidRequest, LmspError
 from app.server import sse
-from app.server.handlers import Events, Shape, answer
+from app.server.handlers import Shape, answer
 from app.server.keys import CLIENT, SERVICE
 from app.server.middleware import read_json
 
@@ -188,21 +190,16 @@ def _include_usage(body: dict[str, Any]) -> bool:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    key = request.headers.get("Idempotency-Key")
     translated, names = await request.app[SERVICE].off_loop(as_response_request, body)
     usage = _include_usage(body)
-    try:
-        created = await request.app[SERVICE].responses.create_response(request[CLIENT], translated, key,
-                                                             path="/v1/chat/completions", sent=body)
-    except LmspError as exc:
-        names(exc)
-        raise
+    ask = Ask(request[CLIENT], translated, request.headers.get("Idempotency-Key"), bool(body.get("stream")),
+              path="/v1/chat/completions", sent=body, rename=names)
 
     def stream(request: web.Request, response: dict[str, Any], status: int, headers: dict[str, str],
                events: Events) -> Awaitable[web.StreamResponse]:
         return _stream(request, response, headers, events, usage, names)
 
-    return await answer(request, created, key, bool(body.get("stream")), Shape(_completion, stream, names))
+    return await answer(request, ask, Shape(_completion, stream))
 
 
 async def _stream(request: web.Request, response: dict[str, Any], headers: dict[str, str], events: Events,

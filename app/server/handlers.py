@@ -3,27 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import orjson
 from aiohttp import web
 
 from app import paths
+from app.core import answers
+from app.core.answers import Ask
 from app.core.auth import Client
-from app.core.responses import Created
-from app.core.tasks import TERMINAL_EVENTS
-from app.errors import Failed, InvalidRequest, LmspError
+from app.core.caller import Left, unless_left
+from app.core.follow import Events, check_status, follow
+from app.errors import InvalidRequest
 from app.server import sse
 from app.server.keys import CLIENT, SERVICE
 from app.server.middleware import read_json
-from app.tasks import records
-from app.tasks.states import TERMINAL, UNFINISHED
 
-
-Events = AsyncIterator[dict[str, Any] | None]  # a task's events, from `sse.follow`
 MAX_SEQUENCE = 2**63 - 1  # SQLite's INTEGER
 
 
@@ -64,11 +61,9 @@ async def health(request: web.Request) -> web.Response:
 @dataclass(frozen=True)
 class Shape:
     """How a route answers with a response: as JSON, or as a stream of its task's events from
-    the start (`stream(request, response, status, headers, events)`, `events` from
-    `sse.follow`), and its errors in its own terms (`rename(error)`, in place)."""
+    the start (`stream(request, response, status, headers, events)`)."""
     json: Callable[[dict[str, Any]], dict[str, Any]]
     stream: Callable[[web.Request, dict[str, Any], int, dict[str, str], Events], Awaitable[web.StreamResponse]]
-    rename: Callable[[LmspError], None]
 
 
 def _stream_events(request: web.Request, response: dict[str, Any], status: int, headers: dict[str, str],
@@ -76,98 +71,36 @@ def _stream_events(request: web.Request, response: dict[str, Any], status: int, 
     return sse.send(request, events, status, headers)
 
 
-RESPONSES = Shape(lambda response: response, _stream_events, lambda error: None)
+RESPONSES = Shape(lambda response: response, _stream_events)
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     body: Any = await read_json(request)
-    key = request.headers.get("Idempotency-Key")
-    created = await request.app[SERVICE].responses.create_response(_client(request), body, key)
-    return await answer(request, created, key, bool(body.get("stream")), RESPONSES)
+    stream = isinstance(body, dict) and bool(body.get("stream"))  # anything else is refused as it is created
+    return await answer(request, Ask(_client(request), body, request.headers.get("Idempotency-Key"), stream),
+                        RESPONSES)
 
 
-async def answer(request: web.Request, created: Created, key: str | None, stream: bool,
-                 shape: Shape) -> web.StreamResponse:
-    """The answer to a response just created, or to a retry with its idempotency key: a replay
-    gives the stored answer in the shape asked, a stream of its events if `stream` (what the
-    first request saw), never an empty body. A foreground answer is stored once it is final."""
-    service, client = request.app[SERVICE], _client(request)
-    response, status = created.body, created.status
-    if created.replayed and status >= 400:  # a failure is answered as it was: an error is not a stream
-        return web.json_response(response, status=status, headers={"Idempotent-Replayed": "true"})
-    task_id = response["task"]["id"]
-    headers = {"Location": f"/v1/tasks/{task_id}"} if status == 202 else {}
-    if created.replayed:
-        headers["Idempotent-Replayed"] = "true"
-    if created.replayed or status == 202:
-        if stream:
-            return await shape.stream(request, response, status, headers, sse.follow(service, task_id, -1))
-        return web.json_response(shape.json(response), status=status, headers=headers)
-    # In the foreground the caller's connection is the only reader: if it goes, so does the work.
-    streamed = None
-    at_end: dict[str, Any] | None = None  # a stream's final response, from its end event
-
-    async def storing(events: Events) -> Events:
-        """`events`, the answer stored under the key before the task's end event goes out: a client
-        that retries the moment its stream ends (the openai SDK stops reading at that event, before
-        the connection closes) must find it stored, not its key still in flight."""
-        nonlocal at_end
-        async with contextlib.aclosing(events):
-            async for event in events:
-                if event is not None and event["type"] in TERMINAL_EVENTS:
-                    at_end = {**event["response"], **{k: response[k] for k in records.ECHOED}}  # the whole response
-                    if key:
-                        await service.responses.remember(client.id, key, 200, at_end, response["id"])
-                yield event
-
-    try:
-        if stream:
-            events = sse.follow(service, task_id, -1)
-            async with contextlib.aclosing(events):
-                held = await unless_client_leaves(request, sse.opening(events))
-                if held and held[-1] is not None and held[-1]["type"] == "response.failed":
-                    final = held[-1]["response"]  # failed before any output: an error, not a stream
-                else:
-                    streamed = await shape.stream(request, response, 200, {}, storing(sse.resumed(held, events)))
-                    final = at_end or await service.responses.response(client, response["id"])  # or the service stopped
-        else:
-            final = records.response_object(await unless_client_leaves(request, service.tasks.wait(task_id)))
-    except BaseException:  # the client left, or we failed: stop the work, free the key for a retry
-        await cancel_quietly(service, client, task_id)
-        if key:
-            await asyncio.shield(service.responses.forget(client.id, key))
-        raise
-    failure = Failed(**final["error"]) if final["status"] == "failed" and streamed is None else None
-    if failure is not None:
-        shape.rename(failure)
-    if key and at_end is None:
-        await service.responses.remember(client.id, key, *((failure.status, failure.body()) if failure else (200, final)),
-                               response["id"])
-    if failure is not None:
-        raise failure
-    return streamed if streamed is not None else web.json_response(shape.json(final))
+async def answer(request: web.Request, ask: Ask, shape: Shape) -> web.StreamResponse:
+    """`ask` answered (app/core/answers.py) in the route's `shape`."""
+    async with answers.respond(request.app[SERVICE], ask, caller_left(request)) as answered:
+        headers = {"Location": f"/v1/tasks/{answered.task_id}"} if answered.status == 202 else {}
+        if answered.replayed:
+            headers["Idempotent-Replayed"] = "true"
+        if answered.status >= 400:  # a replayed failure: its error body as it was stored
+            return web.json_response(answered.body, status=answered.status, headers=headers)
+        if answered.events is not None:
+            return await shape.stream(request, answered.body, answered.status, headers, answered.events)
+        return web.json_response(shape.json(answered.body), status=answered.status, headers=headers)
 
 
-async def unless_client_leaves(request: web.Request, work: Any) -> Any:
-    """Await `work`, unless the client disconnects first. aiohttp does not cancel a handler when
-    its client goes away (`handler_cancellation` is off in `Server`), so the connection is watched."""
-    waiter = asyncio.ensure_future(work)
-    try:
-        while not waiter.done():
-            transport = request.transport
-            if transport is None or transport.is_closing():
-                raise asyncio.CancelledError("the client disconnected")
-            await asyncio.wait([waiter], timeout=0.25)
-        return waiter.result()
-    finally:
-        waiter.cancel()
-
-
-async def cancel_quietly(service: Any, client: Client, task_id: str) -> None:
-    try:
-        await asyncio.shield(service.tasks.cancel(client, "task", task_id))
-    except Exception:  # already finished: nothing to stop
-        pass
+def caller_left(request: web.Request) -> Left:
+    """Whether the client of `request` has gone: its connection closing (aiohttp does not cancel a
+    handler when its client goes away)."""
+    def left() -> bool:
+        transport = request.transport
+        return transport is None or transport.is_closing()
+    return left
 
 
 async def get_response(request: web.Request) -> web.StreamResponse:
@@ -175,7 +108,7 @@ async def get_response(request: web.Request) -> web.StreamResponse:
     response_id = request.match_info["response_id"]
     if request.query.get("stream") == "true":
         row = await service.tasks.owned(_client(request), "response", response_id)
-        return await sse.stream_task(request, service, row["id"], _after(request))
+        return await sse.send(request, follow(service.tasks, row["id"], _after(request)))
     return web.json_response(await service.responses.response(_client(request), response_id))
 
 
@@ -189,7 +122,7 @@ async def input_items(request: web.Request) -> web.Response:
 
 async def embeddings(request: web.Request) -> web.Response:
     body = await read_json(request)
-    answer = await unless_client_leaves(request, request.app[SERVICE].embeddings.embed(body))
+    answer = await unless_left(caller_left(request), request.app[SERVICE].embeddings.embed(body))
     return web.Response(body=await asyncio.to_thread(_json_by_item, answer, "data"), content_type="application/json")
 
 
@@ -219,7 +152,7 @@ async def task_events(request: web.Request) -> web.StreamResponse:
     after = _after(request)
     if _wants_stream(request):
         await service.tasks.owned(_client(request), "task", task_id)
-        return await sse.stream_task(request, service, task_id, after)
+        return await sse.send(request, follow(service.tasks, task_id, after))
     return web.json_response({"object": "list", "data": await service.tasks.events(_client(request), task_id, after)})
 
 
@@ -228,9 +161,7 @@ async def cancel_task(request: web.Request) -> web.Response:
 
 
 async def list_tasks(request: web.Request) -> web.Response:
-    status = request.query.get("status")
-    if status is not None and status not in (*UNFINISHED, *TERMINAL):
-        raise InvalidRequest(f"Unknown status {status!r}.", param="status")
+    status = check_status(request.query.get("status"))
     tasks, more = await request.app[SERVICE].tasks.list_tasks(_client(request), status, _limit(request),
                                                        request.query.get("after"))
     return web.json_response({"object": "list", "data": tasks, "has_more": more})

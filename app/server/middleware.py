@@ -1,4 +1,4 @@
-"""What runs before any handler: errors as JSON, the Host and Origin checks, auth and scopes."""
+"""What runs before any handler: errors as JSON, the Host and Origin checks, auth and scopes, and\nidempotency keys on the routes that take them."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from app.core import answers
+from app.core.idempotency import Stored
 from app.errors import Forbidden, LmspError, Unauthorized
 from app.server.keys import BUSY, CLIENT, HOSTS, LATENCY, SCOPES, SERVICE
 
@@ -179,37 +181,26 @@ def _decoded(raw: bytes) -> Any:
     return value
 
 
-OWN_KEYS = ("/v1/responses", "/v1/chat/completions")
-# Answers computed again at no cost to anything stored, and too big to keep for a day (the vectors
-# of 2,048 inputs are ~25 MB): the key guards the request while it runs, and a retry computes it anew.
-RECOMPUTED = ("/v1/embeddings",)
+def keyed(handler: Handler, *, kept: bool = True) -> Handler:
+    """`handler` answering an `Idempotency-Key` (LMSP §7) as app/core/answers.py `once` says: the
+    routes of the table that declare it (app/server/app.py). A JSON answer is stored for a retry
+    to replay, unless not `kept`: then the key guards the request while it runs, and a retry
+    computes it anew. A stream is never stored."""
+    async def answering(request: web.Request) -> web.StreamResponse:
+        key = request.headers.get("Idempotency-Key")
+        if key is None:
+            return await handler(request)
+        body = await read_json(request)  # aiohttp keeps the body: the handler reads it again for free
+        result = await answers.once(request.app[SERVICE], request[CLIENT], key, request.method, request.path, body,
+                                    lambda: handler(request), _json if kept else lambda response: None)
+        if isinstance(result, Stored):
+            return web.json_response(result.body, status=result.status, headers={"Idempotent-Replayed": "true"})
+        return result
+    return answering
 
 
-@web.middleware
-async def idempotent(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """`Idempotency-Key` on every POST by a client (LMSP §7). The routes that create a response
-    handle their own key, in the transaction that creates its task; here the key is claimed
-    before and the answer stored after. Without a client (pairing requests, unknown routes) a
-    key is ignored: it would be shared by every local program, and a replay would hand one
-    app's pairing to another."""
-    key = request.headers.get("Idempotency-Key")
-    client = request.get(CLIENT)  # set by `authorize` only on a known route with a valid token
-    if key is None or client is None or request.method != "POST" or request.path in OWN_KEYS:
-        return await handler(request)
-    service = request.app[SERVICE]
-    body = await read_json(request)  # aiohttp keeps the body: the handler reads it again for free
-    stored = await service.responses.claim_key(client.id, key, request.method, request.path, body)
-    if stored is not None:
-        return web.json_response(stored.body, status=stored.status, headers={"Idempotent-Replayed": "true"})
-    try:
-        response = await handler(request)
-    except BaseException:
-        await asyncio.shield(service.responses.forget(client.id, key))  # nothing done: a retry may run it
-        raise
-    if (isinstance(response, web.Response) and response.content_type == "application/json" and response.body
-            and request.path not in RECOMPUTED):
-        body = json.loads(bytes(response.body))  # type: ignore[arg-type]
-        await service.responses.remember(client.id, key, response.status, body)
-    else:
-        await service.responses.forget(client.id, key)  # a stream or a RECOMPUTED answer is not stored; a retry runs again
-    return response
+def _json(response: web.StreamResponse) -> tuple[int, dict[str, Any]] | None:
+    """The status and JSON body of a whole JSON answer; None for a stream."""
+    if isinstance(response, web.Response) and response.content_type == "application/json" and response.body:
+        return response.status, json.loads(bytes(response.body))  # type: ignore[arg-type]
+    return None
