@@ -27,7 +27,7 @@ APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbc
   libxcb-xinerama0 libxcb-xkb1 libegl1 libgl1 libdbus-1-3 libfontconfig1 cmake build-essential \
   desktop-file-utils appstream
 
-.PHONY: run test bench package system-deps clean llama-server
+.PHONY: run test lint bench package system-deps clean llama-server
 
 # --no-cache-dir: pip's own wheel cache does not know CMAKE_ARGS and could hand back a
 # native build made elsewhere.
@@ -65,9 +65,15 @@ system-deps:
 run: system-deps $(BIN)/.installed
 	$(BIN)/lmsp-tray
 
+# ruff and mypy as pyproject.toml configures them ([tool.ruff], [tool.mypy]: strict on core,
+# tasks and store). `make test` runs them before pytest and stops if either finds anything.
+lint: $(BIN)/.installed
+	$(BIN)/ruff check app tests
+	$(BIN)/mypy
+
 # tests/test_wheel.py installs the app's wheel in a fresh venv, with llama.cpp from $(WHEELS);
 # the remote-endpoint tests start $(LLAMA_SERVER) as one of their upstreams.
-test: system-deps $(BIN)/.installed $(LLAMA_SERVER)
+test: system-deps $(BIN)/.installed $(LLAMA_SERVER) lint
 	LMSP_WHEELS=$(WHEELS) LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q
 
 bench: system-deps $(BIN)/.installed
