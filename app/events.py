@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 log = logging.getLogger(__name__)
 Event = dict[str, Any]
@@ -46,7 +47,7 @@ class EventBus:
             self.publish(result)
         return result
 
-    def feed(self, task_id: str, watch: bool) -> "Feed":
+    def feed(self, task_id: str, watch: bool) -> Feed:
         """`watch`: the reader shows the output as it comes; one that only waits for the end (a
         plain request) does not, and does not make the task commit more often."""
         return Feed(self, task_id, watch)
@@ -115,7 +116,7 @@ class Feed:
         if self._unwatch is not None:
             self._unwatch()
 
-    def __enter__(self) -> "Feed":
+    def __enter__(self) -> Feed:
         return self
 
     def __exit__(self, *exc: object) -> None:

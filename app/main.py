@@ -121,7 +121,8 @@ def lock_data_dir(data_dir: Path) -> IO[bytes] | None:
     ends (a crash, SIGKILL, a power cut), so nothing left on disk can keep the app from starting,
     unlike a pid in service.json, which may by then be another process's."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(data_dir / paths.LOCK_FILE, "a+b")  # never truncated: another may hold it
+    # Not `with`: the lock lasts as long as the file is open, so the caller keeps it open.
+    handle = open(data_dir / paths.LOCK_FILE, "a+b")  # noqa: SIM115  (never truncated: another may hold it)
     try:
         if sys.platform == "win32":  # untested: a lock on the first byte, released with the handle
             import msvcrt

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 POLL_SECONDS = 0.5
 BAR = 30

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from PySide6.QtWidgets import QMessageBox, QWidget
 from shiboken6 import isValid

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QHBoxLayout, QPushButton, QTableWidgetItem, QWidget)
+from PySide6.QtWidgets import QHBoxLayout, QPushButton, QTableWidgetItem, QWidget
 
 from app.gui.async_ui import confirm, spawn
 from app.gui.session import Session

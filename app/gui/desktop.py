@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import qasync
-from PySide6.QtCore import QMessageLogContext, QObject, QtMsgType, QTimer, qInstallMessageHandler
+from PySide6.QtCore import QMessageLogContext, QObject, QTimer, QtMsgType, qInstallMessageHandler
 from PySide6.QtWidgets import QApplication, QSystemTrayIcon
 
 from app.errors import LmspError

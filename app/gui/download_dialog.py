@@ -10,8 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QDialog, QHBoxLayout, QLabel, QLineEdit, QPushButton,
-                               QTableWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QDialog,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
 from shiboken6 import isValid
 
 from app.display import human_size
@@ -20,10 +28,10 @@ from app.gui import style
 from app.gui.async_ui import spawn
 from app.gui.icons import app_icon
 from app.gui.session import Session
-from app.gui.widgets import act_or_close, list_table
+from app.gui.widgets import act_or_close, list_table, named
 
 COLUMNS = ("File", "Size")
-_dialog: "DownloadDialog | None" = None
+_dialog: DownloadDialog | None = None
 
 
 class DownloadDialog(QDialog):
@@ -37,7 +45,7 @@ class DownloadDialog(QDialog):
 
         intro = QLabel("A model repository on Hugging Face, such as <i>bartowski/SmolLM2-135M-Instruct-GGUF</i>. "
                        "Files go to the Hugging Face cache, where other tools find them too.", wordWrap=True)
-        self.repo = QLineEdit(objectName="download-repo", placeholderText="owner/name")
+        self.repo = named(QLineEdit(placeholderText="owner/name"), "download-repo")
         self.repo.returnPressed.connect(self.show_files)
         self.look_button = QPushButton("Show files")
         self.look_button.clicked.connect(self.show_files)
@@ -49,7 +57,7 @@ class DownloadDialog(QDialog):
         self.table.setObjectName("download-files")
         self.table.itemSelectionChanged.connect(self._update_buttons)
         self.table.itemDoubleClicked.connect(lambda _item: self.download())
-        self.summary = QLabel(objectName="download-summary", wordWrap=True)
+        self.summary = named(QLabel(wordWrap=True), "download-summary")
         self.summary.setStyleSheet(style.HINT)
         self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
@@ -119,12 +127,14 @@ class DownloadDialog(QDialog):
         file, repo = self.selected(), self.repo.text().strip()
         if self.busy or file is None:
             return
+        owner = self.session.owner
+        assert owner is not None  # the dialog opens once the service is ready
         self.busy = True
         self._update_buttons()
 
         async def start() -> None:
             try:
-                await self.session.service.downloads.create_download(self.session.owner, {"repo": repo, "file": file})
+                await self.session.service.downloads.create_download(owner, {"repo": repo, "file": file})
                 self._say(f"Downloading {file}: its progress is in the Tasks tab and the tray, and you will be "
                           "told when it is ready. You can close this window.")
             except LmspError as exc:

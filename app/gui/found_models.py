@@ -10,8 +10,19 @@ from typing import Any
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QBrush, QColor
-from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QHeaderView, QLabel, QProgressDialog,
-                               QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QDialog,
+    QDialogButtonBox,
+    QHeaderView,
+    QLabel,
+    QProgressDialog,
+    QPushButton,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
 from shiboken6 import isValid
 
 from app.display import human_size
@@ -20,7 +31,7 @@ from app.gui import style
 from app.gui.async_ui import spawn
 from app.gui.icons import app_icon
 from app.gui.session import Session
-from app.gui.widgets import hashing_progress
+from app.gui.widgets import hashing_progress, named
 
 SOURCES = {"lmstudio": "LM Studio", "ollama": "Ollama", "huggingface": "Hugging Face"}
 COLUMNS = ("Model", "From", "Size", "")
@@ -30,6 +41,32 @@ ERROR_COLOUR = QColor("#b91c1c")
 
 def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _found_table() -> QTableWidget:
+    """The files found, a row each: a box to tick by the name, then where it is from, its size and state."""
+    table = QTableWidget(0, len(COLUMNS))
+    table.setObjectName("found-table")
+    table.setHorizontalHeaderLabels(COLUMNS)
+    table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+    table.setSelectionMode(QAbstractItemView.SelectionMode.NoSelection)
+    table.setFocusPolicy(Qt.FocusPolicy.StrongFocus)
+    table.verticalHeader().hide()
+    table.setWordWrap(False)
+    table.setTextElideMode(Qt.TextElideMode.ElideMiddle)  # the file name is at the end
+    table.setShowGrid(False)
+    table.setAlternatingRowColors(True)
+    header = table.horizontalHeader()
+    right = Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter
+    size_header = table.horizontalHeaderItem(SIZE)
+    assert size_header is not None  # setHorizontalHeaderLabels made it
+    size_header.setTextAlignment(right)
+    header.setDefaultAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
+    header.setSectionResizeMode(NAME, QHeaderView.ResizeMode.Stretch)
+    for col, width in ((SOURCE, 110), (SIZE, 80), (STATE, 110)):
+        header.setSectionResizeMode(col, QHeaderView.ResizeMode.Fixed)
+        header.resizeSection(col, width)
+    return table
 
 
 class FoundModelsDialog(QDialog):
@@ -49,27 +86,9 @@ class FoundModelsDialog(QDialog):
 
         intro = QLabel("Model files that LM Studio, Ollama or Hugging Face already downloaded to this computer. "
                        "Adding one uses the file where it is: nothing is copied or moved.", wordWrap=True)
-        self.table = QTableWidget(0, len(COLUMNS))
-        self.table.setObjectName("found-table")
-        self.table.setHorizontalHeaderLabels(COLUMNS)
-        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.setSelectionMode(QAbstractItemView.SelectionMode.NoSelection)
-        self.table.setFocusPolicy(Qt.FocusPolicy.StrongFocus)
-        self.table.verticalHeader().hide()
-        self.table.setWordWrap(False)
-        self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)  # the file name is at the end
-        self.table.setShowGrid(False)
-        self.table.setAlternatingRowColors(True)
-        header = self.table.horizontalHeader()
-        right = Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter
-        self.table.horizontalHeaderItem(SIZE).setTextAlignment(right)
-        header.setDefaultAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
-        header.setSectionResizeMode(NAME, QHeaderView.ResizeMode.Stretch)
-        for col, width in ((SOURCE, 110), (SIZE, 80), (STATE, 110)):
-            header.setSectionResizeMode(col, QHeaderView.ResizeMode.Fixed)
-            header.resizeSection(col, width)
+        self.table = _found_table()
         self.table.itemChanged.connect(lambda _item: self._update_buttons())
-        self.summary = QLabel(objectName="found-summary", wordWrap=True)
+        self.summary = named(QLabel(wordWrap=True), "found-summary")
         self.summary.setStyleSheet(style.HINT)
         self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
@@ -145,15 +164,14 @@ class FoundModelsDialog(QDialog):
         """A row as it stands: added (ticked, greyed), failed (the reason), or free to pick."""
         model = self.found[row]
         path = model["path"]
-        name = self.table.item(row, NAME)
-        state = self.table.item(row, STATE)
+        name, state = self._cell(row, NAME), self._cell(row, STATE)
         state.setToolTip(name.toolTip())
         added = path in self.added
         flags = Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsUserCheckable
         name.setFlags(Qt.ItemFlag.NoItemFlags if added else flags)
         name.setCheckState(Qt.CheckState.Checked if added or checked else Qt.CheckState.Unchecked)
         for col in (SOURCE, SIZE, STATE):
-            self.table.item(row, col).setFlags(Qt.ItemFlag.NoItemFlags if added else Qt.ItemFlag.ItemIsEnabled)
+            self._cell(row, col).setFlags(Qt.ItemFlag.NoItemFlags if added else Qt.ItemFlag.ItemIsEnabled)
         if added:
             state.setText("added")
             state.setForeground(QBrush())
@@ -169,13 +187,17 @@ class FoundModelsDialog(QDialog):
             state.setText("")
             state.setForeground(QBrush())
 
+    def _cell(self, row: int, col: int) -> QTableWidgetItem:
+        """A cell that every row has from the moment it is shown."""
+        item = self.table.item(row, col)
+        assert item is not None
+        return item
+
     def item(self, name: str) -> QTableWidgetItem:
         """The checkbox cell of the model called `name` (as its app calls it)."""
         for row, model in enumerate(self.found):
             if model["name"] == name:
-                item = self.table.item(row, NAME)
-                assert item is not None
-                return item
+                return self._cell(row, NAME)
         raise KeyError(name)
 
     def picked(self) -> list[dict[str, Any]]:

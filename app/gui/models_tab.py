@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, Awaitable
+from typing import Any
 from urllib.parse import urlsplit
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QProgressDialog,
-                               QPushButton, QTableWidgetItem, QWidget)
+from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QProgressDialog, QPushButton, QTableWidgetItem, QWidget
 from shiboken6 import isValid
 
 from app.display import human_size, is_remote, short_digest
@@ -18,7 +18,7 @@ from app.gui.download_dialog import show_download_dialog
 from app.gui.found_models import show_found_models
 from app.gui.remote_dialog import RemoteModelDialog
 from app.gui.session import Session
-from app.gui.widgets import hashing_progress, list_page, list_table
+from app.gui.widgets import hashing_progress, list_page, list_table, named
 
 COLUMNS = ("Model", "Size", "Digest", "State", "Engine")
 ENGINE_MODES = {"fast": "Fast", "safe": "Safe mode"}
@@ -89,11 +89,11 @@ class ModelsTab(QWidget):
                                               "Ollama, another LMSP Tray); its tasks are kept here")
         self.buttons["edit"].setToolTip("Change a remote model's endpoints")
         self.buttons["fast-mode"].setToolTip(FAST_AGAIN_HINT)
-        list_page(self, row, self.table, "Removing a model only forgets it here: the file itself is never deleted. "
-                  "A loaded model stays in memory until it is unloaded or idle too long.")
-        self.details = QLabel(objectName="model-details", wordWrap=True)  # the selected model, in full
+        page = list_page(self, row, self.table, "Removing a model only forgets it here: the file itself is never "
+                         "deleted. A loaded model stays in memory until it is unloaded or idle too long.")
+        self.details = named(QLabel(wordWrap=True), "model-details")  # the selected model, in full
         self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.layout().insertWidget(2, self.details)
+        page.insertWidget(2, self.details)
         session.models_updated.connect(self.show_models)
         self.show_models()
 
@@ -106,7 +106,7 @@ class ModelsTab(QWidget):
             remote = is_remote(model)
             cells = (model["id"], human_size(model.get("size_bytes")), short_digest(model.get("digest")),
                      state_text(model),
-                     "Remote" if remote else ENGINE_MODES.get(engine.get("mode"), "—"))
+                     "Remote" if remote else ENGINE_MODES.get(engine.get("mode", ""), "—"))
             where = ("\n".join(endpoint_line(e) for e in model["endpoints"]) if remote
                      else f"{model.get('path', '')}\n{model.get('digest', '')}")
             for col, text in enumerate(cells):
@@ -127,18 +127,22 @@ class ModelsTab(QWidget):
     def _update_buttons(self) -> None:
         model = self.selected()
         remote = is_remote(model)
-        status = model["status"] if model and not remote else None  # a remote model is never loaded here
+        local = None if remote else model  # a remote model is never loaded here
+        status = local["status"] if local else None
         self.buttons["remove"].setEnabled(model is not None)
         self.buttons["edit"].setEnabled(remote)
         self.buttons["load"].setEnabled(status == "available")
         self.buttons["unload"].setEnabled(status == "loaded")
         # Only a fallback the engine remembers can be forgotten: the setting `safe` is the user's own.
-        self.buttons["fast-mode"].setEnabled(status is not None and model["engine"]["mode"] == "safe"
+        self.buttons["fast-mode"].setEnabled(local is not None and local["engine"]["mode"] == "safe"
                                              and self.session.service.settings["engine_mode"] == "auto")
         for name in ("load", "unload"):
             self.buttons[name].setToolTip(REMOTE_HINT if remote else "")
-        where = endpoints_summary(model) if remote else model.get("path", "") if model else ""
-        self.details.setText(f"{model['id']} — {where}" if model else "")
+        if model is None:
+            self.details.setText("")
+            return
+        where = endpoints_summary(model) if remote else model.get("path", "")
+        self.details.setText(f"{model['id']} — {where}")
 
     # -- actions ----------------------------------------------------------------------------
 

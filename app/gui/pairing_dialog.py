@@ -8,13 +8,14 @@ from typing import Any
 
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QFont, QFontDatabase
-from shiboken6 import isValid
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QPushButton, QVBoxLayout, QWidget
+from shiboken6 import isValid
 
 from app.gui import style
 from app.gui.async_ui import spawn
 from app.gui.icons import app_icon
 from app.gui.session import Session
+from app.gui.widgets import named
 
 SCOPE_WORDS = {
     "models:read": "See which models are installed",
@@ -61,14 +62,14 @@ class PairingDialog(QDialog):
         abilities = QLabel(f"If you allow it, it can:<ul style='margin-left: -20px'>{scopes}</ul>", wordWrap=True)
         if "admin" in pairing["scopes"]:
             abilities.setText(abilities.text() + "<b>Only allow full control for an app you trust completely.</b>")
-        self.code = QLabel(pairing["code"], objectName="pairing-code")
+        self.code = named(QLabel(pairing["code"]), "pairing-code")
         font = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
         font.setPointSize(22)
         font.setWeight(QFont.Weight.Bold)
         self.code.setFont(font)
         self.code.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.code.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.expiry = QLabel(objectName="pairing-expiry")
+        self.expiry = named(QLabel(), "pairing-expiry")
         self.expiry.setStyleSheet(style.HINT)
         self.expiry.setAlignment(Qt.AlignmentFlag.AlignCenter)
 

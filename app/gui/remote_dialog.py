@@ -12,15 +12,26 @@ import re
 from typing import Any
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QCheckBox, QDialog, QGridLayout, QGroupBox, QHBoxLayout, QLabel,
-                               QLineEdit, QPushButton, QScrollArea, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QDialog,
+    QGridLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QScrollArea,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.errors import LmspError
 from app.gui import style
 from app.gui.async_ui import spawn
 from app.gui.icons import app_icon
 from app.gui.session import Session
-from app.gui.widgets import act_or_close
+from app.gui.widgets import act_or_close, named
 
 MAX_ENDPOINTS = 16
 KEPT = "•••••• (unchanged)"
@@ -45,7 +56,7 @@ class EndpointBox(QGroupBox):
         self.clear_key.setVisible(bool(saved and saved["has_api_key"]))
         self.test_button = QPushButton("Test connection")
         self.remove_button = QPushButton("Remove")
-        self.status = QLabel(wordWrap=True, visible=False)
+        self.status = news_line()
         if saved:
             self.base_url.setText(saved["base_url"])
             self.model.setText(saved["model"])
@@ -116,14 +127,14 @@ class RemoteModelDialog(QDialog):
         intro = QLabel("A model served by other OpenAI-compatible servers (llama.cpp, vLLM, Ollama, another "
                        "LMSP Tray). Its tasks are kept here; each goes to the least busy endpoint that answers.",
                        wordWrap=True)
-        self.model_id = QLineEdit(objectName="remote-id", placeholderText="the name apps will ask for, e.g. big")
+        self.model_id = named(QLineEdit(placeholderText="the name apps will ask for, e.g. big"), "remote-id")
         if model:  # an id is for good: it shows as text, not as a field
             self.model_id.setText(model["id"])
             self.model_id.setReadOnly(True)
             self.model_id.setFrame(False)
             self.model_id.setStyleSheet("background: transparent")
             self.model_id.setFocusPolicy(Qt.FocusPolicy.NoFocus)
-        self.id_error = QLabel(wordWrap=True, visible=False)
+        self.id_error = news_line()
         id_row = QHBoxLayout()
         id_row.addWidget(QLabel("Model id"))
         id_row.addWidget(self.model_id, 1)
@@ -139,7 +150,7 @@ class RemoteModelDialog(QDialog):
         self.add_button = QPushButton("Add endpoint")
         self.add_button.clicked.connect(lambda: self.add_endpoint(None))
 
-        self.message = QLabel(wordWrap=True, visible=False)
+        self.message = news_line()
         buttons, self.save_button = act_or_close("Save", self.save, "Cancel", self.close)
 
         layout = QVBoxLayout(self)
@@ -254,6 +265,13 @@ class RemoteModelDialog(QDialog):
 
     def _say(self, text: str, error: bool = False) -> None:
         say(self.message, text, error)
+
+
+def news_line() -> QLabel:
+    """Where `say` writes: hidden until there is something to say."""
+    label = QLabel(wordWrap=True)
+    label.hide()
+    return label
 
 
 def say(label: QLabel, text: str, error: bool = False) -> None:

@@ -7,13 +7,25 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QComboBox, QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit,
-                               QPushButton, QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.errors import LmspError
 from app.gui import style
 from app.gui.async_ui import spawn
 from app.gui.session import Session
+from app.gui.widgets import named
 
 DAY, MINUTE = 86400, 60
 ON_RESTART = {"fail": "Mark it failed (the app may resubmit)", "retry": "Run it again from the start",
@@ -43,7 +55,8 @@ class SettingsTab(QWidget):
         self.origins = QPlainTextEdit()
         self.origins.setPlaceholderText("https://example.app  (one per line; none: only apps without an Origin)")
         self.origins.setFixedHeight(64)
-        self.idle = QSpinBox(minimum=0, maximum=525600, suffix=" min", specialValueText="never")
+        self.idle = QSpinBox(minimum=0, maximum=525600, suffix=" min")
+        self.idle.setSpecialValueText("never")  # for 0; PySide6's stubs do not take it as a keyword
         self.engine_mode = QComboBox()
         for value, text in ENGINE_MODES.items():
             self.engine_mode.addItem(text, value)
@@ -60,19 +73,7 @@ class SettingsTab(QWidget):
                             "repacking and AMX kernels, which crash on some CPUs. Applies from the next task."),
         }
         self.errors: dict[str, QLabel] = {}
-        groups = QVBoxLayout()
-        for title, params in GROUPS:
-            form = QFormLayout()
-            for param in params:
-                field, label, hint = self.fields[param]
-                name = QLabel(label + ":")
-                name.setMinimumWidth(self.fontMetrics().horizontalAdvance(LONGEST_LABEL) + 8)
-                name.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignTop)
-                name.setContentsMargins(0, 4, 0, 0)  # level with the text inside the field
-                form.addRow(name, self._row(param, field, hint))
-            box = QGroupBox(title)
-            box.setLayout(form)
-            groups.addWidget(box)
+        groups = self._groups()
         self.status = QLabel(wordWrap=True)
         self.save_button = QPushButton("Save")
         self.save_button.clicked.connect(self.save)
@@ -93,6 +94,23 @@ class SettingsTab(QWidget):
         session.bridge.settings_changed.connect(self._changed_elsewhere)
         self.load()
 
+    def _groups(self) -> QVBoxLayout:
+        """The fields, labelled, in their groups."""
+        groups = QVBoxLayout()
+        for title, params in GROUPS:
+            form = QFormLayout()
+            for param in params:
+                field, label, hint = self.fields[param]
+                name = QLabel(label + ":")
+                name.setMinimumWidth(self.fontMetrics().horizontalAdvance(LONGEST_LABEL) + 8)
+                name.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignTop)
+                name.setContentsMargins(0, 4, 0, 0)  # level with the text inside the field
+                form.addRow(name, self._row(param, field, hint))
+            box = QGroupBox(title)
+            box.setLayout(form)
+            groups.addWidget(box)
+        return groups
+
     def _row(self, param: str, field: QWidget, hint: str) -> QWidget:
         """The field (narrow ones keep their size), its hint, and room for its error."""
         row = QWidget()
@@ -110,7 +128,7 @@ class SettingsTab(QWidget):
             note = QLabel(hint, wordWrap=True)
             note.setStyleSheet(style.HINT)
             column.addWidget(note)
-        error = self.errors[param] = QLabel(wordWrap=True, objectName=f"error:{param}")
+        error = self.errors[param] = named(QLabel(wordWrap=True), f"error:{param}")
         error.setStyleSheet(style.ERROR)
         error.hide()
         column.addWidget(error)

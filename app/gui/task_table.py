@@ -93,9 +93,10 @@ class TaskTableModel(QAbstractTableModel):
             client = task.get("client_id")
             return self.client_names.get(client, client) if client else "—"
         if col == PROGRESS:
-            done, limit = done_and_limit(task)
             if task["kind"] == "download":
-                return f"{done / 1e6:,.1f} / {limit / 1e6:,.1f} MB"
+                progress = task["progress"]
+                return f"{progress['bytes'] / 1e6:,.1f} / {progress['total_bytes'] / 1e6:,.1f} MB"
+            done, limit = done_and_limit(task)
             return f"{done} / {limit}" if limit else f"{done}"
         if col == SPEED:
             if task["kind"] == "download":

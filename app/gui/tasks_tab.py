@@ -7,18 +7,41 @@ batches (deltas arrive many times a second, one read per batch is plenty).
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Any
 
 from PySide6.QtCore import QItemSelection, Qt, QTimer
-from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QHBoxLayout, QHeaderView, QLabel, QPushButton,
-                               QSplitter, QTableView, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QComboBox,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QPushButton,
+    QSplitter,
+    QTableView,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.errors import NotFound
 from app.gui.async_ui import spawn
 from app.gui.session import Session
 from app.gui.task_detail import TaskDetail
-from app.gui.task_table import (ACTIVE, CLIENT, ELAPSED, FILTERS, ID_ROLE, MODEL, PROGRESS, SPEED,
-                                STATUS, ProgressDelegate, TaskFilter, TaskTableModel)
+from app.gui.task_table import (
+    ACTIVE,
+    CLIENT,
+    ELAPSED,
+    FILTERS,
+    ID_ROLE,
+    MODEL,
+    PROGRESS,
+    SPEED,
+    STATUS,
+    ProgressDelegate,
+    TaskFilter,
+    TaskTableModel,
+)
 
 LOAD_LIMIT = 200
 BATCH_SECONDS = 0.1
@@ -112,13 +135,15 @@ class TasksTab(QWidget):
             spawn(self._refresh_stale(), self)
 
     async def _refresh_stale(self) -> None:
+        owner = self.session.owner
+        assert owner is not None  # on_event starts this only once there is one
         try:
             while self._stale:
                 await asyncio.sleep(BATCH_SECONDS)  # let a burst of deltas collapse into one read
                 batch, self._stale = self._stale, set()
                 for task_id in batch:
                     try:
-                        task = await self.session.service.tasks.task(self.session.owner, task_id)
+                        task = await self.session.service.tasks.task(owner, task_id)
                     except NotFound:
                         continue  # removed by retention meanwhile
                     self.model.upsert(task)
@@ -155,12 +180,15 @@ class TasksTab(QWidget):
         self.model.upsert(task)
         self._update_buttons()
 
+    def _reveal(self, task_id: str, task: dict[str, Any]) -> None:
+        self.model.upsert(task)
+        self.select_task(task_id)
+
     def select_task(self, task_id: str) -> None:
         """Show one task (from a notification): reveal it whatever the filter, select it."""
         if self.model.row_of(task_id) < 0:
             assert self.session.owner is not None
-            spawn(self.session.service.tasks.task(self.session.owner, task_id), self,
-                  lambda task: (self.model.upsert(task), self.select_task(task_id)))
+            spawn(self.session.service.tasks.task(self.session.owner, task_id), self, partial(self._reveal, task_id))
             return
         self.filter.setCurrentText("All")
         source = self.model.index(self.model.row_of(task_id), 0)

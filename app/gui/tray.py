@@ -3,8 +3,9 @@ notifications that lead to the right place when clicked."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from PySide6.QtCore import QObject, Qt, QUrl, Signal
 from PySide6.QtGui import QAction, QDesktopServices, QGuiApplication
@@ -43,7 +44,7 @@ class Tray(QObject):
         self.icon.setContextMenu(self.menu)
         self.icon.activated.connect(self._activated)
         self.icon.messageClicked.connect(self._message_clicked)
-        self._on_message: Callable[[], None] | None = None
+        self._on_message: Callable[[], object] | None = None
         session.changed.connect(self.refresh)
         self.refresh()
 
@@ -63,7 +64,7 @@ class Tray(QObject):
             tip += "\nWarning: reachable from other computers"
         self.icon.setToolTip(tip)
 
-    def notify(self, title: str, text: str, on_click: Callable[[], None] | None = None,
+    def notify(self, title: str, text: str, on_click: Callable[[], object] | None = None,
                icon: QSystemTrayIcon.MessageIcon = QSystemTrayIcon.MessageIcon.Information) -> None:
         """A message from the tray; clicking it runs `on_click` (the latest message wins)."""
         self._on_message = on_click

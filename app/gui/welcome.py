@@ -6,14 +6,33 @@ from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QCloseEvent, QFont, QFontDatabase, QGuiApplication
-from PySide6.QtWidgets import (QCheckBox, QDialog, QFrame, QHBoxLayout, QLabel, QPushButton, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import QCheckBox, QDialog, QFrame, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
 from app.gui import style
 from app.gui.icons import app_icon
 from app.gui.session import Session
+from app.gui.widgets import named
 
 WELCOME_DISMISSED = "gui.welcome_dismissed"
+
+
+def _heading() -> QHBoxLayout:
+    """The app's icon beside its name and what it does."""
+    icon = QLabel()
+    icon.setPixmap(app_icon().pixmap(48, 48))
+    icon.setAlignment(Qt.AlignmentFlag.AlignTop)
+    title = QLabel("<span style='font-size: 15pt'><b>Welcome to LMSP Tray</b></span>")
+    what = QLabel("LMSP Tray runs language models right here on this computer, for the apps you allow "
+                  "to use them.", wordWrap=True)
+    heading = QVBoxLayout()
+    heading.setSpacing(4)
+    heading.addWidget(title)
+    heading.addWidget(what)
+    top = QHBoxLayout()
+    top.setSpacing(14)
+    top.addWidget(icon)
+    top.addLayout(heading, 1)
+    return top
 
 
 class WelcomeWindow(QDialog):
@@ -29,35 +48,7 @@ class WelcomeWindow(QDialog):
         self.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         self.setMinimumWidth(560)
         self._told = False
-
-        icon = QLabel()
-        icon.setPixmap(app_icon().pixmap(48, 48))
-        icon.setAlignment(Qt.AlignmentFlag.AlignTop)
-        title = QLabel("<span style='font-size: 15pt'><b>Welcome to LMSP Tray</b></span>")
-        what = QLabel("LMSP Tray runs language models right here on this computer, for the apps you allow "
-                      "to use them.", wordWrap=True)
-        heading = QVBoxLayout()
-        heading.setSpacing(4)
-        heading.addWidget(title)
-        heading.addWidget(what)
-        top = QHBoxLayout()
-        top.setSpacing(14)
-        top.addWidget(icon)
-        top.addLayout(heading, 1)
-
-        self.address = QLabel(session.api_base, objectName="welcome-address")
-        font = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
-        font.setPointSize(max(font.pointSize(), 11))
-        font.setWeight(QFont.Weight.Bold)
-        self.address.setFont(font)
-        self.address.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.copy_button = QPushButton("Copy")
-        self.copy_button.setAutoDefault(False)
-        self.copy_button.setToolTip("Copy the address to the clipboard")
-        self.copy_button.clicked.connect(self.copy_address)
-        address_row = QHBoxLayout()
-        address_row.addWidget(self.address, 1)
-        address_row.addWidget(self.copy_button)
+        top, address_row, find_row = _heading(), self._address_row(), self._find_row()
 
         pairing = QLabel("<ol style='margin-left: -22px; margin-top: 2px'>"
                          "<li>The app asks to use your models.</li>"
@@ -65,22 +56,11 @@ class WelcomeWindow(QDialog):
                          "<li>Click <b>Allow</b>. You can take it back any time in the Clients tab.</li></ol>",
                          wordWrap=True)
 
-        self.find_button = QPushButton("Models you already have…", objectName="welcome-find-models")
-        self.find_button.setAutoDefault(False)
-        self.find_button.clicked.connect(self.find_models.emit)
-        find_hint = QLabel("Use the models that LM Studio, Ollama or Hugging Face already downloaded, "
-                           "without copying them.", wordWrap=True)
-        find_hint.setStyleSheet(style.HINT)
-        find_row = QHBoxLayout()
-        find_row.setSpacing(12)
-        find_row.addWidget(self.find_button)
-        find_row.addWidget(find_hint, 1)
-
         line = QFrame()
         line.setFrameShape(QFrame.Shape.HLine)
         line.setFrameShadow(QFrame.Shadow.Sunken)
-        self.dont_show = QCheckBox("Don't show this again", objectName="welcome-dont-show")
-        self.close_button = QPushButton("Close", objectName="welcome-close")
+        self.dont_show = named(QCheckBox("Don't show this again"), "welcome-dont-show")
+        self.close_button = named(QPushButton("Close"), "welcome-close")
         self.close_button.setDefault(True)
         self.close_button.clicked.connect(self.close)
         bottom = QHBoxLayout()
@@ -103,6 +83,37 @@ class WelcomeWindow(QDialog):
         layout.addWidget(line)
         layout.addLayout(bottom)
         self.finished.connect(lambda _result: self._tell())
+
+    def _address_row(self) -> QHBoxLayout:
+        """The service's address, in large type, and a button that copies it."""
+        self.address = named(QLabel(self.session.api_base), "welcome-address")
+        font = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
+        font.setPointSize(max(font.pointSize(), 11))
+        font.setWeight(QFont.Weight.Bold)
+        self.address.setFont(font)
+        self.address.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.copy_button = QPushButton("Copy")
+        self.copy_button.setAutoDefault(False)
+        self.copy_button.setToolTip("Copy the address to the clipboard")
+        self.copy_button.clicked.connect(self.copy_address)
+        address_row = QHBoxLayout()
+        address_row.addWidget(self.address, 1)
+        address_row.addWidget(self.copy_button)
+        return address_row
+
+    def _find_row(self) -> QHBoxLayout:
+        """A way to the models other tools downloaded, and what it does."""
+        self.find_button = named(QPushButton("Models you already have…"), "welcome-find-models")
+        self.find_button.setAutoDefault(False)
+        self.find_button.clicked.connect(self.find_models.emit)
+        find_hint = QLabel("Use the models that LM Studio, Ollama or Hugging Face already downloaded, "
+                           "without copying them.", wordWrap=True)
+        find_hint.setStyleSheet(style.HINT)
+        find_row = QHBoxLayout()
+        find_row.setSpacing(12)
+        find_row.addWidget(self.find_button)
+        find_row.addWidget(find_hint, 1)
+        return find_row
 
     def copy_address(self) -> None:
         QGuiApplication.clipboard().setText(self.session.api_base)

@@ -1,21 +1,41 @@
 """Widgets set up the same way in several places: a list tab (buttons, table, note), a hashing
-progress dialog, a window's act / close buttons."""
+progress dialog, a window's act / close buttons, a widget the tests find by name."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QAbstractItemView, QDialogButtonBox, QHBoxLayout, QHeaderView, QLabel, QProgressDialog,
-                               QPushButton, QTableWidget, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QDialogButtonBox,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QProgressDialog,
+    QPushButton,
+    QTableWidget,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.gui import style
 
+W = TypeVar("W", bound=QWidget)
 
-def list_table(columns: list[str], stretch: int, widths: dict[int, int]) -> QTableWidget:
+
+def named(widget: W, name: str) -> W:
+    """`widget` with its object name set. Qt takes `objectName=` as a keyword too, but PySide6's
+    stubs list only a class's own properties, so mypy would refuse it."""
+    widget.setObjectName(name)
+    return widget
+
+
+def list_table(columns: Sequence[str], stretch: int, widths: dict[int, int]) -> QTableWidget:
     """A read-only table of whole-row, single selections; Tab leaves it, as in a form."""
     table = QTableWidget(0, len(columns))
-    table.setHorizontalHeaderLabels(columns)
+    table.setHorizontalHeaderLabels(list(columns))
     table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
     table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
     table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
@@ -56,7 +76,7 @@ def act_or_close(act_text: str, act: Callable[[], Any], close_text: str, close: 
     return buttons, act_button
 
 
-def list_page(page: QWidget, buttons: QHBoxLayout, table: QTableWidget, note: str) -> None:
+def list_page(page: QWidget, buttons: QHBoxLayout, table: QTableWidget, note: str) -> QVBoxLayout:
     """Lay out a tab that lists things: its buttons, the table, and a hint underneath."""
     hint = QLabel(note, wordWrap=True)
     hint.setStyleSheet(style.HINT)
@@ -64,3 +84,4 @@ def list_page(page: QWidget, buttons: QHBoxLayout, table: QTableWidget, note: st
     layout.addLayout(buttons)
     layout.addWidget(table, 1)
     layout.addWidget(hint)
+    return layout

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 from app.core.service import AppService
 from app.engine.parent.engine import Generation
-from app.engine.net.remote import Endpoint, chat_request
+from app.engine.net.wire import chat_request
 from app.engine.request import Request
 from tests.bench.test_throughput import PROMPT, bare_llama, fast_works
 from tests.conftest import Headless, Upstream, cpu_seconds, wait_until
@@ -102,7 +102,7 @@ def sse(url: str, body: dict[str, Any], token: str | None = None) -> Iterator[tu
 def chat_body(up: Upstream, tokens: int) -> dict[str, Any]:
     """The chat completion the service would send an upstream for PROMPT (app/engine/net/remote.py's own body)."""
     gen = Generation(Request([{"role": "user", "content": PROMPT}], temperature=0), max_tokens=tokens)
-    return chat_request(Endpoint(up.base_url, up.alias), gen)
+    return chat_request(up.alias, gen)
 
 
 def direct_stream(up: Upstream, tokens: int = TOKENS) -> Stream:

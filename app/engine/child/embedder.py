@@ -11,14 +11,15 @@ It runs on the child's one thread, between generations, never during one.
 Inputs are decoded in batches of SLICE tokens, short ones packed together: a cancel is seen
 between two, within a second on a busy computer too (where a batch of 512 tokens took 15-35 s).
 The batches are the same whatever the computer's pace, so the same texts give the same vectors.
-A generative model's attention is causal, so a long input is cut into slices that carry on from its cache, and this code sums its
-token embeddings itself (the mean, once normalised); a model with its own pooling sees each input
-whole in one batch, as its pooling needs.
+A generative model's attention is causal, so a long input is cut into slices that carry on from
+its cache, and this code sums its token embeddings itself (the mean, once normalised); a model
+with its own pooling sees each input whole in one batch, as its pooling needs.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 

@@ -32,7 +32,8 @@ class GrammarSampler:
             raise ValueError("llama.cpp could not parse the grammar.")
         self.n_vocab = llm.n_vocab()
         self.all = LlamaTokenDataArray(n_vocab=self.n_vocab)
-        self.one = (llama_cpp.llama_token_data * 1)()
+        # Its fields take Python numbers, which llama_cpp's annotations (ctypes types) do not say.
+        self.one: Any = (llama_cpp.llama_token_data * 1)()
 
     def __del__(self) -> None:
         if getattr(self, "grammar", None):

@@ -154,21 +154,43 @@ def _extra(node: dict[str, Any], allowed: set[str], where: str) -> str | None:
     return f"`{extra[0]}` at {where} is not supported here" if extra else None
 
 
-def _check(node: Any, where: str) -> str | None:
-    """Mirror of SchemaConverter.visit: the branch it takes, and the keywords that branch honours."""
+def _check_any(node: Any, where: str) -> str | None:
+    """What every node is held to, whatever branch it takes: a schema object, its definitions
+    checked too, its counts and its pattern's repetitions within MAX_COUNT."""
     if not isinstance(node, dict):
         return f"{where} must be a schema object"
     for name in ("$defs", "definitions"):
         for key, sub in (node.get(name) or {}).items():
             if reason := _check(sub, f"{where}/{name}/{key}"):
                 return reason
-    kind = node.get("type")
     for count in COUNTS:
         if count in node and not (isinstance(node[count], int) and 0 <= node[count] <= MAX_COUNT):
             return f"`{count}` at {where} must be an integer from 0 to {MAX_COUNT}"
     if isinstance(node.get("pattern"), str) and any(int(n or 0) > MAX_COUNT for q in QUANTIFIER.findall(node["pattern"])
                                                     for n in q):
         return f"a repetition count in the `pattern` at {where} is above {MAX_COUNT}"
+    return None
+
+
+def _check_object(node: dict[str, Any], where: str) -> str | None:
+    props = node.get("properties", {})
+    required = node.get("required", [])
+    if not isinstance(props, dict) or not isinstance(required, list):
+        return f"`properties` must be an object and `required` a list, at {where}"
+    if missing := [r for r in required if r not in props]:
+        return f"`required` names {missing[0]!r}, which is not in `properties`, at {where}"
+    extra = node.get("additionalProperties", True)
+    if isinstance(extra, dict) and (reason := _check(extra, f"{where}/additionalProperties")):
+        return reason
+    return _extra(node, {"type", "properties", "required", "additionalProperties"}, where) or next(
+        (r for key, sub in props.items() if (r := _check(sub, f"{where}/properties/{key}"))), None)
+
+
+def _check(node: Any, where: str) -> str | None:
+    """Mirror of SchemaConverter.visit: the branch it takes, and the keywords that branch honours."""
+    if reason := _check_any(node, where):
+        return reason
+    kind = node.get("type")
     if "$ref" in node:
         ref = node["$ref"]
         if not isinstance(ref, str) or not ref.startswith("#/"):
@@ -187,17 +209,7 @@ def _check(node: Any, where: str) -> str | None:
     if "const" in node or "enum" in node:
         return _extra(node, {"const", "enum", "type"}, where)
     if kind in (None, "object") and ("properties" in node or node.get("additionalProperties", True) is not True):
-        props = node.get("properties", {})
-        required = node.get("required", [])
-        if not isinstance(props, dict) or not isinstance(required, list):
-            return f"`properties` must be an object and `required` a list, at {where}"
-        if missing := [r for r in required if r not in props]:
-            return f"`required` names {missing[0]!r}, which is not in `properties`, at {where}"
-        extra = node.get("additionalProperties", True)
-        if isinstance(extra, dict) and (reason := _check(extra, f"{where}/additionalProperties")):
-            return reason
-        return _extra(node, {"type", "properties", "required", "additionalProperties"}, where) or next(
-            (r for key, sub in props.items() if (r := _check(sub, f"{where}/properties/{key}"))), None)
+        return _check_object(node, where)
     if kind in (None, "array") and ("items" in node or "prefixItems" in node):
         items = node.get("items") or node["prefixItems"]
         if isinstance(items, list):

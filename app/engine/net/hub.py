@@ -30,15 +30,26 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 from urllib.parse import urlparse
 
 import httpx2
 from huggingface_hub import HfApi, RepoFile, constants, get_hf_file_metadata, hf_hub_url
-from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, RemoteEntryNotFoundError,
-                                    RepositoryNotFoundError, RevisionNotFoundError)
-from huggingface_hub.file_download import (_cache_commit_hash_for_specific_revision, _create_symlink,
-                                           _get_pointer_path, http_get, repo_folder_name)
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.file_download import (
+    _cache_commit_hash_for_specific_revision,
+    _create_symlink,
+    _get_pointer_path,
+    http_get,
+    repo_folder_name,
+)
 from huggingface_hub.utils import build_hf_headers, validate_repo_id
 
 from app.engine.registry import discovery
@@ -185,7 +196,7 @@ class Transfer:
         if self.stop:
             raise Stopped(self.stop)
 
-    def bar(self, **_: Any) -> "_Bar":
+    def bar(self, **_: Any) -> _Bar:
         """The `tqdm_class` given to `http_get`: it only counts and checks for a stop."""
         return _Bar(self)
 
@@ -197,7 +208,7 @@ class _Bar:
     def update(self, n: float | None = 1) -> None:
         self.transfer.check()
 
-    def __enter__(self) -> "_Bar":
+    def __enter__(self) -> _Bar:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -274,9 +285,10 @@ def fetch(remote: Remote, partial: Path, token: str | None, transfer: Transfer) 
         if urlparse(remote.url).netloc != urlparse(hf_hub_url(remote.repo, remote.file, endpoint=endpoint())).netloc:
             headers.pop("authorization", None)  # a signed CDN address: the hub token is not for it
         try:
-            # `http_get` itself retries a dropped connection from where it stopped (Range), 5 times.
-            http_get(remote.url, writer, resume_size=have, headers=headers, expected_size=remote.size,
-                     displayed_filename=remote.file, tqdm_class=transfer.bar)  # type: ignore[arg-type]
+            # `http_get` itself retries a dropped connection from where it stopped (Range), 5 times. It
+            # only writes to its file and only makes a bar: what these two offer, not all of a file's and tqdm's.
+            http_get(remote.url, cast(BinaryIO, writer), resume_size=have, headers=headers, expected_size=remote.size,
+                     displayed_filename=remote.file, tqdm_class=cast(Any, transfer.bar))
         except HfHubHTTPError as exc:
             raise _hub_error(exc, f"{remote.repo}/{remote.file}") from exc
         except httpx2.HTTPError as exc:

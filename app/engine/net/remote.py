@@ -8,7 +8,8 @@ on to the next when a connection fails before the stream starts, waits (the task
 messages a local engine sends. An upstream that breaks mid-stream hands the task to another
 endpoint, which continues the text where it can (llama.cpp's llama-server) and otherwise starts
 it again: OpenAI-compatible servers cannot be trusted to continue a half-written assistant
-message, so the runner resets the output (`resume_mode: retry`).
+message, so the runner resets the output (`resume_mode: retry`). What it sends and reads back,
+request bodies and stream chunks, is in wire.py.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import json
 import logging
 import ssl
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx2
 
+from app.engine.net.wire import Reader, chat_request, read_chat, read_completion, sampling
 from app.engine.parent.engine import EngineError, Generation, Message, Waiting
 from app.engine.request import Request
 from app.logs import redact
@@ -146,7 +149,7 @@ async def probe(client: httpx2.AsyncClient, endpoint: Endpoint) -> list[str]:
         raise RemoteError("upstream_auth_failed", f"{where} refused the API key ({response.status_code}: "
                           f"{upstream_message(endpoint, response)}).")
     try:
-        listed = response.json()["data"] if response.status_code == 200 else None
+        listed: Any = response.json()["data"] if response.status_code == 200 else None  # JSON: checked below
         names = [m["id"] for m in listed] if isinstance(listed, list) else None
     except (ValueError, KeyError, TypeError):
         names = None
@@ -223,50 +226,6 @@ class Upstreams:
             self._client = None
 
 
-def sampling(request: Request) -> dict[str, Any]:
-    """The sampling fields of `request`, and `stream`, as both OpenAI's and llama-server's APIs name them."""
-    fields: dict[str, Any] = {"temperature": request.temperature, "top_p": request.top_p, "stream": True}
-    if request.seed is not None:
-        fields["seed"] = request.seed
-    if request.stop:
-        fields["stop"] = request.stop
-    return fields
-
-
-def chat_request(endpoint: Endpoint, gen: Generation) -> dict[str, Any]:
-    """The chat completion request for `gen` from its start, streamed, with the usage at the end."""
-    body: dict[str, Any] = {"model": endpoint.model, "messages": gen.request.prompt(),
-                            "stream_options": {"include_usage": True}, **sampling(gen.request)}
-    if gen.max_tokens is not None:
-        body["max_tokens"] = gen.max_tokens
-    if gen.request.constraint is not None:
-        schema = gen.request.constraint.get("schema")
-        body["response_format"] = ({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
-                                   if schema is not None else {"type": "json_object"})
-    return body
-
-
-def read_chat(event: dict[str, Any]) -> tuple[str, str | None, dict[str, Any]]:
-    """Text, finish reason and usage of one chunk of an OpenAI chat completion stream."""
-    choices = event.get("choices") or [{}]
-    text = (choices[0].get("delta") or {}).get("content") or ""
-    reason = choices[0].get("finish_reason")
-    usage = event.get("usage") or {}
-    return text, reason and ("length" if reason == "length" else "stop"), {
-        "input_tokens": usage.get("prompt_tokens", 0)} if usage else {}
-
-
-def read_completion(event: dict[str, Any]) -> tuple[str, str | None, dict[str, Any]]:
-    """The same of one chunk of llama-server's own `/completion` stream."""
-    if not event.get("stop"):
-        return event.get("content") or "", None, {}
-    return event.get("content") or "", "length" if event.get("stop_type") == "limit" else "stop", {
-        "input_tokens": event.get("tokens_evaluated", 0)}
-
-
-Reader = Callable[[dict[str, Any]], tuple[str, str | None, dict[str, Any]]]
-
-
 class RemoteEngine:
     """Runs one task on a remote model's endpoints (the runner makes one per task).
 
@@ -320,7 +279,8 @@ class RemoteEngine:
         """Send the task to each endpoint in routing order until one starts a stream; the errors
         of those that did not. An upstream's 4xx fails the task: another would refuse it too; so
         does a 5xx from every endpoint (they answer: waiting for them would not help)."""
-        errors, answered = [], []
+        errors: list[str] = []
+        answered: list[str] = []
         for endpoint in self.upstreams.order(self.model_id):
             endpoint.running += 1  # counted from the start: tasks opening at once spread out
             self._endpoint, self._queue = endpoint, asyncio.Queue()
@@ -353,7 +313,7 @@ class RemoteEngine:
         continuing = bool(self.text) and bool(endpoint.continues)
         self._restart = bool(self.text) and not continuing
         if not continuing:
-            return endpoint.url("/chat/completions"), chat_request(endpoint, self.gen), read_chat
+            return endpoint.url("/chat/completions"), chat_request(endpoint.model, self.gen), read_chat
         root = endpoint.base_url.removesuffix("/v1")
         rendered = await client.post(root + "/apply-template", headers=endpoint.headers(), timeout=CONNECT_SECONDS,
                                      json={"messages": self.gen.request.prompt()})
@@ -367,7 +327,9 @@ class RemoteEngine:
         """One try at `endpoint`, as messages on `queue`: `opened` or why not (`failed`: no
         answer, `refused`: an HTTP error), then the chunks, ending with `done`, `broken` (the
         stream failed) or `error` (the upstream sent one)."""
-        reason, usage, opened = None, {}, False
+        reason: str | None = None
+        usage: dict[str, Any] = {}
+        opened = False
         try:
             url, body, reader = await self._request(endpoint)
             async with self.upstreams.client.stream("POST", url, headers=endpoint.headers(), json=body) as response:

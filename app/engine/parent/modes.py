@@ -16,12 +16,13 @@ import importlib.metadata
 import logging
 import sqlite3
 import time
+from collections.abc import Callable
 from functools import cache
-from typing import Any, Callable
+from typing import Any
 
 from app.engine.parent import cpu
-from app.store.store import Store
 from app.events import EventBus
+from app.store.store import Store
 
 log = logging.getLogger(__name__)
 FAST, SAFE = "fast", "safe"

@@ -73,7 +73,7 @@ def ollama(roots: list[Path]) -> list[Found]:
 
 
 def huggingface(hub: Path) -> list[Found]:
-    out = []
+    out: list[Found] = []
     if not hub.is_dir():
         return out
     for repo in sorted(hub.glob("models--*")):

@@ -196,6 +196,43 @@ def _value(r: _Reader, vtype: int, what: str, depth: int = 0) -> str | int | flo
     return None
 
 
+def _check_tensors(r: _Reader, tensor_count: int, alignment: int) -> None:
+    """Read the tensor infos and check each tensor's shape, type, offset and size against the file."""
+    tensors: list[tuple[str, tuple[int, ...], int, int]] = []
+    names: set[str] = set()
+    if tensor_count * MIN_TENSOR > r.remaining:
+        raise GgufError(f"tensor_count {_num(tensor_count)} cannot fit in the rest of the file")
+    for i in range(tensor_count):
+        what = f"tensor info {i}"
+        name = r.name(f"name of {what}")
+        if name in names:
+            raise GgufError(f"duplicate tensor name {name!r}")
+        names.add(name)
+        n_dims = r.u32(what)
+        if not 1 <= n_dims <= 4:
+            raise GgufError(f"tensor {name!r} has {n_dims} dimensions (must be 1 to 4)")
+        dims = struct.unpack(f"<{n_dims}Q", r.take(8 * n_dims, what))
+        tensors.append((name, dims, r.u32(what), r.u64(what)))
+
+    data_start = -(-r.pos // alignment) * alignment
+    for name, dims, gtype, offset in tensors:
+        elements = math.prod(dims)  # Python ints cannot overflow; the cap keeps ggml's int64 safe
+        if 0 in dims or elements > MAX_ELEMENTS:
+            raise GgufError(f"tensor {name!r} has an invalid shape {list(dims)}")
+        if gtype >= MAX_GGML_TYPE:
+            raise GgufError(f"tensor {name!r} has unknown ggml type {gtype}")
+        if offset % alignment:
+            raise GgufError(f"tensor {name!r} offset {offset} is not aligned to {alignment} bytes")
+        if data_start + offset >= r.size:
+            raise GgufError(f"truncated: tensor {name!r} starts past the end of the file")
+        if gtype in BLOCK_SIZES:
+            block, nbytes = BLOCK_SIZES[gtype]
+            if dims[0] % block:
+                raise GgufError(f"tensor {name!r} row of {dims[0]} is not a multiple of block size {block}")
+            if data_start + offset + elements // block * nbytes > r.size:
+                raise GgufError(f"truncated: tensor {name!r} data ends past the end of the file")
+
+
 def _parse(r: _Reader) -> GgufInfo:
     if r.size == 0:
         raise GgufError("empty file")
@@ -231,40 +268,7 @@ def _parse(r: _Reader) -> GgufInfo:
         elif value is not None:
             metadata[key] = value
 
-    tensors: list[tuple[str, tuple[int, ...], int, int]] = []
-    names: set[str] = set()
-    if tensor_count * MIN_TENSOR > r.remaining:
-        raise GgufError(f"tensor_count {_num(tensor_count)} cannot fit in the rest of the file")
-    for i in range(tensor_count):
-        what = f"tensor info {i}"
-        name = r.name(f"name of {what}")
-        if name in names:
-            raise GgufError(f"duplicate tensor name {name!r}")
-        names.add(name)
-        n_dims = r.u32(what)
-        if not 1 <= n_dims <= 4:
-            raise GgufError(f"tensor {name!r} has {n_dims} dimensions (must be 1 to 4)")
-        dims = struct.unpack(f"<{n_dims}Q", r.take(8 * n_dims, what))
-        tensors.append((name, dims, r.u32(what), r.u64(what)))
-
-    data_start = -(-r.pos // alignment) * alignment
-    for name, dims, gtype, offset in tensors:
-        elements = math.prod(dims)  # Python ints cannot overflow; the cap keeps ggml's int64 safe
-        if 0 in dims or elements > MAX_ELEMENTS:
-            raise GgufError(f"tensor {name!r} has an invalid shape {list(dims)}")
-        if gtype >= MAX_GGML_TYPE:
-            raise GgufError(f"tensor {name!r} has unknown ggml type {gtype}")
-        if offset % alignment:
-            raise GgufError(f"tensor {name!r} offset {offset} is not aligned to {alignment} bytes")
-        if data_start + offset >= r.size:
-            raise GgufError(f"truncated: tensor {name!r} starts past the end of the file")
-        if gtype in BLOCK_SIZES:
-            block, nbytes = BLOCK_SIZES[gtype]
-            if dims[0] % block:
-                raise GgufError(f"tensor {name!r} row of {dims[0]} is not a multiple of block size {block}")
-            if data_start + offset + elements // block * nbytes > r.size:
-                raise GgufError(f"truncated: tensor {name!r} data ends past the end of the file")
-
+    _check_tensors(r, tensor_count, alignment)
     arch, model_name = (v if isinstance(v := metadata.get(k), str) else None
                         for k in ("general.architecture", "general.name"))
     ctx = metadata.get(f"{arch}.context_length") if arch else None

@@ -9,9 +9,10 @@ import re
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 from app.engine.registry import gguf
 from app.errors import Conflict, InvalidRequest, LmspError, NotFound
