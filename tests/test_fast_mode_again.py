@@ -58,7 +58,7 @@ async def remembered(service: AppService) -> list[tuple[str, str | None]]:
 
 async def test_a_crash_in_a_requests_grammar_fails_that_task_and_keeps_fast_mode(
         api: Any, service: AppService, fast: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-        bus_events: list[dict[str, Any]]) -> None:
+        bus_events: list[dict[str, Any]]) -> None:  # noqa: F811 (the fixture imported above)
     caplog.set_level(logging.INFO)
     monkeypatch.setenv("LMSP_ENGINE_FAULT", "any:grammar:SIGABRT")  # as "Unexpected empty grammar stack" does
     err = await expect_error(await api.post("/v1/responses", json=structured(NAME)), 500, "engine_crashed")

@@ -264,7 +264,8 @@ def _all_connections(attack: Attack, _: Headless) -> None:
                 and answer.status == 429 and time.monotonic() - closed < 2:
             time.sleep(0.1)
         attack.bound(answer is not None and answer.status == 200,
-                     f"the app's cancel went through within 2 s of closing its streams (took {time.monotonic() - closed:.1f} s)")
+                     "the app's cancel went through within 2 s of closing its streams "
+                     f"(took {time.monotonic() - closed:.1f} s)")
         _task_ended(attack, task_id, 15)
 
 

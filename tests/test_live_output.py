@@ -142,7 +142,8 @@ async def test_a_cancel_keeps_the_output_held_back(api: Any, service: Any, monke
     evs = await events(api, task_id)
     final = await (await api.get(f"/v1/responses/{evs[0]['response_id']}")).json()
     assert final["output_text"] == deltas(evs)
-    assert len(final["output_text"]) > len(first) + 10, f"the cancel dropped what was held back: {final['output_text']!r}"
+    assert len(final["output_text"]) > len(first) + 10, \
+        f"the cancel dropped what was held back: {final['output_text']!r}"
     types = [e["type"] for e in evs]
     assert types.index("response.cancelling") > max(i for i, t in enumerate(types) if t.endswith(".delta"))
 

@@ -60,7 +60,8 @@ def test_a_malformed_authorization_header_leaves_no_token_in_the_log(headless: H
                              b"Authorization: " + header.encode("latin-1") + b"\r\n\r\n")
         assert answer.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request"), answer[:200]
     assert headless.terminate() == 0
-    text = "".join(p.read_text() for p in (headless.data_dir / "logs").glob("lmsp-tray.log*")) + headless.log.read_text()
+    logs = (headless.data_dir / "logs").glob("lmsp-tray.log*")
+    text = "".join(p.read_text() for p in logs) + headless.log.read_text()
     assert "serving LMSP on" in text
     assert owner[5:25] not in text and owner[25:] not in text, text[-3000:]
 

@@ -52,7 +52,7 @@ async def test_an_app_forgets_only_the_models_it_registered(api: Any, tmp_path: 
     assert await listed(api) == {DEFAULT_MODEL_ID}
 
 
-async def test_a_downloaded_model_is_the_downloading_apps(api: Any, fake_hub: FakeHub) -> None:
+async def test_a_downloaded_model_is_the_downloading_apps(api: Any, fake_hub: FakeHub) -> None:  # noqa: F811 (a fixture)
     _, first = await pair(api, MODELER, "First")
     _, second = await pair(api, MODELER, "Second")
     status, text = await as_app(api, first, "POST", "/v1/models/downloads", {"repo": REPO, "file": MODEL.name})

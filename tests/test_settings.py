@@ -101,7 +101,8 @@ async def test_unknown_key_is_400_and_nothing_changes(api, service):
 BAD_VALUES = [
     ("host", ""), ("host", 5), ("host", None), ("host", "h" * 256), ("host", ["127.0.0.1"]),
     # Not an address this computer can listen on: saved, the next start would fail.
-    ("host", "not a host!"), ("host", "example.com"), ("host", "192.0.2.1"), ("host", "[::1]"), ("host", "127.0.0.1:80"),
+    ("host", "not a host!"), ("host", "example.com"), ("host", "192.0.2.1"), ("host", "[::1]"),
+    ("host", "127.0.0.1:80"),
     ("port", -1), ("port", 65536), ("port", "8080"), ("port", True), ("port", 8080.5), ("port", None),
     ("retention_seconds", 59), ("retention_seconds", 0), ("retention_seconds", "3600"), ("retention_seconds", True),
     ("retention_seconds", 10 * 365 * 86400 + 1), ("retention_seconds", 3600.0),
@@ -135,7 +136,8 @@ async def test_host_is_an_address_this_computer_listens_on(api):
         resp = await api.patch("/v1/settings", json={"host": host})
         assert resp.status == 200, await resp.text()
         assert (await resp.json())["host"] == host
-    err = await expect_error(await api.patch("/v1/settings", json={"host": "example.com"}), 400, "invalid_request", "host")
+    err = await expect_error(await api.patch("/v1/settings", json={"host": "example.com"}), 400,
+                             "invalid_request", "host")
     assert "IP address of this computer" in err["message"]
 
 

@@ -66,8 +66,8 @@ def test_embeddings_per_second_vs_bare_llama_cpp(headless: Headless) -> None:
     served = len(SENTENCES) / statistics.median(times)
     mode = next(m for m in headless.get("/v1/models")[1]["data"] if m["id"] == DEFAULT_MODEL_ID)["engine"]["mode"]
     bare = bare_rate(mode == "fast")
-    print(f"\nengine mode: {mode}; engine child RSS: {before:.0f} MiB with the model loaded, {after:.0f} MiB with the embeddings "
-          f"context too (+{after - before:.0f} MiB)")
+    print(f"\nengine mode: {mode}; engine child RSS: {before:.0f} MiB with the model loaded, "
+          f"{after:.0f} MiB with the embeddings context too (+{after - before:.0f} MiB)")
     print(f"100 short sentences: service {served:.0f} embeddings/s, bare llama-cpp-python {bare:.0f}/s "
           f"(service / bare = {served / bare:.2f}x)")
     assert served > 0.3 * bare

@@ -76,7 +76,8 @@ def disk_commits(directory: Path, count: int = 300, pace: float = 0.012) -> str:
         conn.close()
         for leftover in directory.glob("bench-commits.sqlite3*"):
             leftover.unlink()
-    return f"p50 {ms(pct(took, 0.5))}, p99 {ms(pct(took, 0.99))}, max {ms(max(took))}, CPU {cpu / count * 1000:.2f} ms each"
+    return (f"p50 {ms(pct(took, 0.5))}, p99 {ms(pct(took, 0.99))}, max {ms(max(took))}, "
+            f"CPU {cpu / count * 1000:.2f} ms each")
 
 
 def bare_stream(llm: Any, tokens: int = TOKENS) -> Stream:

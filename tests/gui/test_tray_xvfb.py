@@ -45,7 +45,7 @@ class Screen:
 
     def __init__(self, procs: Processes) -> None:
         read, write = os.pipe()
-        self.xvfb = procs.popen(["Xvfb", "-displayfd", str(write), "-screen", "0", "%dx%dx24" % SCREEN,
+        self.xvfb = procs.popen(["Xvfb", "-displayfd", str(write), "-screen", "0", f"{SCREEN[0]}x{SCREEN[1]}x24",
                                       "-nolisten", "tcp"], pass_fds=(write,), stderr=subprocess.DEVNULL)
         os.close(write)
         with os.fdopen(read) as pipe:
@@ -112,9 +112,10 @@ class Screen:
 
     def window(self, title: str) -> tuple[int, int, int, int] | None:
         """x, y, width, height of a mapped top-level window with this exact title."""
+        pattern = re.compile(f'"{re.escape(title)}"'
+                             r': \("lmsp-tray" "LMSP Tray"\)\s+(\d+)x(\d+)\S*\s+\+(-?\d+)\+(-?\d+)')
         for line in self.tree().splitlines():
-            found = re.search(r'"%s": \("lmsp-tray" "LMSP Tray"\)\s+(\d+)x(\d+)\S*\s+\+(-?\d+)\+(-?\d+)'
-                              % re.escape(title), line)
+            found = pattern.search(line)
             if found:
                 w, h, x, y = map(int, found.groups())
                 if w > 50 and self.mapped(line.split()[0]):

@@ -221,7 +221,8 @@ class Engine:
         path, mode = file.path, self._mode_asked
         name = signal.Signals(sig).name if sig else "no signal"
         detail = (f"{self.name}: inference process killed by {name} while {stage} {path} in {mode} mode, "
-                  f"{child.PHASES[phase]} (CPU: {cpu.summary()}; llama.cpp CPU backend: {self.cpu_variant or 'native'})")
+                  f"{child.PHASES[phase]} (CPU: {cpu.summary()}; "
+                  f"llama.cpp CPU backend: {self.cpu_variant or 'native'})")
         log.error("%s", detail)
         if sig not in CRASH_SIGNALS:
             raise EngineError(CRASHED["code"], CRASHED["message"])
