@@ -17,9 +17,10 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import AsyncIterator, Iterator
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 
@@ -145,7 +146,7 @@ class Headless:
         self.token = ""
         self.log = data_dir.parent / f"{data_dir.name}.log"
 
-    def start(self, timeout: float = 60.0, preexec: Any = None, output: Any = None) -> "Headless":
+    def start(self, timeout: float = 60.0, preexec: Any = None, output: Any = None) -> Headless:
         """`preexec`: run in the child before it starts (e.g. to lower its resource limits).
         `output`: where its stdout and stderr go (default: the file `log`)."""
         with self.log.open("ab") as log:
@@ -297,13 +298,13 @@ class Upstream:
         if api_key:  # then every request needs `Authorization: Bearer <api_key>`, else 401
             self.command += ["--api-key", api_key]
 
-    def start(self) -> "Upstream":
+    def start(self) -> Upstream:
         """Start it (don't wait: `ready` does, so that several load at once)."""
         with self.log.open("ab") as log:
             self.proc = self.procs.popen(self.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         return self
 
-    def ready(self, timeout: float = 60.0) -> "Upstream":
+    def ready(self, timeout: float = 60.0) -> Upstream:
         """Wait until GET /v1/models answers 200."""
         assert self.proc is not None
         models = urllib.request.Request(self.base_url + "/models", headers={
@@ -331,7 +332,7 @@ class Upstream:
         assert self.proc is not None
         return cpu_seconds(self.proc.pid)
 
-    def restart(self) -> "Upstream":
+    def restart(self) -> Upstream:
         """The same server again, on the same port (under a second for the default model)."""
         self.kill()
         return self.start().ready()

@@ -9,8 +9,9 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 

@@ -93,7 +93,7 @@ class Probe:
         self.procs, self.url, self.pid, self.out = procs, url, pid, out
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> "Probe":
+    def start(self) -> Probe:
         self.out.write_text("")
         root = Path(__file__).resolve().parent.parent
         self.proc = self.procs.popen([sys.executable, "-m", "tests.hostile", self.url, str(self.pid), str(self.out)],

@@ -61,7 +61,7 @@ class FakeHub:
 
     # -- lifecycle (from the test's thread) --------------------------------------------------
 
-    def start(self) -> "FakeHub":
+    def start(self) -> FakeHub:
         self._thread.start()
         assert self._ready.wait(10), "the fake hub did not start"
         return self

@@ -9,10 +9,10 @@ from typing import Any
 
 from app.core.service import AppService
 from app.core.tasks import TERMINAL_EVENTS
-from app.engine.registry import models
 from app.engine.parent.engine import Generation
-from app.engine.request import Request
+from app.engine.registry import models
 from app.engine.registry.models import DEFAULT_MODEL_ID
+from app.engine.request import Request
 from app.errors import Conflict
 from app.tasks.states import TERMINAL
 from tests.helpers import poll

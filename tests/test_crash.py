@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 from app.tasks import output
-
 from tests.conftest import Headless, wait_until
 
 POLICIES = ("fail", "retry", "resume")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
 from app.server.app import Server
 from tests.helpers import expect_error
 

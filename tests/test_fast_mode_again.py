@@ -28,8 +28,8 @@ from app.engine.parent import modes
 from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.server.app import make_app
 from tests.helpers import SAY_HI, expect_error, started
-from tests.test_engine_modes import SLOW, bus_events, processes_started  # noqa: F401
 from tests.test_api import wait_status
+from tests.test_engine_modes import SLOW, bus_events, processes_started  # noqa: F401
 
 NAME = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 FAST = "smollm2-q5"  # the model `fast_model` makes

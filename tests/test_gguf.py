@@ -16,7 +16,6 @@ import pytest
 
 from app.engine.registry.gguf import Cancelled, GgufError, GgufInfo, inspect
 
-
 # --- a tiny GGUF writer, so tests can build valid files and then break them on purpose ----------
 
 @dataclass(frozen=True)

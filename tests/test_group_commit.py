@@ -11,7 +11,6 @@ from app.store import config
 from app.store.store import Store
 from app.tasks.kinds.generation_job import EngineRoom
 from app.tasks.scheduler import Offer, claim
-
 from tests.test_api import check_sequence, events, start_background, wait_status
 from tests.test_metrics import metrics, value
 

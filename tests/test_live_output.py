@@ -10,16 +10,16 @@ import json
 import os
 import statistics
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from app.engine.parent.engine import Engine, Generation
+from app.events import EventBus
 from app.store import db
 from app.tasks import output
 from app.tasks.kinds import generation
-from app.events import EventBus
 from app.tasks.states import TERMINAL
-
 from tests.helpers import COUNT, poll
 from tests.test_api import deltas, events, start_background, task, wait_status
 

@@ -5,7 +5,8 @@ what we send; a failure here is a compatibility bug in the service."""
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import openai  # a test dependency (pyproject's `test` extra): never skipped, the check matters
 import pytest

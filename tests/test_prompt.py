@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from app import paths
 from app.core.requests import MAX_ITEMS
 from app.engine.child import main as engine_child
-from app.engine.registry import models
 from app.engine.child.main import Child
+from app.engine.registry import models
 from tests.helpers import SAY_HI, expect_error
 from tests.test_api import wait_status
 

@@ -12,7 +12,6 @@ import pytest
 from app.store import db
 from app.tasks import machine, output, records, recovery
 from app.tasks.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING
-
 from tests.conftest import Headless, Processes, wait_until
 
 TABLE = {  # (found, policy) -> expected state

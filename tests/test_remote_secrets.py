@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Any
 
 from tests.conftest import Headless, wait_until
 from tests.helpers import http, pair_sync

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 import pytest
 

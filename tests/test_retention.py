@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -14,8 +15,7 @@ from app.core.service import AppService
 from app.store import config, db
 from app.tasks import machine
 from app.tasks.retention import purge
-from app.tasks.states import (CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING, TERMINAL,
-                              UNFINISHED)
+from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING, TERMINAL, UNFINISHED
 
 DAY = 86400.0
 WEEK = 7 * DAY

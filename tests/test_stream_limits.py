@@ -11,10 +11,10 @@ from typing import Any
 
 import aiohttp
 
+from app import events as bus
 from app.core import follow
 from app.core.service import AppService
 from app.server.app import Server
-from app import events as bus
 from tests.conftest import Headless, wait_until
 from tests.helpers import COUNT, SAY_HI, bearer, http, pair, pair_sync, poll
 

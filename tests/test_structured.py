@@ -4,7 +4,8 @@ default model (SmolLM2-135M), through the official `openai` SDK where a client w
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jsonschema
 import openai

@@ -4,7 +4,7 @@ and how a call's text becomes stream events (also after a resume)."""
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
@@ -20,7 +20,7 @@ ARGS = '{"a": 1, "b": {"c": "}{"}}'
 
 class Pet(BaseModel):
     kind: str
-    legs: Optional[int] = None
+    legs: int | None = None
 
 
 class Owner(BaseModel):

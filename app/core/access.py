@@ -37,8 +37,9 @@ class Access:
 
     async def ensure_owner_token(self) -> None:
         token = await asyncio.to_thread(self.vault.get)
-        if token and await self.store.read(auth.owner_matches, token):
-            return
+        if token:
+            if await self.store.read(auth.owner_matches, token):
+                return
         token = token or auth.new_token()
         await asyncio.to_thread(self.vault.put, token)
         await self.store.write(auth.install_owner, token)

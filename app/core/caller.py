@@ -4,7 +4,8 @@ alone (a foreground answer, embeddings, a model being examined) stops when it le
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 # True once the caller has gone. A predicate, asked every POLL_SECONDS, because that is what a

@@ -35,9 +35,10 @@ def _not_found(message: str) -> LmspError:
 
 def _link(conn: sqlite3.Connection, client_id: str, response_id: str, asked: str) -> sqlite3.Row:
     """One response of the chain, checked: stored, this client's, completed."""
-    row = conn.execute("SELECT r.client_id, r.store, r.previous_response_id, t.id AS task_id, t.status, t.kind "
-                       "FROM responses r JOIN tasks t ON t.response_id = r.id WHERE r.id = ?",
-                       (response_id,)).fetchone()
+    row: sqlite3.Row | None = conn.execute(
+        "SELECT r.client_id, r.store, r.previous_response_id, t.id AS task_id, t.status, t.kind "
+        "FROM responses r JOIN tasks t ON t.response_id = r.id WHERE r.id = ?",
+        (response_id,)).fetchone()
     where = "" if response_id == asked else f" (an earlier turn of the conversation that {asked!r} continues)"
     if row is None or row["kind"] != "response" or row["client_id"] != client_id:
         # Another client's response looks exactly like one that does not exist.

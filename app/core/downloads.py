@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from app.core.auth import Client
@@ -58,6 +58,7 @@ class Downloads:
             self.transfers.wake()
         else:
             row = await self.store.read(records.one_task, task_id)
+        assert row is not None  # committed just now, or an unfinished task (retention keeps those)
         return records.task_object(row)
 
     async def hub_files(self, repo: Any, revision: Any = "main") -> list[dict[str, Any]]:

@@ -11,12 +11,12 @@ import asyncio
 import base64
 from typing import Any
 
-from app.engine.registry import models
 from app.engine.parent.engine import EngineError
 from app.engine.parent.pool import EnginePool
+from app.engine.registry import models
 from app.errors import InvalidRequest, LmspError
-from app.store.store import Store
 from app.events import EventBus
+from app.store.store import Store
 
 KNOWN = {"model", "input", "encoding_format", "dimensions", "user"}
 MAX_INPUTS = 2048  # as OpenAI

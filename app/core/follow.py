@@ -10,13 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any, AsyncGenerator
+from collections.abc import AsyncGenerator
+from typing import Any
 
 from app.core.tasks import TERMINAL_EVENTS, Tasks
 from app.errors import InvalidRequest
 from app.tasks import records
+
 # Also the surfaces' names for task statuses (a filter, the GUI's "active"): they import no app.tasks.
-from app.tasks.states import TERMINAL, UNFINISHED
+from app.tasks.states import TERMINAL as TERMINAL
+from app.tasks.states import UNFINISHED as UNFINISHED
 
 Events = AsyncGenerator[dict[str, Any] | None, None]  # a task's events; None: a silence of `heartbeat` seconds
 HEARTBEAT_SECONDS = 15.0

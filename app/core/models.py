@@ -13,14 +13,14 @@ from typing import Any
 from app import paths
 from app.core import auth
 from app.core.auth import OWNER, Client
-from app.engine.registry import discovery, gguf, models
+from app.core.remotes import Remotes
 from app.engine.parent.engine import EngineError
 from app.engine.parent.modes import EngineModes
 from app.engine.parent.pool import EnginePool
+from app.engine.registry import discovery, gguf, models
 from app.errors import Conflict, Forbidden, InvalidRequest, LmspError, TooManyRequests
-from app.store.store import Store
 from app.events import EventBus
-from app.core.remotes import Remotes
+from app.store.store import Store
 
 log = logging.getLogger(__name__)
 # Files that paired apps may have validated and hashed at once, one each at most (more would only
@@ -36,7 +36,8 @@ class Models:
         self.modes = modes
         self.remotes = remotes  # a remote model is registered, probed and forgotten there
         self.model_load_seconds: float | None = None  # the last explicit load, for /metrics
-        self._examining: dict[threading.Event, str | None] = {}  # being examined: set to stop it -> its app (None: owner)
+        # a file being examined: set the event to stop it -> its app (None: the owner)
+        self._examining: dict[threading.Event, str | None] = {}
         self._examiner = ThreadPoolExecutor(EXAMINERS + 1, thread_name_prefix="lmsp-examine")
 
     async def ensure_default_model(self) -> None:

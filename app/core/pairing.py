@@ -95,7 +95,7 @@ def create(conn: sqlite3.Connection, name: str, scopes: list[str], theirs: set[s
     own = [r for r in waiting if r["id"] in theirs]
 
     def retry_after(rows: list[sqlite3.Row]) -> int:  # until the first of them expires
-        return max(1, math.ceil(min(r["expires_at"] for r in rows) - now))
+        return max(1, math.ceil(min(float(r["expires_at"]) for r in rows) - now))
 
     same = [r for r in own if r["client_name"] == name]
     if same:
@@ -113,7 +113,7 @@ def create(conn: sqlite3.Connection, name: str, scopes: list[str], theirs: set[s
 
 
 def get(conn: sqlite3.Connection, pairing_id: str) -> sqlite3.Row:
-    row = conn.execute("SELECT * FROM pairings WHERE id = ?", (pairing_id,)).fetchone()
+    row: sqlite3.Row | None = conn.execute("SELECT * FROM pairings WHERE id = ?", (pairing_id,)).fetchone()
     if row is None:
         raise NotFound("pairing", pairing_id)
     return row

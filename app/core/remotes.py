@@ -14,12 +14,12 @@ from typing import Any
 
 from app.core.auth import Client
 from app.core.ids import new_id
-from app.engine.registry import models
 from app.engine.net.remote import Endpoint, RemoteError, Upstreams, check_url, probe
+from app.engine.registry import models
 from app.errors import Conflict, InvalidRequest
+from app.events import EventBus
 from app.secrets import api_key_vault
 from app.store.store import Store
-from app.events import EventBus
 from app.tasks.scheduler import Scheduler
 
 MAX_ENDPOINTS = 16

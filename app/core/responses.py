@@ -8,9 +8,9 @@ import functools
 import json
 import sqlite3
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from app.core import conversation, idempotency, requests
 from app.core.auth import Client

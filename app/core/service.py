@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import sqlite3
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from app import paths
 from app.core import idempotency, metrics

@@ -6,8 +6,8 @@ the composition root): a bad value changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from app.events import EventBus
 from app.store import config
@@ -20,22 +20,22 @@ class Settings(Mapping[str, Any]):
     def __init__(self, store: Store, bus: EventBus) -> None:
         self.store = store
         self.bus = bus
-        self.values: dict[str, Any] = dict(config.DEFAULTS)
+        self.current: dict[str, Any] = dict(config.DEFAULTS)
         self.on_change: list[Callable[[dict[str, Any]], None]] = []  # told each saved change
 
     def __getitem__(self, key: str) -> Any:
-        return self.values[key]
+        return self.current[key]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.values)
+        return iter(self.current)
 
     def __len__(self) -> int:
-        return len(self.values)
+        return len(self.current)
 
     async def load(self) -> None:
         """The stored settings, handed to `on_change` as one change: the start applies them all."""
-        self.values = await self.store.read(config.load)
-        self._apply(self.values)
+        self.current = await self.store.read(config.load)
+        self._apply(self.current)
 
     async def update(self, changes: Any) -> dict[str, Any]:
         """Validate all, then save all. The read-only part of `GET /v1/settings` may come back
@@ -44,7 +44,7 @@ class Settings(Mapping[str, Any]):
             changes = {k: v for k, v in changes.items() if k != RESTART_KEY}
         changes = config.validate(changes)
         await self.store.write(config.save, changes)
-        self.values = {**self.values, **changes}
+        self.current = {**self.current, **changes}
         self._apply(changes)
         # `engine_mode` changes how every local model runs, as GET /v1/models and the Models tab show.
         self.bus.publish([{"type": "settings.changed", "changed": sorted(changes)}]
@@ -56,7 +56,7 @@ class Settings(Mapping[str, Any]):
             listener(changes)
 
     def view(self) -> dict[str, Any]:
-        return {**self.values, RESTART_KEY: RESTART_REQUIRED}
+        return {**self.current, RESTART_KEY: RESTART_REQUIRED}
 
     async def preference(self, key: str) -> Any:
         """A front end's own remembered choice (keys "gui.*"), kept in service_config; None if unset."""

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from app.engine.constraints.grammar import Converted, too_large
 from app.engine.request import TEXT, ChatMessage, Constraint, Format, Schema, Tool, ToolChoice

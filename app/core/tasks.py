@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sqlite3
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from app.core.auth import Client
 from app.errors import Conflict, InvalidRequest, NotFound
@@ -29,6 +30,7 @@ class Tasks:
         """The task row (with its response) of a task or response `client` may see; else 404.
         Only what a task object shows, unless `whole`: the request and the output text are
         megabytes, and every stream and cancel would load them again."""
+        row: Mapping[str, Any] | None
         if whole:
             row = await self.store.read(records.one_task if kind == "task" else records.one_response, ident)
         else:
@@ -42,11 +44,11 @@ class Tasks:
         """The task's status; None if there is no such task."""
         return await self.store.read(machine.status_of, task_id)
 
-    async def events(self, client: Client, task_id: str, after: int) -> list[dict[str, Any]]:
+    async def events(self, client: Client, task_id: str, after: int) -> list[records.Stored]:
         await self.owned(client, "task", task_id)
         return await self.events_after(task_id, after)
 
-    async def events_after(self, task_id: str, after: int, max_bytes: int | None = None) -> list[dict[str, Any]]:
+    async def events_after(self, task_id: str, after: int, max_bytes: int | None = None) -> list[records.Stored]:
         return await self.store.read(records.events_after, task_id, after, 1000, max_bytes)
 
     def feed(self, task_id: str, watch: bool) -> Feed:
@@ -61,7 +63,9 @@ class Tasks:
         row = await self.owned(client, kind, ident)
         if await self.scheduler.cancel(row["kind"], row["id"]) is None:
             raise Conflict("task_not_cancellable", f"Task {row['id']} has already ended.")
-        return records.task_object(await self.store.read(records.one_listed, "t.id", row["id"]))
+        cancelled = await self.store.read(records.one_listed, "t.id", row["id"])
+        assert cancelled is not None  # a task is deleted only once it has ended, long after
+        return records.task_object(cancelled)
 
     async def wait(self, task_id: str) -> dict[str, Any]:
         """Wait until the task is finished; returns its final row."""

@@ -267,7 +267,8 @@ class FoundModelsDialog(QDialog):
                         dialog.setValue(int((index + (done / total if total else 1)) * 100 / count))
 
                 try:
-                    await self.session.service.models.register_model({"path": model["path"], "id": model["suggested_id"]},
+                    await self.session.service.models.register_model(
+                        {"path": model["path"], "id": model["suggested_id"]},
                                                               progress=report)
                 except LmspError as exc:  # this file only: the next one is still tried
                     self.errors[model["path"]] = exc.message

@@ -199,7 +199,8 @@ class RemoteModelDialog(QDialog):
                 if self.editing and box.keeps_key():  # the key is only in the service: check the saved endpoint
                     box.say(await self._test_saved(box))
                 else:
-                    found = await self.session.service.remotes.test_endpoint({**box.body(), "api_key": box.key.text() or None})
+                    endpoint = {**box.body(), "api_key": box.key.text() or None}
+                    found = await self.session.service.remotes.test_endpoint(endpoint)
                     box.say(f"✓ Answered in {found['latency_ms']:.0f} ms. It serves: "
                             f"{', '.join(found['models']) or 'no models listed'}.")
             except LmspError as exc:

@@ -121,8 +121,8 @@ class TaskDetail(QWidget):
                 break
             after = page[-1]["sequence_number"]
         buffered, self._buffer = self._buffer or [], None
-        for event in buffered:
-            self._apply(event)
+        for late in buffered:
+            self._apply(late)
 
     def on_event(self, event: dict[str, Any]) -> None:
         if event.get("task_id") != self.task_id:

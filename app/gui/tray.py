@@ -168,7 +168,8 @@ class Tray(QObject):
             # scopes asked for are in front of the person: never one click from a menu.
             self._action(menu, f"review:{pid}", f"Review and allow {name}…",
                          lambda _=False, p=pid: self.review_pairing.emit(p))
-            self._action(menu, f"deny:{pid}", f"Deny {name}", lambda _=False, p=pid: spawn(service.access.deny_pairing(p)))
+            self._action(menu, f"deny:{pid}", f"Deny {name}",
+                         lambda _=False, p=pid: spawn(service.access.deny_pairing(p)))
 
     # -- actions ----------------------------------------------------------------------------
 

@@ -35,7 +35,8 @@ async def list_pairings(request: web.Request) -> web.Response:
 
 
 async def list_clients(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": await request.app[SERVICE].access.list_clients(), "has_more": False})
+    clients = await request.app[SERVICE].access.list_clients()
+    return web.json_response({"object": "list", "data": clients, "has_more": False})
 
 
 async def revoke_client(request: web.Request) -> web.Response:
@@ -45,7 +46,8 @@ async def revoke_client(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": await request.app[SERVICE].models.list_models(), "has_more": False})
+    listed = await request.app[SERVICE].models.list_models()
+    return web.json_response({"object": "list", "data": listed, "has_more": False})
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -86,7 +88,8 @@ async def create_download(request: web.Request) -> web.Response:
 
 
 async def hub_files(request: web.Request) -> web.Response:
-    files = await request.app[SERVICE].downloads.hub_files(request.query.get("repo"), request.query.get("revision", "main"))
+    query = request.query
+    files = await request.app[SERVICE].downloads.hub_files(query.get("repo"), query.get("revision", "main"))
     return web.json_response({"object": "list", "data": files, "has_more": False})
 
 

@@ -6,7 +6,7 @@ import asyncio
 import os
 import socket
 from collections import Counter
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 from aiohttp import web
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -35,7 +36,7 @@ def _descriptors() -> int:
     return 1 << 30 if soft == resource.RLIM_INFINITY else soft
 
 
-def cap(settings: dict[str, Any]) -> int:
+def cap(settings: Mapping[str, Any]) -> int:
     """Connections open at once: the setting, but never more than a quarter of the file descriptors
     this process may open (the rest are for the engine's pipes, the database and the logs)."""
     return min(settings["max_connections"], _descriptors() // 4)
@@ -74,7 +75,7 @@ class _Refused(asyncio.Protocol):
     """A connection over the cap with nothing idle to make room: closed as soon as it opens."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.abort()
+        cast(asyncio.Transport, transport).abort()
 
 
 class _Handler(RequestHandler):
@@ -117,5 +118,5 @@ class Gate:
             idle.force_close()
         # The keep-alive timeout also runs from the moment a connection opens: it closes one that
         # has not sent a whole request line and headers within HEADER_SECONDS (slowloris).
-        return _Handler(self.server, loop=self.loop, keepalive_timeout=HEADER_SECONDS, access_log=None)
+        return _Handler(self.server, loop=self.loop, keepalive_timeout=HEADER_SECONDS, access_log=None)  # type: ignore[arg-type]  # None: no access log, as aiohttp's docs say
 

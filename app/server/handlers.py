@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -157,7 +158,8 @@ async def task_events(request: web.Request) -> web.StreamResponse:
 
 
 async def cancel_task(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].tasks.cancel(_client(request), "task", request.match_info["task_id"]))
+    cancelled = await request.app[SERVICE].tasks.cancel(_client(request), "task", request.match_info["task_id"])
+    return web.json_response(cancelled)
 
 
 async def list_tasks(request: web.Request) -> web.Response:

@@ -1,4 +1,5 @@
-"""What runs before any handler: errors as JSON, the Host and Origin checks, auth and scopes, and\nidempotency keys on the routes that take them."""
+"""What runs before any handler: errors as JSON, the Host and Origin checks, auth and scopes, and
+idempotency keys on the routes that take them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 import logging
 import re
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from app.tasks import records
 from app.tasks.states import ALLOWED, QUEUED

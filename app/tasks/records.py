@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from app.engine.request import Request
 from app.tasks import calls, output
@@ -57,7 +58,7 @@ def message_id(response_id: str) -> str:
 
 
 def response_status(row: Mapping[str, Any]) -> str:
-    status = row["status"]
+    status: str = row["status"]
     if status == COMPLETED:
         return "incomplete" if row["finish_reason"] == "length" else "completed"
     if status in (FAILED, CANCELLED, QUEUED):
@@ -65,13 +66,13 @@ def response_status(row: Mapping[str, Any]) -> str:
     return "in_progress"
 
 
-def _error(row: Mapping[str, Any]) -> dict[str, Any] | None:
+def _error(row: Mapping[str, Any] | sqlite3.Row) -> dict[str, Any] | None:
     if row["error_code"] is None:
         return None
     return {"code": row["error_code"], "message": row["error_message"] or ""}
 
 
-def task_object(row: Mapping[str, Any]) -> dict[str, Any]:
+def task_object(row: Mapping[str, Any] | sqlite3.Row) -> dict[str, Any]:
     download = row["kind"] == "download"
     task = {
         "id": row["id"], "object": "task", "kind": row["kind"], "status": row["status"],
@@ -147,7 +148,7 @@ class Stored(dict[str, Any]):
     text: str
 
     @classmethod
-    def parse(cls, text: str) -> "Stored":
+    def parse(cls, text: str) -> Stored:
         event = cls(json.loads(text))
         event.text = text
         return event

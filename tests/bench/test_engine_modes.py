@@ -64,8 +64,8 @@ async def test_fallback_time_from_crash_to_text(service: AppService, monkeypatch
     arrivals: list[float] = []
     service.bus.listen(lambda e: arrivals.append(time.time()) if e["type"] == "response.output_text.delta" else None)
     monkeypatch.setenv("LMSP_ENGINE_FAULT", "fast:token20")
-    created = await service.responses.create_response(owner, {"input": PROMPT, "background": True, "max_output_tokens": 60,
-                                                    "temperature": 0})
+    body = {"input": PROMPT, "background": True, "max_output_tokens": 60, "temperature": 0}
+    created = await service.responses.create_response(owner, body)
     row = await service.tasks.wait(created.body["task"]["id"])
     assert row["status"] == "completed"
     # Where fast mode really crashes (this CPU's own fault, in the warm-up), that crash is the one timed.

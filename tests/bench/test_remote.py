@@ -9,8 +9,9 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 

@@ -13,12 +13,13 @@ import statistics
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from app.core.service import AppService
-from app.engine.parent.engine import Generation
 from app.engine.net.wire import chat_request
+from app.engine.parent.engine import Generation
 from app.engine.request import Request
 from tests.bench.test_throughput import PROMPT, bare_llama, fast_works
 from tests.conftest import Headless, Upstream, cpu_seconds, wait_until

@@ -10,16 +10,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 import qasync
+from gui_helpers import Until, attached, settle, wait_until
 from PySide6.QtWidgets import QApplication
 
 from app.core.auth import Client
 from app.core.service import AppService
 from app.gui.session import Session
-from gui_helpers import Until, attached, settle, wait_until
 
 
 def _qt_loop() -> asyncio.AbstractEventLoop:

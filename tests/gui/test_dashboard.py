@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from gui_helpers import Until, make_task, visible
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QProgressDialog
 
@@ -15,7 +16,6 @@ from app.gui.dashboard import Dashboard
 from app.gui.session import Session
 from app.gui.task_table import ELAPSED, ID_ROLE, PROGRESS, PROGRESS_ROLE, STATUS
 from app.gui.tray import Tray
-from gui_helpers import Until, make_task, visible
 
 pytestmark = pytest.mark.gui
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
+from gui_helpers import Life, Until, make_task, visible
 from PySide6.QtWidgets import QMessageBox, QSystemTrayIcon
 
 from app import paths
@@ -17,7 +19,6 @@ from app.gui.dashboard import Dashboard
 from app.gui.desktop import Desktop
 from app.gui.pairing_dialog import PairingDialog
 from app.gui.single_instance import SingleInstance, notify_running
-from gui_helpers import Life, Until, make_task, visible
 
 pytestmark = pytest.mark.gui
 
@@ -167,10 +168,9 @@ async def test_pairing_notifications_are_plain_text_throttled_and_a_click_opens_
     monkeypatch.setattr(Desktop, "has_tray", property(lambda self: True))
     monkeypatch.setattr(QSystemTrayIcon, "supportsMessages", staticmethod(lambda: True))
     service = desktop.session.service
-    first = await service.access.request_pairing({"client_name": "<b>Editor</b> & <a href='x'>", "scopes": ["models:read"]},
-                                          requester="uid:1000")
-    flood = [await service.access.request_pairing({"client_name": f"Flood {i}", "scopes": ["admin"]}, requester="uid:2000")
-             for i in range(4)]
+    ask = service.access.request_pairing
+    first = await ask({"client_name": "<b>Editor</b> & <a href='x'>", "scopes": ["models:read"]}, requester="uid:1000")
+    flood = [await ask({"client_name": f"Flood {i}", "scopes": ["admin"]}, requester="uid:2000") for i in range(4)]
     await until(lambda: len(desktop.session.pairings) == 5, 10, "the session knows all five requests")
     assert len(shown) == 2  # one per requester: the other three of the flood were not announced
     assert shown[0][1].startswith("&lt;b&gt;Editor&lt;/b&gt; &amp; &lt;a href='x'&gt; (code ")

@@ -6,19 +6,20 @@ one on loopback of tests/hub_server.py."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
+from gui_helpers import Life, Until, desktop_menu, visible
 
 from app import paths
 from app.core.service import AppService
+from app.display import human_size
 from app.gui.dashboard import Dashboard
 from app.gui.desktop import Desktop
 from app.gui.download_dialog import DownloadDialog
-from app.display import human_size
 from app.gui.task_table import PROGRESS, SPEED
-from gui_helpers import Life, Until, desktop_menu, visible
 from tests.hub_server import FakeHub, HubFile
 
 pytestmark = pytest.mark.gui

@@ -5,12 +5,12 @@ from __future__ import annotations
 import sys
 
 import pytest
+from gui_helpers import Until, visible
 from PySide6.QtGui import QGuiApplication
 
 from app.errors import Conflict
 from app.gui import excepthook
 from app.gui.async_ui import spawn
-from gui_helpers import Until, visible
 
 pytestmark = pytest.mark.gui
 

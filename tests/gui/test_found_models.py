@@ -7,19 +7,19 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from gui_helpers import Life, Until, visible
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QMenu
 
 from app.core.service import AppService
+from app.display import human_size
 from app.engine.registry.discovery import GGUF_MAGIC
 from app.gui.dashboard import Dashboard
 from app.gui.desktop import Desktop
 from app.gui.found_models import FoundModelsDialog, show_found_models
-from app.display import human_size
 from app.gui.session import Session
 from app.gui.tray import Tray
-from gui_helpers import Life, Until, visible
 from tests.test_discovery import _machine
 
 pytestmark = pytest.mark.gui

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from gui_helpers import Until, attached
 from PySide6.QtWidgets import QApplication
 
 from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.gui.models_tab import ModelsTab
-from gui_helpers import Until, attached
 from tests.helpers import started
 
 pytestmark = pytest.mark.gui

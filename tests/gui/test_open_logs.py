@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gui_helpers import Life, Until
 from PySide6.QtCore import QUrl
 from PySide6.QtGui import QAction, QDesktopServices
 
 from app import main as app_main
 from app.core.service import AppService
 from app.gui.desktop import Desktop
-from gui_helpers import Life, Until
 
 pytestmark = pytest.mark.gui
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from gui_helpers import Until
 from PySide6.QtWidgets import QLabel
 from shiboken6 import isValid
 
 from app.gui.pairing_dialog import PairingDialog, countdown, scope_sentence
 from app.gui.session import Session
-from gui_helpers import Until
 
 pytestmark = pytest.mark.gui
 

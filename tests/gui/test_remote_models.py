@@ -8,19 +8,19 @@ import asyncio
 from typing import Any
 
 import pytest
+from gui_helpers import Until, desktop_menu, make_task, visible
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QMenu, QWidget
 from shiboken6 import isValid
 
 from app.core.auth import Client
-from app.gui import models_tab
 from app.core.service import AppService
+from app.gui import models_tab
 from app.gui.dashboard import Dashboard
 from app.gui.models_tab import ModelsTab
 from app.gui.remote_dialog import KEPT, RemoteModelDialog
 from app.gui.session import Session
 from app.gui.tray import Tray
-from gui_helpers import Until, desktop_menu, make_task, visible
 
 pytestmark = pytest.mark.gui
 STATE, ENGINE = 3, 4

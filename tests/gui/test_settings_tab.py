@@ -4,11 +4,11 @@ its field, and nothing changes."""
 from __future__ import annotations
 
 import pytest
+from gui_helpers import Until
 
 from app.gui.session import Session
 from app.gui.settings_tab import SettingsTab
 from app.store import config
-from gui_helpers import Until
 
 pytestmark = pytest.mark.gui
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from gui_helpers import Until, make_task
 
 from app.core.auth import Client
 from app.gui.dashboard import Dashboard
 from app.gui.session import Session
-from gui_helpers import Until, make_task
 
 pytestmark = pytest.mark.gui
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from gui_helpers import Until
 
 from app.core.auth import Client
-from app.gui.task_detail import TaskDetail
 from app.gui.session import Session
-from gui_helpers import Until
+from app.gui.task_detail import TaskDetail
 
 pytestmark = pytest.mark.gui
 

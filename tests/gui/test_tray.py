@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from gui_helpers import URL, Until
 from PySide6.QtGui import QAction, QGuiApplication
 from PySide6.QtWidgets import QMenu
 
@@ -13,7 +14,6 @@ from app.gui import autostart
 from app.gui.icons import tray_icon
 from app.gui.session import Session
 from app.gui.tray import Tray
-from gui_helpers import URL, Until
 
 pytestmark = pytest.mark.gui
 

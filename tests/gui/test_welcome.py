@@ -9,6 +9,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from gui_helpers import Life, Until, visible
 
 from app import paths
 from app.core.service import AppService
@@ -16,7 +17,6 @@ from app.gui.desktop import Desktop
 from app.gui.found_models import FoundModelsDialog
 from app.gui.welcome import WELCOME_DISMISSED, WelcomeWindow
 from app.main import Lifecycle
-from gui_helpers import Life, Until, visible
 
 pytestmark = pytest.mark.gui
 
@@ -41,7 +41,7 @@ class Running:
         self.shell = Desktop(self.life, welcome=True)
         self.run: asyncio.Future[int] = asyncio.ensure_future(self.shell.run())
 
-    async def ready(self, until: Until) -> "Running":
+    async def ready(self, until: Until) -> Running:
         await until(lambda: self.shell.session.phase == "ready" or self.run.done(), 60, "desktop ready")
         assert not self.run.done(), self.run.result()
         return self

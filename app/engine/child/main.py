@@ -25,14 +25,15 @@ import re
 import signal
 import time
 from collections import deque
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
+from app.engine.child.sampling import DeadEnd, GrammarSampler
+from app.engine.child.threads import Threads
 from app.engine.constraints import grammar
 from app.engine.registry import models
 from app.engine.request import ChatMessage, Request
-from app.engine.child.sampling import DeadEnd, GrammarSampler
-from app.engine.child.threads import Threads
 
 if TYPE_CHECKING:
     from app.engine.child.embedder import Embedder
@@ -173,9 +174,9 @@ class Child:
 
     def load(self, msg: Message) -> None:
         from llama_cpp import Llama
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         from app.engine.child import backend
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         started = time.monotonic()
         self.drop()  # free the old model before the new one takes memory

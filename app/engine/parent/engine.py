@@ -21,16 +21,17 @@ import os
 import signal
 import threading
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, Protocol
 
 from app.engine.child import main as child
 from app.engine.parent import cpu
+from app.engine.parent.modes import FAST, SAFE, EngineModes
 from app.engine.registry import models
 from app.engine.registry.models import Registered
 from app.engine.request import Request
-from app.engine.parent.modes import FAST, SAFE, EngineModes
 
 log = logging.getLogger(__name__)
 Message = dict[str, Any]

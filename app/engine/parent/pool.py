@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from app.engine.parent.engine import Engine
 from app.engine.parent.modes import EngineModes

@@ -12,8 +12,9 @@ import asyncio
 import logging
 import sqlite3
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine, Protocol
+from typing import Any, Protocol
 
 from app.engine.net.remote import Upstreams
 from app.engine.parent.pool import EnginePool
@@ -121,7 +122,7 @@ class Kind(ABC):
     def halt(self) -> None:
         """The service stops: stop what runs, keeping what the next start's recovery needs."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - most kinds have nothing to close: not abstract
         """After the workers have ended (or were given up on)."""
 
 

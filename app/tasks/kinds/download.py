@@ -31,9 +31,10 @@ import json
 import logging
 import sqlite3
 import time
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Coroutine
+from typing import Any
 
 from app.engine.net import hub
 from app.engine.registry import models
@@ -152,7 +153,7 @@ class Downloads(Kind):
         if outcome is None:  # completed, or stopped by a shutdown: the bytes stay for the next start
             return
         await asyncio.to_thread(_remove, [str(partial)])
-        if outcome == "cancel":
+        if not isinstance(outcome, LmspError):  # "cancel"
             await self.bus.commit(self.store, _cancelled, task_id)
         elif await self.bus.commit(self.store, _fail, task_id, outcome.code, outcome.message) is None:
             await self.bus.commit(self.store, _cancelled, task_id)  # a cancel was accepted first
@@ -246,7 +247,7 @@ def _remove(paths: list[str]) -> None:
 # Transactions: each runs on the writer thread and returns the events it wrote.
 
 def _download(conn: sqlite3.Connection, task_id: str) -> sqlite3.Row:
-    row = conn.execute("SELECT * FROM downloads WHERE task_id = ?", (task_id,)).fetchone()
+    row: sqlite3.Row | None = conn.execute("SELECT * FROM downloads WHERE task_id = ?", (task_id,)).fetchone()
     assert row is not None
     return row
 

@@ -21,7 +21,8 @@ import contextlib
 import logging
 import sqlite3
 import time
-from typing import Any, Coroutine
+from collections.abc import Coroutine
+from typing import Any
 
 from app.engine.net.remote import RemoteEngine
 from app.engine.parent.engine import EngineError, Generation, Runs
