@@ -100,6 +100,26 @@ def parse(body: Any, convert: structured.Convert) -> ResponseRequest:
     max_tokens = body.get("max_output_tokens")
     if max_tokens is not None and (not _is_int(max_tokens) or not 1 <= max_tokens <= 1_000_000):
         raise InvalidRequest("`max_output_tokens` must be an integer from 1 to 1000000.", param="max_output_tokens")
+    temperature, top_p, seed, stop = _sampling(body)
+    metadata, flags = _metadata(body), _flags(body)
+    on_restart = body.get("on_restart")
+    if on_restart is not None and on_restart not in ON_RESTART:
+        raise InvalidRequest(f"`on_restart` must be one of {list(ON_RESTART)}.", param="on_restart")
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise InvalidRequest("`previous_response_id` must be a response id.", param="previous_response_id")
+    if flags["background"] and not flags["store"]:  # as OpenAI: a background response is fetched later
+        raise InvalidRequest("A background response must be stored: `store: false` needs `background: false`.",
+                             param="store")
+    parts = structured.parse(body, convert)
+    request = Request(messages, instructions, temperature, top_p, seed, stop, parts.format, parts.tools,
+                      parts.tool_choice, parts.constraint, parts.call, previous)
+    return ResponseRequest(request, model, max_tokens, metadata, flags["stream"], flags["background"], on_restart,
+                           flags["store"])
+
+
+def _sampling(body: dict[str, Any]) -> tuple[float, float, int | None, list[str]]:
+    """`temperature`, `top_p`, `seed` and `stop`, checked."""
     temperature = body.get("temperature", 1.0)
     if temperature is None:
         temperature = 1.0
@@ -118,11 +138,20 @@ def parse(body: Any, convert: structured.Convert) -> ResponseRequest:
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise InvalidRequest("`stop` must be a string or a list of up to 4 non-empty strings.", param="stop")
+    return float(temperature), float(top_p), seed, stop
+
+
+def _metadata(body: dict[str, Any]) -> dict[str, str]:
     metadata = {} if body.get("metadata") is None else body["metadata"]
     if not isinstance(metadata, dict) or len(metadata) > 16 or not all(
             isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()):
         raise InvalidRequest("`metadata` must be an object of up to 16 string keys (64 chars) and string values "
                              "(512 chars).", param="metadata")
+    return metadata
+
+
+def _flags(body: dict[str, Any]) -> dict[str, bool]:
+    """`stream`, `background` and `store` (true unless said)."""
     flags = {}
     for name in ("stream", "background", "store"):
         flags[name] = body.get(name, name == "store")
@@ -130,17 +159,4 @@ def parse(body: Any, convert: structured.Convert) -> ResponseRequest:
             flags[name] = name == "store"
         if not isinstance(flags[name], bool):
             raise InvalidRequest(f"`{name}` must be true or false.", param=name)
-    on_restart = body.get("on_restart")
-    if on_restart is not None and on_restart not in ON_RESTART:
-        raise InvalidRequest(f"`on_restart` must be one of {list(ON_RESTART)}.", param="on_restart")
-    previous = body.get("previous_response_id")
-    if previous is not None and (not isinstance(previous, str) or not previous):
-        raise InvalidRequest("`previous_response_id` must be a response id.", param="previous_response_id")
-    if flags["background"] and not flags["store"]:  # as OpenAI: a background response is fetched later
-        raise InvalidRequest("A background response must be stored: `store: false` needs `background: false`.",
-                             param="store")
-    parts = structured.parse(body, convert)
-    request = Request(messages, instructions, float(temperature), float(top_p), seed, stop, parts.format, parts.tools,
-                      parts.tool_choice, parts.constraint, parts.call, previous)
-    return ResponseRequest(request, model, max_tokens, metadata, flags["stream"], flags["background"], on_restart,
-                           flags["store"])
+    return flags

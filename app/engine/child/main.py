@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from app.engine.child.sampling import DeadEnd, GrammarSampler
+from app.engine.child.slices import COARSE, grid, shared_slices
 from app.engine.child.threads import Threads
 from app.engine.constraints import grammar
 from app.engine.registry import models
@@ -69,31 +70,6 @@ def fault(point: str, extra_bufts: bool) -> None:
 OTHER, KERNELS, GRAMMAR = 0, 1, 2
 PHASES = ("outside llama.cpp's compute kernels", "in llama.cpp's compute kernels",
           "in the grammar of the request's output format")
-
-
-# Prompts are evaluated in slices fixed by absolute position (see `grid_point`): fine at the
-# start, where requests share a chat template's preamble, then COARSE tokens (at most llama.cpp's
-# batch): only whole slices are reused from the cache, so the next turn of a conversation reuses
-# all of the previous prompt but its last partial slice (with slices of 512, turns of ~75 tokens
-# reused nothing new for six turns in a row: tests/bench/test_conversations.py).
-FINE, FINE_UNTIL, COARSE = 16, 128, 128
-
-
-def grid_point(position: int, coarse: int) -> int:
-    """The last slice boundary at or before `position`."""
-    if position < FINE_UNTIL:
-        return position // FINE * FINE
-    return FINE_UNTIL + (position - FINE_UNTIL) // coarse * coarse
-
-
-def grid(start: int, end: int, coarse: int) -> list[tuple[int, int]]:
-    """The slices that evaluate positions start..end (start on the grid)."""
-    cuts = []
-    while start < end:
-        step = FINE if start < FINE_UNTIL else coarse
-        cuts.append((start, min(end, grid_point(start, coarse) + step)))
-        start = cuts[-1][1]
-    return cuts
 
 
 # Stands in for each message's text while the chat template renders; NUL never comes from a template.
@@ -312,6 +288,8 @@ class Child:
                 self.inbox.append(msg)
         return False
 
+    # Every step of the loop shares its state (text, what is emitted, the decoder, the history).
+    # long: one generation's loop, kept whole until issue 38's batched decoding replaces it.
     def generate(self, msg: Message) -> None:
         from llama_cpp import llama_vocab_is_eog
 
@@ -410,18 +388,6 @@ class Child:
             self.conn.send({"ev": "chunk", "job": job, "ids": [], "text": text[emitted:], "last": True})
         self.conn.send({"ev": "done", "job": job, "reason": reason, "input_tokens": len(prompt), "cached_tokens": reuse,
                         "output_tokens": count})
-
-
-def shared_slices(plan: list[tuple[int, int]], body: list[int], done: list[tuple[int, int]],
-                  cached: list[int]) -> int:
-    """How many leading tokens of `body` the cache holds as this plan would compute them: the
-    end of the last slice both plans share, with the same tokens up to it."""
-    reuse = 0
-    for cut, was in zip(plan, done):
-        if cut != was or body[reuse:cut[1]] != cached[reuse:cut[1]]:
-            break
-        reuse = cut[1]
-    return reuse
 
 
 # llama.cpp's threads (OpenMP, libgomp) wait for each other at every step of a token: they spin
