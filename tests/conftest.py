@@ -30,10 +30,14 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 TEST_RUN = os.environ["LMSP_TEST_RUN"] = uuid.uuid4().hex
 
 from app.core.service import AppService  # noqa: E402
+from app.engine.parent.engine import Engine  # noqa: E402
 from app.server.app import make_app  # noqa: E402
 from app.store.store import Store  # noqa: E402
+from tests import scripted  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+APP = [sys.executable, "-m", "app"]
+SCRIPTED_APP = [sys.executable, "-m", "tests.scripted_app"]  # the app with scripted engines (its Script as JSON)
 
 
 @pytest.fixture
@@ -46,8 +50,22 @@ async def store(tmp_path: Path) -> AsyncIterator[Store]:
 
 
 @pytest.fixture
-async def service(tmp_path: Path) -> AsyncIterator[AppService]:
-    svc = AppService(tmp_path / "data")
+def script(request: pytest.FixtureRequest) -> scripted.Script:
+    """What the scripted engines of a test marked `scripted` do: the marker's arguments
+    (`@pytest.mark.scripted(pace=50)`), changeable by the test as it goes."""
+    marker = request.node.get_closest_marker("scripted")
+    return scripted.Script(**(marker.kwargs if marker else {}))
+
+
+@pytest.fixture
+def engine_factory(request: pytest.FixtureRequest, script: scripted.Script) -> Any:
+    """The service's engines: llama.cpp, or the scripted engine in a test marked `scripted`."""
+    return scripted.factory(script) if request.node.get_closest_marker("scripted") else Engine
+
+
+@pytest.fixture
+async def service(tmp_path: Path, engine_factory: Any) -> AsyncIterator[AppService]:
+    svc = AppService(tmp_path / "data", engine_factory)
     await svc.start()
     yield svc
     await svc.stop()
@@ -138,7 +156,7 @@ class Headless:
                  env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
         self.procs = procs
-        self.command = command or [sys.executable, "-m", "app"]
+        self.command = command or APP
         self.cwd, self.env = cwd, env
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
@@ -209,14 +227,20 @@ class Headless:
         the grammar worker)."""
         assert self.proc is not None
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(pid) for pid in out.split()
-                if b"--multiprocessing-fork" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return [int(pid) for pid in out.split() if (args := Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+                and (b"--multiprocessing-fork" in args or args[:-1] == [a.encode() for a in scripted.CHILD])
                 and Path(f"/proc/{pid}/comm").read_text().strip() != "lmsp-grammar"]
 
 
+
 @pytest.fixture
-def headless(tmp_path: Path, procs: Processes) -> Headless:
-    return Headless(tmp_path / "data", procs)
+def headless(request: pytest.FixtureRequest, tmp_path: Path, procs: Processes) -> Headless:
+    """The app as a process: with scripted engines in a test marked `scripted` (the marker's
+    arguments given to its Script)."""
+    marker = request.node.get_closest_marker("scripted")
+    if marker is None:
+        return Headless(tmp_path / "data", procs)
+    return Headless(tmp_path / "data", procs, [*SCRIPTED_APP, json.dumps(marker.kwargs)])
 
 
 @contextlib.contextmanager

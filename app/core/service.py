@@ -63,7 +63,8 @@ class Created:
 
 
 class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, EmbeddingsFacade):
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, engine_factory: Callable[..., Engine] = Engine) -> None:
+        """`engine_factory` makes the local engines (`Engine`; the tests' scripted one, tests/scripted.py)."""
         self.data_dir = data_dir
         self.store = Store(data_dir / paths.DB_NAME)
         self.bus = EventBus()
@@ -71,7 +72,7 @@ class AppService(AccessFacade, ModelsFacade, RemoteFacade, DownloadsFacade, Embe
         self.engines: list[Engine] = []
         self.modes = EngineModes(self.store, self.bus, lambda: str(self.settings["engine_mode"]))
         self.upstreams = Upstreams()
-        self.runner = Runner(self.store, self.bus, self.engines, self.modes, self.upstreams)
+        self.runner = Runner(self.store, self.bus, self.engines, self.modes, self.upstreams, engine_factory)
         self.downloads = downloads.Downloads(self.store, self.bus, hub_token)
         self.settings: dict[str, Any] = dict(config.DEFAULTS)
         self.service_id = ""

@@ -23,7 +23,7 @@ import os
 import sqlite3
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from app.engine.registry import models
 from app.engine.parent.engine import Engine, EngineError, Generation, Runs
@@ -170,8 +170,9 @@ class Backoff:
 
 class Runner:
     def __init__(self, store: Store, bus: EventBus, engines: list[Engine], modes: EngineModes,
-                 upstreams: Upstreams) -> None:
+                 upstreams: Upstreams, engine_factory: Callable[..., Engine] = Engine) -> None:
         self.store = store
+        self.engine_factory = engine_factory
         self.bus = bus
         self.engines = engines
         self.modes = modes
@@ -264,7 +265,7 @@ class Runner:
         # all run slower than one. An engine keeps its share until it is restarted.
         threads = max(1, (os.cpu_count() or 1) // capacity)
         while len(self.engines) < capacity:
-            self.engines.append(Engine(f"engine{len(self.engines)}", self.modes, n_threads=threads))
+            self.engines.append(self.engine_factory(f"engine{len(self.engines)}", self.modes, n_threads=threads))
         self.capacity = capacity
         self.wake()
 
