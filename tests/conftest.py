@@ -34,6 +34,7 @@ from app.engine.parent.engine import Engine  # noqa: E402
 from app.server.app import make_app  # noqa: E402
 from app.store.store import Store  # noqa: E402
 from tests import scripted  # noqa: E402
+from tests.helpers import wait_until  # noqa: E402  (imported from here by many tests)
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = [sys.executable, "-m", "app"]
@@ -209,7 +210,7 @@ class Headless:
         task_id = created["task"]["id"]
         task: dict[str, Any] = wait_until(
             lambda: (t := self.get(f"/v1/tasks/{task_id}")[1])["status"] == "completed" and t,
-            timeout=timeout, interval=interval)
+            timeout=timeout, interval=interval, what=f"task {task_id} to complete")
         return task
 
     def kill(self) -> None:
@@ -253,16 +254,6 @@ def busy_programs(procs: Processes, count: int) -> Iterator[None]:
         for program in busy:
             program.kill()
             program.wait()
-
-
-def wait_until(predicate: Any, timeout: float = 60.0, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError("condition not met in time")
 
 
 # -- real OpenAI-compatible upstreams, for the remote-endpoint tests ---------------------------

@@ -19,7 +19,7 @@ import pytest
 
 from app.core import auth
 from app.server.app import Server
-from tests.helpers import poll
+from tests.helpers import poll, wait_status
 
 SAY_HI = {"input": "Say hi", "max_output_tokens": 8, "temperature": 0}
 # SmolLM2 answers this at length at temperature 0 ("1, 2, 3, ..." for well over 2000 tokens): the
@@ -63,13 +63,6 @@ async def task(api: Any, task_id: str) -> dict[str, Any]:
     resp = await api.get(f"/v1/tasks/{task_id}")
     assert resp.status == 200, await resp.text()
     return await resp.json()
-
-
-async def wait_status(api: Any, task_id: str, statuses: set[str], timeout: float = 60.0) -> dict[str, Any]:
-    async def check() -> dict[str, Any] | None:
-        body = await task(api, task_id)
-        return body if body["status"] in statuses else None
-    return await poll(check, timeout, what=f"task {task_id} to reach {sorted(statuses)}")
 
 
 async def wait_generating(api: Any, task_id: str) -> dict[str, Any]:
