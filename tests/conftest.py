@@ -50,18 +50,23 @@ async def store(tmp_path: Path) -> AsyncIterator[Store]:
     await opened.close()
 
 
+def scripted_marker(request: pytest.FixtureRequest) -> pytest.Mark | None:
+    """The `scripted` marker of a test (or of its module), unless the test is marked `llama`."""
+    return None if request.node.get_closest_marker("llama") else request.node.get_closest_marker("scripted")
+
+
 @pytest.fixture
 def script(request: pytest.FixtureRequest) -> scripted.Script:
     """What the scripted engines of a test marked `scripted` do: the marker's arguments
     (`@pytest.mark.scripted(pace=50)`), changeable by the test as it goes."""
-    marker = request.node.get_closest_marker("scripted")
+    marker = scripted_marker(request)
     return scripted.Script(**(marker.kwargs if marker else {}))
 
 
 @pytest.fixture
 def engine_factory(request: pytest.FixtureRequest, script: scripted.Script) -> Any:
     """The service's engines: llama.cpp, or the scripted engine in a test marked `scripted`."""
-    return scripted.factory(script) if request.node.get_closest_marker("scripted") else Engine
+    return scripted.factory(script) if scripted_marker(request) else Engine
 
 
 @pytest.fixture
@@ -238,7 +243,7 @@ class Headless:
 def headless(request: pytest.FixtureRequest, tmp_path: Path, procs: Processes) -> Headless:
     """The app as a process: with scripted engines in a test marked `scripted` (the marker's
     arguments given to its Script)."""
-    marker = request.node.get_closest_marker("scripted")
+    marker = scripted_marker(request)
     if marker is None:
         return Headless(tmp_path / "data", procs)
     return Headless(tmp_path / "data", procs, [*SCRIPTED_APP, json.dumps(marker.kwargs)])

@@ -155,9 +155,9 @@ class ScriptedEngine:
         hold = max((len(s) for s in stops), default=1) - 1
         text = "".join(script.token(k) for k in range(start))
         emitted, count, reason = len(gen.prefix_text), start, "stop"
-        await asyncio.sleep(script.prompt_seconds)
+        await self._pause(script.prompt_seconds)
         while count < limit:
-            await asyncio.sleep(1 / script.pace)
+            await self._pause(1 / script.pace)
             if script.crash_after is not None and count - start >= script.crash_after and self.alive:
                 assert self._proc is not None
                 self._proc.send_signal(signal.SIGKILL)
@@ -182,6 +182,13 @@ class ScriptedEngine:
             if len(text) > emitted:
                 yield {"ev": "chunk", "ids": [], "text": text[emitted:], "last": True}
         yield {"ev": "done", "reason": reason, "input_tokens": prompt, "cached_tokens": 0, "output_tokens": count}
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait `seconds`, or less if a cancel comes (the real child sees one between two slices
+        of the prompt, and between two tokens)."""
+        deadline = time.monotonic() + seconds
+        while not self._cancelled and (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.01))
 
     async def embed(self, file: Registered, texts: list[str], dimensions: int | None) -> Message:
         raise EngineError("embeddings_unavailable", "The scripted engine computes no embeddings.")
