@@ -38,7 +38,11 @@ from tests.helpers import wait_until  # noqa: E402  (imported from here by many 
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = [sys.executable, "-m", "app"]
-SCRIPTED_APP = [sys.executable, "-m", "tests.scripted_app"]  # the app with scripted engines (its Script as JSON)
+
+
+def scripted_app(**script: Any) -> list[str]:
+    """What runs the app with scripted engines (tests/scripted_app.py), doing as Script(**script) says."""
+    return [sys.executable, "-m", "tests.scripted_app", json.dumps(script)]
 
 
 @pytest.fixture
@@ -246,7 +250,7 @@ def headless(request: pytest.FixtureRequest, tmp_path: Path, procs: Processes) -
     marker = scripted_marker(request)
     if marker is None:
         return Headless(tmp_path / "data", procs)
-    return Headless(tmp_path / "data", procs, [*SCRIPTED_APP, json.dumps(marker.kwargs)])
+    return Headless(tmp_path / "data", procs, scripted_app(**marker.kwargs))
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ CHILD = ["cat"]  # the scripted engine's child (tests/conftest.py's Headless.eng
 class Script:
     """What every scripted engine of one service does; a test may change it between requests."""
     pace: float = 200.0          # tokens a second
-    length: int = 1000           # the number the answer counts to before it stops by itself
+    length: int = 5000           # the number the answer counts to before it stops by itself
     load_seconds: float = 0.0    # a model load
     prompt_seconds: float = 0.0  # reading the prompt, before the first token
     crash_after: int | None = None  # tokens into a generation, the child is killed: engine_crashed
@@ -51,6 +51,11 @@ class Script:
     def tokens(self) -> int:
         """How many tokens the whole answer has (no comma after the last number)."""
         return 2 * self.length - 1
+
+
+def tokens(text: str) -> int:
+    """What a text costs of the context: a token a word, or four characters (no spaces)."""
+    return max(len(text.split()), -(-len(text) // 4))
 
 
 def factory(script: Script) -> Callable[..., "ScriptedEngine"]:
@@ -141,18 +146,21 @@ class ScriptedEngine:
             if file is None:
                 raise EngineError("model_not_loaded", "No model is loaded.")
             await self._load(file)
-            async for msg in self._answer(gen):
+            async for msg in self._answer(gen, file):
                 self._last_used = time.monotonic()
                 yield msg
 
-    async def _answer(self, gen: Generation) -> AsyncIterator[Message]:
+    async def _answer(self, gen: Generation, file: Registered) -> AsyncIterator[Message]:
         """The child's generation (app/engine/child/main.py `generate`), scripted: chunks held back
         while they could still become a stop sequence, the last one marked `last`."""
         script, start = self.script, len(gen.prefix_ids or [])
-        prompt = sum(len(str(m.get("content", "")).split()) + 4 for m in gen.messages)
+        prompt = sum(tokens(str(m.get("content", ""))) + 4 for m in gen.messages)
         limit = min(gen.max_tokens or script.tokens(), script.tokens())
         stops = gen.stop or []
         hold = max((len(s) for s in stops), default=1) - 1
+        if prompt >= file.context_length:
+            raise EngineError("context_length_exceeded",
+                              f"The input is {prompt} tokens; the model's context holds {file.context_length}.")
         text = "".join(script.token(k) for k in range(start))
         emitted, count, reason = len(gen.prefix_text), start, "stop"
         await self._pause(script.prompt_seconds)
