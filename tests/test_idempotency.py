@@ -9,7 +9,11 @@ import sqlite3
 import time
 from typing import Any
 
+import pytest
+
 from tests.helpers import COUNT, SAY_HI, bearer, expect_error, pair, poll, raw, wait_status
+
+pytestmark = pytest.mark.scripted  # the machine around inference, not inference: tests/scripted.py's engines
 
 BACKGROUND = {**SAY_HI, "background": True}
 
