@@ -11,12 +11,16 @@ from typing import Any
 
 import aiohttp
 
+import pytest
+
 from app.core.service import AppService
 from app.server import sse
 from app.server.app import Server
 from app import events as bus
 from tests.conftest import Headless, wait_until
 from tests.helpers import COUNT, SAY_HI, bearer, http, pair, pair_sync, poll
+
+pytestmark = pytest.mark.scripted  # the machine around inference, not inference: tests/scripted.py's engines
 
 INSTRUCTIONS = "Be brief. " * (200 << 10)  # 2 MiB: far more than the model's context
 
