@@ -68,12 +68,11 @@ class ScriptedEngine:
 
     def __init__(self, name: str, modes: EngineModes, n_threads: int | None = None, *,
                  script: Script | None = None) -> None:
-        self.name, self.modes, self.n_threads = name, modes, n_threads or 1
+        self.name, self.modes = name, modes
         self.script = script or Script()
         self.file: Registered | None = None
         self.mode: str | None = None
         self.refused: set[Registered] = set()
-        self.cpu_variant: str | None = None
         self._task_file: Registered | None = None
         self._cancelled = False
         self._proc: subprocess.Popen[bytes] | None = None
