@@ -12,6 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from app import logs
 from tests.conftest import Headless, proc_stat, wait_until
 
@@ -147,6 +149,7 @@ def test_a_stderr_nobody_reads_stops_nothing(headless: Headless) -> None:
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.scripted  # about descriptor 2, not llama.cpp: scripted engines (tests/scripted.py)
 def test_started_with_stderr_closed_no_file_takes_its_place(headless: Headless) -> None:
     """Else the next file opened gets descriptor 2 and everything written to stderr."""
     headless.start(preexec=lambda: os.close(2))
