@@ -31,10 +31,19 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 TEST_RUN = os.environ["LMSP_TEST_RUN"] = uuid.uuid4().hex
 
 from app.core.service import AppService  # noqa: E402
+from app.engine.parent.engine import Engine  # noqa: E402
 from app.server.app import make_app  # noqa: E402
 from app.store.store import Store  # noqa: E402
+from tests import scripted  # noqa: E402
+from tests.helpers import wait_until  # noqa: E402  (imported from here by many tests)
 
 ROOT = Path(__file__).resolve().parent.parent
+APP = [sys.executable, "-m", "app"]
+
+
+def scripted_app(**script: Any) -> list[str]:
+    """What runs the app with scripted engines (tests/scripted_app.py), doing as Script(**script) says."""
+    return [sys.executable, "-m", "tests.scripted_app", json.dumps(script)]
 
 
 @pytest.fixture
@@ -46,9 +55,28 @@ async def store(tmp_path: Path) -> AsyncIterator[Store]:
     await opened.close()
 
 
+def scripted_marker(request: pytest.FixtureRequest) -> pytest.Mark | None:
+    """The `scripted` marker of a test (or of its module), unless the test is marked `llama`."""
+    return None if request.node.get_closest_marker("llama") else request.node.get_closest_marker("scripted")
+
+
 @pytest.fixture
-async def service(tmp_path: Path) -> AsyncIterator[AppService]:
-    svc = AppService(tmp_path / "data")
+def script(request: pytest.FixtureRequest) -> scripted.Script:
+    """What the scripted engines of a test marked `scripted` do: the marker's arguments
+    (`@pytest.mark.scripted(pace=50)`), changeable by the test as it goes."""
+    marker = scripted_marker(request)
+    return scripted.Script(**(marker.kwargs if marker else {}))
+
+
+@pytest.fixture
+def engine_factory(request: pytest.FixtureRequest, script: scripted.Script) -> Any:
+    """The service's engines: llama.cpp, or the scripted engine in a test marked `scripted`."""
+    return scripted.factory(script) if scripted_marker(request) else Engine
+
+
+@pytest.fixture
+async def service(tmp_path: Path, engine_factory: Any) -> AsyncIterator[AppService]:
+    svc = AppService(tmp_path / "data", engine_factory)
     await svc.start()
     yield svc
     await svc.stop()
@@ -139,7 +167,7 @@ class Headless:
                  env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
         self.procs = procs
-        self.command = command or [sys.executable, "-m", "app"]
+        self.command = command or APP
         self.cwd, self.env = cwd, env
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
@@ -192,7 +220,7 @@ class Headless:
         task_id = created["task"]["id"]
         task: dict[str, Any] = wait_until(
             lambda: (t := self.get(f"/v1/tasks/{task_id}")[1])["status"] == "completed" and t,
-            timeout=timeout, interval=interval)
+            timeout=timeout, interval=interval, what=f"task {task_id} to complete")
         return task
 
     def kill(self) -> None:
@@ -210,14 +238,20 @@ class Headless:
         the grammar worker)."""
         assert self.proc is not None
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(pid) for pid in out.split()
-                if b"--multiprocessing-fork" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return [int(pid) for pid in out.split() if (args := Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+                and (b"--multiprocessing-fork" in args or args[:-1] == [a.encode() for a in scripted.CHILD])
                 and Path(f"/proc/{pid}/comm").read_text().strip() != "lmsp-grammar"]
 
 
+
 @pytest.fixture
-def headless(tmp_path: Path, procs: Processes) -> Headless:
-    return Headless(tmp_path / "data", procs)
+def headless(request: pytest.FixtureRequest, tmp_path: Path, procs: Processes) -> Headless:
+    """The app as a process: with scripted engines in a test marked `scripted` (the marker's
+    arguments given to its Script)."""
+    marker = scripted_marker(request)
+    if marker is None:
+        return Headless(tmp_path / "data", procs)
+    return Headless(tmp_path / "data", procs, scripted_app(**marker.kwargs))
 
 
 @contextlib.contextmanager
@@ -230,16 +264,6 @@ def busy_programs(procs: Processes, count: int) -> Iterator[None]:
         for program in busy:
             program.kill()
             program.wait()
-
-
-def wait_until(predicate: Any, timeout: float = 60.0, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError("condition not met in time")
 
 
 # -- real OpenAI-compatible upstreams, for the remote-endpoint tests ---------------------------

@@ -5,30 +5,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from app.core.service import AppService
+from app.engine.parent.engine import Engine
 
 SAY_HI = {"input": "Say hi", "max_output_tokens": 8, "temperature": 0}
 # SmolLM2 answers this at length at temperature 0: the prompt for work that must still be
 # running when a test acts on it.
 COUNT = "Write the numbers from 1 to 1000 separated by commas."
+TERMINAL = {"completed", "failed", "cancelled"}  # a task's statuses once it has ended
 ALL_BUT_ADMIN = ["models:read", "models:write", "responses:read", "responses:write", "tasks:read",
                  "tasks:cancel", "metrics:read"]
 
 
 @contextlib.asynccontextmanager
-async def started(data_dir: Path) -> AsyncIterator[AppService]:
-    """A service on `data_dir` for one block, stopped at its end: tests that restart it use one each."""
-    service = AppService(data_dir)
+async def started(data_dir: Path, engine_factory: Any = Engine) -> AsyncIterator[AppService]:
+    """A service on `data_dir` for one block, stopped at its end: tests that restart it use one each
+    (with the test's `engine_factory` fixture where it may be scripted)."""
+    service = AppService(data_dir, engine_factory)
     await service.start()
     try:
         yield service
@@ -36,16 +40,45 @@ async def started(data_dir: Path) -> AsyncIterator[AppService]:
         await service.stop()
 
 
-async def poll(check: Callable[[], Awaitable[Any]], timeout: float = 60.0, interval: float = 0.05,
-               what: str = "condition") -> Any:
+def _tries(timeout: float, what: str) -> Iterator[None]:
+    """The one polling loop of the tests: a try now, then again until `timeout` seconds are over."""
     deadline = time.monotonic() + timeout
     while True:
-        value = await check()
+        yield
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 60.0, interval: float = 0.05,
+               what: str = "condition") -> Any:
+    """`predicate()`'s first true value, tried every `interval` seconds (for a test that is not async)."""
+    for _ in _tries(timeout, what):
+        if value := predicate():
+            return value
+        time.sleep(interval)
+
+
+async def poll(check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.05,
+               what: str = "condition") -> Any:
+    """`check()`'s first true value (awaited if it is awaitable), tried every `interval` seconds
+    without holding the loop."""
+    for _ in _tries(timeout, what):
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+async def wait_status(api: Any, task_id: str, statuses: set[str] = TERMINAL, timeout: float = 60.0) -> dict[str, Any]:
+    """The task once its status is one of `statuses` (by default: once it has ended)."""
+    async def check() -> dict[str, Any] | None:
+        resp = await api.get(f"/v1/tasks/{task_id}")
+        assert resp.status == 200, await resp.text()
+        body: dict[str, Any] = await resp.json()
+        return body if body["status"] in statuses else None
+    return await poll(check, timeout, what=f"task {task_id} to reach {sorted(statuses)}")
 
 
 async def raw(api: Any, method: str, path: str, headers: dict[str, str] | None = None,

@@ -1,8 +1,10 @@
 """The HTTP API as a client sees it: status codes, error bodies, headers, event streams, and
-what ends up in the database, against a real service with real inference (SmolLM2-135M).
+what ends up in the database, against a real service. Its engines are scripted (tests/scripted.py:
+they count, "1, 2, 3, ..."), but in the tests about what llama.cpp makes of a request (marked
+`llama`: SmolLM2-135M).
 
-Every generation is small (a few tokens at temperature 0) except where a task must still be
-running when the test acts on it; those are cancelled or killed, never waited out.
+Every generation is small (a few tokens) except where a task must still be running when the test
+acts on it; those are cancelled or killed, never waited out.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 
 from app.core import auth
 from app.server.app import Server
-from tests.helpers import poll
+from tests.helpers import poll, wait_status
 
 SAY_HI = {"input": "Say hi", "max_output_tokens": 8, "temperature": 0}
 # SmolLM2 answers this at length at temperature 0 ("1, 2, 3, ..." for well over 2000 tokens): the
@@ -28,6 +30,7 @@ COUNT = "Write the numbers from 1 to 1000 separated by commas."
 LONG = {"input": COUNT, "max_output_tokens": 2000, "temperature": 0, "background": True}
 TERMINAL_EVENTS = {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
 TABLES = ("responses", "tasks", "task_events")
+pytestmark = pytest.mark.scripted
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -63,13 +66,6 @@ async def task(api: Any, task_id: str) -> dict[str, Any]:
     resp = await api.get(f"/v1/tasks/{task_id}")
     assert resp.status == 200, await resp.text()
     return await resp.json()
-
-
-async def wait_status(api: Any, task_id: str, statuses: set[str], timeout: float = 60.0) -> dict[str, Any]:
-    async def check() -> dict[str, Any] | None:
-        body = await task(api, task_id)
-        return body if body["status"] in statuses else None
-    return await poll(check, timeout, what=f"task {task_id} to reach {sorted(statuses)}")
 
 
 async def wait_generating(api: Any, task_id: str) -> dict[str, Any]:
@@ -420,6 +416,7 @@ def check_response_shape(body: dict[str, Any]) -> None:
         assert item["content"][0]["text"] == body["output_text"]
 
 
+@pytest.mark.llama
 async def test_foreground_response_cut_by_max_output_tokens(api, service):
     resp = await api.post("/v1/responses", json=SAY_HI)
     assert resp.status == 200
@@ -443,6 +440,7 @@ async def test_foreground_response_cut_by_max_output_tokens(api, service):
     assert third["output_text"] == body["output_text"] and third["id"] != body["id"]
 
 
+@pytest.mark.llama
 async def test_stop_string_ends_the_response_completed(api):
     req = {"input": "Count from 1 to 50, one number per line.", "temperature": 0}
     full = (await (await api.post("/v1/responses", json={**req, "max_output_tokens": 30})).json())["output_text"]
@@ -461,6 +459,7 @@ async def test_stop_string_ends_the_response_completed(api):
     assert one["output_text"] == body["output_text"] and one["status"] == "completed"
 
 
+@pytest.mark.llama
 async def test_messages_input_with_instructions(api):
     base = {"max_output_tokens": 10, "temperature": 0}
     plain = await (await api.post("/v1/responses", json={
@@ -730,7 +729,8 @@ async def test_cancel_a_queued_task_is_immediate(api, service):
     assert (await task(api, second_id))["status"] == "cancelled"
 
 
-async def test_cancel_while_the_model_loads_ends_the_task_before_any_output(api, service):
+@pytest.mark.scripted(load_seconds=2.0, prompt_seconds=30.0, pace=80.0)
+async def test_cancel_while_the_model_loads_ends_the_task_before_any_output(api, service, script):
     """A cancel accepted while the engine loads the model (the first task of a fresh service):
     the task ends `cancelled` with nothing generated, the engine (which starts on the prompt as
     soon as the model is in) is stopped, and the next task runs."""
@@ -744,7 +744,7 @@ async def test_cancel_while_the_model_loads_ends_the_task_before_any_output(api,
     assert resp.status == 200 and (await resp.json())["status"] == "cancelling"
     done = await wait_status(api, task_id, {"cancelled", "completed", "failed"}, timeout=30.0)
     assert done["status"] == "cancelled" and done["started_at"] is None, done
-    # The load, then at most the prompt: not the 2000 tokens (about 25 s here).
+    # The rest of the load (2 s), not the prompt (30 s) nor the 2000 tokens (25 s).
     assert time.monotonic() - asked < 8.0
     evs = await events(api, task_id)
     check_sequence(evs)
@@ -752,6 +752,7 @@ async def test_cancel_while_the_model_loads_ends_the_task_before_any_output(api,
                                         "response.cancelling", "response.cancelled"]
     assert (await (await api.get(f"/v1/responses/{created['id']}")).json())["output_text"] == ""
     # The engine is free, and what it answers next is the next task's own: the same text twice.
+    script.prompt_seconds = 0.0
     answers = []
     for _ in range(2):
         after = await start_background(api, {**SAY_HI, "max_output_tokens": 3, "temperature": 0})

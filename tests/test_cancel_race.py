@@ -1,11 +1,14 @@
-"""Cancels at random moments against real generation: a task whose cancel was accepted never
-ends `completed`, and one that completed refuses the cancel with 409."""
+"""Cancels at random moments against generation (scripted, tests/scripted.py; llama.cpp's own
+child where the test is about it): a task whose cancel was accepted never ends `completed`, and
+one that completed refuses the cancel with 409."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 from typing import Any
+
+import pytest
 
 from app.core.service import AppService
 from app.core.tasks import TERMINAL_EVENTS
@@ -16,6 +19,8 @@ from app.engine.request import Request
 from app.errors import Conflict
 from app.tasks.states import TERMINAL
 from tests.helpers import poll
+
+pytestmark = pytest.mark.scripted
 
 
 async def test_cancel_and_completion_never_both_win(service: AppService) -> None:
@@ -97,6 +102,7 @@ async def test_a_request_given_up_while_its_task_is_written_still_runs_that_task
     assert types[:4] == ["response.created", "response.queued", "response.loading", "response.loading"], types
 
 
+@pytest.mark.llama
 async def test_a_cancel_before_the_engine_child_has_the_job_ends_the_generation_without_output(
         service: AppService) -> None:
     """A cancel can reach the engine after the task's model is loaded but before the child was

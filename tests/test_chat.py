@@ -1,6 +1,7 @@
 """Chat completions (LMSP §9) in the terms an OpenAI chat client knows: errors name the chat
 fields it sent, usage at the end of a stream when asked, a too-long input refused with 400
-(streamed too: the task fails before any output), and the same answers from /v1/responses."""
+(streamed too: the task fails before any output), and the same answers from /v1/responses.
+The engines are scripted (tests/scripted.py: a word a token, the default model's context)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from tests.helpers import SAY_HI, expect_error
 
+pytestmark = pytest.mark.scripted
 HI = [{"role": "user", "content": "Say hi"}]
 CHAT = {"messages": HI, "max_tokens": 8, "temperature": 0}
 LONG = "word " * 5000  # longer than the 4096-token context the model runs with

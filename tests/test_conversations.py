@@ -1,6 +1,7 @@
 """Conversation state (LMSP §12): `previous_response_id` chains, `input_items`, `store: false`.
 
-Real service, real SQLite file, real inference with the default model."""
+Real service, real SQLite file; scripted engines (tests/scripted.py) but where the model must
+have seen the earlier turns (marked `llama`: real inference with the default model)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from typing import Any
 
 import openai
+import pytest
 
 from app.core.service import AppService
 from app.engine.registry.models import DEFAULT_MODEL_ID
@@ -17,6 +19,7 @@ from app.tasks.retention import UNSTORED_GRACE_SECONDS
 from tests.conftest import Headless
 from tests.helpers import bearer, expect_error, pair, pair_sync, raw
 
+pytestmark = pytest.mark.scripted
 TURN = {"max_output_tokens": 6, "temperature": 0}
 
 
@@ -36,6 +39,7 @@ def texts(listed: dict[str, Any]) -> list[tuple[str, str]]:
     return [(item["role"], item["content"][0]["text"]) for item in listed["data"]]
 
 
+@pytest.mark.llama
 def test_a_chain_through_the_sdk_sees_earlier_turns_and_survives_sigkill(headless: Headless) -> None:
     headless.start()
     _, token = pair_sync(headless.url, headless.token, ["responses:read", "responses:write"], "chat-app")

@@ -1,5 +1,6 @@
 """The service is SIGKILLed again and again with work queued and running; nothing acknowledged
-is lost, every event log stays gap-free, and each leftover task moves as table 11.3 says."""
+is lost, every event log stays gap-free, and each leftover task moves as table 11.3 says. Its
+engines are scripted (tests/scripted.py), at about the pace of llama.cpp with the default model."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from app.tasks import output
 from tests.conftest import Headless, wait_until
 
+pytestmark = pytest.mark.scripted(pace=50.0)
 POLICIES = ("fail", "retry", "resume")
 TERMINAL = ("completed", "failed", "cancelled")
 

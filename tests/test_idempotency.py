@@ -9,7 +9,11 @@ import sqlite3
 import time
 from typing import Any
 
-from tests.helpers import COUNT, SAY_HI, bearer, expect_error, pair, poll, raw
+import pytest
+
+from tests.helpers import COUNT, SAY_HI, bearer, expect_error, pair, poll, raw, wait_status
+
+pytestmark = pytest.mark.scripted  # the machine around inference, not inference: tests/scripted.py's engines
 
 BACKGROUND = {**SAY_HI, "background": True}
 
@@ -27,13 +31,6 @@ async def key_row(service: Any, client_id: str, name: str) -> Any:
         "SELECT * FROM idempotency_keys WHERE client_id = ? AND key = ?", (client_id, name)).fetchone())
 
 
-async def wait_done(api: Any, task_id: str) -> dict[str, Any]:
-    async def check() -> Any:
-        body = await (await api.get(f"/v1/tasks/{task_id}")).json()
-        return body if body["status"] in ("completed", "failed", "cancelled") else None
-    return await poll(check, what=f"task {task_id} to finish")
-
-
 async def test_background_retry_gets_the_same_202_and_task(api, service):
     first = await api.post("/v1/responses", json=BACKGROUND, headers=key("bg-1"))
     assert first.status == 202, await first.text()
@@ -49,7 +46,7 @@ async def test_background_retry_gets_the_same_202_and_task(api, service):
     assert await task_ids(service) == [body1["task"]["id"]]
 
     # Still the same answer once the task has finished: the 202 as it was first given.
-    await wait_done(api, body1["task"]["id"])
+    await wait_status(api, body1["task"]["id"])
     third = await api.post("/v1/responses", json=BACKGROUND, headers=key("bg-1"))
     assert third.status == 202 and third.headers.get("Idempotent-Replayed") == "true"
     assert await third.json() == body1
@@ -294,7 +291,7 @@ async def test_a_key_on_an_unknown_route_costs_no_write(api, service):
 
 async def test_after_deleting_a_response_its_key_no_longer_replays_it(api, service):
     first = await (await api.post("/v1/responses", json=BACKGROUND, headers=key("del-1"))).json()
-    await wait_done(api, first["task"]["id"])
+    await wait_status(api, first["task"]["id"])
     assert (await api.delete(f"/v1/responses/{first['id']}")).status == 200
     again = await api.post("/v1/responses", json=BACKGROUND, headers=key("del-1"))
     assert again.status == 202 and "Idempotent-Replayed" not in again.headers, await again.text()

@@ -15,9 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from app.core.service import AppService
 from tests.conftest import Headless, cpu_seconds, wait_until
 from tests.helpers import bearer, expect_error, http, pair, poll
+
+pytestmark = pytest.mark.scripted  # the machine around inference, not inference: tests/scripted.py's engines
 
 FD_LIMIT = 1024  # the usual soft limit of a desktop session
 HOSTILE = 1100   # more than the service could ever hold at that limit

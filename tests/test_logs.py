@@ -12,6 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from app import logs
 from tests.conftest import Headless, proc_stat, wait_until
 
@@ -129,7 +131,9 @@ def test_a_stderr_nobody_reads_stops_nothing(headless: Headless) -> None:
     for n in range(tasks):
         started = time.monotonic()
         status, _ = headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 1})
-        assert status == 200 and time.monotonic() - started < 10, f"request {n} took too long"
+        # A service held by its full pipe never answers; the first answer waits for the model's
+        # load too (14 s with fast mode's crash and the safe reload, on a loaded machine).
+        assert status == 200 and time.monotonic() - started < (60 if n == 0 else 10), f"request {n} took too long"
     file = headless.data_dir / "logs" / "lmsp-tray.log"
     wait_until(lambda: file.read_text().count(": left the engine") == tasks, timeout=10)
     # A fresh engine child: what llama.cpp prints on its stderr as it loads goes to the log,
@@ -148,6 +152,7 @@ def test_a_stderr_nobody_reads_stops_nothing(headless: Headless) -> None:
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.scripted  # about descriptor 2, not llama.cpp: scripted engines (tests/scripted.py)
 def test_started_with_stderr_closed_no_file_takes_its_place(headless: Headless) -> None:
     """Else the next file opened gets descriptor 2 and everything written to stderr."""
     headless.start(preexec=lambda: os.close(2))

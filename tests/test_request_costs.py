@@ -2,7 +2,8 @@
 linear time and schemas converted in the grammar worker within its budget, both off the event
 loop, so /health answers meanwhile; schemas too large, too costly, or that llama.cpp could not
 finish are a 400 `unsupported_schema`, not a frozen service or a crashed engine. Real service,
-real llama.cpp inference with the default model."""
+real llama.cpp inference with the default model where the output follows a grammar; scripted
+engines (tests/scripted.py) where nothing is decoded under one."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ async def nothing_stored(api: Any) -> None:
     assert (await (await api.get("/v1/tasks")).json())["data"] == []
 
 
+@pytest.mark.scripted  # what is timed is reading or waiting, not decoding: tests/scripted.py
 async def test_tool_results_are_read_in_linear_time_off_the_loop(api: Any) -> None:
     # The red team's shape: results whose call is not in the input, so each one looked through
     # every item before it (10,000: 2.3 s on the event loop; 60,000: 115 s).
@@ -124,6 +126,7 @@ async def test_enums_past_the_cap_are_refused_and_at_the_cap_a_token_stays_cheap
     assert seconds / tokens < 0.5, (seconds, tokens)
 
 
+@pytest.mark.scripted  # refused before any engine: tests/scripted.py's, were one asked
 @pytest.mark.parametrize("pattern", ["^[^\\s\\S]$", "^\\u0000$", "^[\\x00]$", "^[^\\x00-\\U0010FFFF]$", "^[]$",
                                      "^(a|[^\\x01-\\U0010FFFF])$"])
 async def test_a_pattern_no_text_can_match_is_refused(api: Any, pattern: str) -> None:
@@ -156,6 +159,7 @@ async def test_a_grammar_with_no_way_on_fails_its_task_without_killing_the_engin
     assert again.status == 200 and (await again.json())["output_text"]
 
 
+@pytest.mark.scripted  # what is timed is reading or waiting, not decoding: tests/scripted.py
 async def test_one_app_s_costly_schemas_hold_up_neither_other_apps_nor_itself_twice(api: Any) -> None:
     """Schemas take their turn in one grammar worker. Eight costly ones sent at once by one app
     (red team, second look: 3.3 s each, budget and restart) made another app's plain 2-token

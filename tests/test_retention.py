@@ -17,6 +17,8 @@ from app.tasks import machine
 from app.tasks.retention import purge
 from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING, TERMINAL, UNFINISHED
 
+pytestmark = pytest.mark.scripted  # the machine around inference, not inference: tests/scripted.py's engines
+
 DAY = 86400.0
 WEEK = 7 * DAY
 NOW = time.time()

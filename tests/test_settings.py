@@ -9,18 +9,10 @@ from typing import Any
 
 import pytest
 
+from app.store.config import DEFAULTS
 from tests.helpers import ALL_BUT_ADMIN, COUNT, SAY_HI, bearer, expect_error, pair, poll, raw
 
-DEFAULTS = {
-    "host": "127.0.0.1",
-    "port": 11535,
-    "retention_seconds": 604800,
-    "default_on_restart": "fail",
-    "max_concurrent_tasks": 1,
-    "allowed_origins": [],
-    "idempotency_ttl_seconds": 86400,
-    "model_idle_ttl_seconds": 0,
-}
+pytestmark = pytest.mark.scripted  # the machine around inference, not inference: tests/scripted.py's engines
 
 
 async def settings(api: Any) -> dict[str, Any]:
@@ -36,8 +28,10 @@ async def stored_config(service: Any) -> dict[str, str]:
 
 async def test_defaults(api):
     got = await settings(api)
-    for name, value in DEFAULTS.items():
+    for name, value in DEFAULTS.items():  # every one: the app's own table, not a copy of it
         assert got[name] == value, name
+    # Where apps look for the service, whatever else changes (LMSP §2b).
+    assert (got["host"], got["port"]) == ("127.0.0.1", 11535)
 
 
 async def test_patch_changes_and_answers_with_all_settings(api, service):

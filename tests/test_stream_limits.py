@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import aiohttp
+import pytest
 
 from app import events as bus
 from app.core import follow
@@ -17,6 +18,8 @@ from app.core.service import AppService
 from app.server.app import Server
 from tests.conftest import Headless, wait_until
 from tests.helpers import COUNT, SAY_HI, bearer, http, pair, pair_sync, poll
+
+pytestmark = pytest.mark.scripted  # the machine around inference, not inference: tests/scripted.py's engines
 
 INSTRUCTIONS = "Be brief. " * (200 << 10)  # 2 MiB: far more than the model's context
 

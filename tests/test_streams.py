@@ -10,8 +10,12 @@ import time
 import urllib.request
 from typing import Any
 
+import pytest
+
 from tests.conftest import Headless, wait_until
 from tests.helpers import poll
+
+pytestmark = pytest.mark.scripted  # the machine around inference, not inference: tests/scripted.py's engines
 
 SSE = {"Accept": "text/event-stream"}
 LONG = {"input": "Write the numbers from 1 to 1000 separated by commas.", "background": True,

@@ -17,19 +17,15 @@ from app.core.service import AppService
 from app.gui import async_ui
 from app.gui.bridge import Bridge
 from app.gui.session import Session
+from tests.helpers import poll
 
 URL = "http://127.0.0.1:11535"  # what the session shows; these tests need no HTTP server
 Until = Callable[..., Awaitable[Any]]
 
 
 async def wait_until(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        await asyncio.sleep(0.02)
-    raise TimeoutError(f"{what}: not met within {timeout} s")
+    """The tests' one polling loop (tests/helpers.py), at the GUI's pace."""
+    return await poll(predicate, timeout, 0.02, what)
 
 
 async def settle(timeout: float = 10.0) -> None:

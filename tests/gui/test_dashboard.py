@@ -17,7 +17,9 @@ from app.gui.session import Session
 from app.gui.task_table import ELAPSED, ID_ROLE, PROGRESS, PROGRESS_ROLE, STATUS
 from app.gui.tray import Tray
 
-pytestmark = pytest.mark.gui
+# Scripted engines (tests/scripted.py) at about llama.cpp's pace with the default model: the
+# dashboard follows tasks and models, whatever text they hold.
+pytestmark = [pytest.mark.gui, pytest.mark.scripted(pace=50.0)]
 
 
 def cell(dash: Dashboard, task_id: str, column: int) -> str:

@@ -9,7 +9,7 @@ from app.core.auth import Client
 from app.gui.dashboard import Dashboard
 from app.gui.session import Session
 
-pytestmark = pytest.mark.gui
+pytestmark = [pytest.mark.gui, pytest.mark.scripted]  # a chain of tasks, whatever their text: tests/scripted.py
 
 
 async def test_detail_shows_and_opens_the_previous_turn(session: Session, owner: Client, until: Until) -> None:

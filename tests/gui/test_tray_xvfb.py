@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Processes
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / "test-output" / "screenshots"
@@ -29,16 +30,6 @@ SCREEN = (1280, 800)
 
 pytestmark = [pytest.mark.gui, pytest.mark.skipif(
     not (shutil.which("Xvfb") and shutil.which("trayer")), reason="needs Xvfb and trayer (see TESTING-GUI.md)")]
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"{what}: not within {timeout} s")
 
 
 class Screen:
@@ -56,7 +47,7 @@ class Screen:
         self.trayer = procs.popen(["trayer", "--edge", "top", "--align", "right", "--widthtype", "pixel",
                                         "--width", "160", "--height", "24"], env=self.env,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: '"panel"' in self.tree(), 20, "trayer's panel")
+        wait_until(lambda: '"panel"' in self.tree(), 20, 0.1, "trayer's panel")
 
     def run(self, *args: str) -> str:
         return subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=30).stdout
@@ -87,7 +78,7 @@ class Screen:
             first = self.window(title)
             time.sleep(0.5)
             return first if first is not None and first == self.window(title) else None
-        return wait_for(settled, timeout, f"window {title!r} shown and settled")
+        return wait_until(settled, timeout, 0.1, f"window {title!r} shown and settled")
 
     def click_until(self, x: int, y: int, done: Callable[[], Any], what: str, tries: int = 3,
                     button: int = 1) -> Any:
@@ -96,7 +87,7 @@ class Screen:
         for attempt in range(1, tries + 1):
             self.click(x, y, button)
             try:
-                return wait_for(done, 5, what)
+                return wait_until(done, 5, 0.1, what)
             except TimeoutError:
                 self.shot(f"missed-click-{attempt}-" + re.sub(r"\W+", "-", what))
         raise TimeoutError(f"{what}: not after {tries} clicks at ({x}, {y})")
@@ -155,7 +146,7 @@ class App:
         self.screen, self.data_dir, self.procs = screen, data_dir, procs
         self.log = data_dir.parent / "app.log"
         self.proc = self.launch(self.log.open("wb"))
-        self.url = wait_for(self._url, 60, "service.json")
+        self.url = wait_until(self._url, 60, 0.1, "service.json")
         self.token = (data_dir / "owner_token").read_text().strip()
 
     def launch(self, out: Any = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
@@ -189,7 +180,7 @@ def screen(procs: Processes) -> Screen:
 
 def test_tray_menu_dashboard_and_pairing_on_a_real_screen(screen: Screen, tmp_path: Path, procs: Processes) -> None:
     app = App(screen, tmp_path / "data", procs)
-    icon = wait_for(screen.tray_icon, 30, "icon embedded in trayer's panel")
+    icon = wait_until(screen.tray_icon, 30, 0.1, "icon embedded in trayer's panel")
     menu_box = (SCREEN[0] - 560, 0, 560, 260)
 
     # A fresh data folder is a first start: the welcome window, closed here with its Close
@@ -217,7 +208,7 @@ def test_tray_menu_dashboard_and_pairing_on_a_real_screen(screen: Screen, tmp_pa
     # A pairing request: the tray's notification; clicking it opens the pairing dialog. Once the
     # short task has run: on a CPU where fast mode crashes, the first load's "Running in safe
     # mode" balloon comes then, and on a slow machine it would replace the pairing's.
-    wait_for(lambda: app.task(short)["status"] == "completed", 120, "short task completed")
+    wait_until(lambda: app.task(short)["status"] == "completed", 120, 0.1, "short task completed")
     time.sleep(1.0)
     pairing = app.call("POST", "/v1/pairings", {"client_name": "Notes App",
                                                  "scopes": ["responses:write", "models:read", "tasks:read"]})
@@ -233,7 +224,7 @@ def test_tray_menu_dashboard_and_pairing_on_a_real_screen(screen: Screen, tmp_pa
     submit(8, "Say hello.", granted)  # the paired app's task waits behind the long one
 
     # A second launch does not start a second service: it brings the dashboard forward.
-    wait_for(lambda: app.task(long)["progress"]["output_tokens"] >= 4, 60, "long task under way")
+    wait_until(lambda: app.task(long)["progress"]["output_tokens"] >= 4, 60, 0.1, "long task under way")
     second = app.launch()
     assert second.wait(30) == 0
     box = screen.settled_window("LMSP Tray", 20)
