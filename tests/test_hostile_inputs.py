@@ -4,7 +4,8 @@ left, or hold memory or disk beyond a budget that the limits count.
 
 Each case below sends one endpoint's worst legal input, as a paired app with the scopes it needs
 would (a new endpoint's worst input is one more `@case`). For every case, on a fresh
-`lmsp-tray --headless` with the default model:
+`lmsp-tray --headless` with the default model (scripted engines where the input never reaches
+llama.cpp):
 
 1. a probe in its own process does GET /health every 50 ms: its slowest round trip (p100)
    during the case must stay <= LAG_BOUND, and every one must be answered;
@@ -51,23 +52,26 @@ MODELER = ("models:write", "models:read")
 class Case:
     run: Callable[[Attack, Headless], None]
     scopes: tuple[str, ...]
+    llama: bool  # whether what the case sends reaches llama.cpp; if not, the app runs scripted engines
 
 
 CASES: dict[str, Case] = {}
 
 
-def case(name: str, scopes: tuple[str, ...] = WRITER
+def case(name: str, scopes: tuple[str, ...] = WRITER, llama: bool = False
          ) -> Callable[[Callable[[Attack, Headless], None]], Callable[[Attack, Headless], None]]:
-    """Register `run(attack, service)`, which sends one endpoint's worst input as `attack`."""
+    """Register `run(attack, service)`, which sends one endpoint's worst input as `attack`. A case
+    whose input never reaches llama.cpp (it is refused, or costs the service before any engine)
+    runs on scripted engines (tests/scripted.py): the same service, without a model to load."""
     def register(run: Callable[[Attack, Headless], None]) -> Callable[[Attack, Headless], None]:
-        CASES[name] = Case(run, scopes)
+        CASES[name] = Case(run, scopes, llama)
         return run
     return register
 
 
 # -- the cases ---------------------------------------------------------------------------------
 
-@case("control-an-ordinary-request")
+@case("control-an-ordinary-request", llama=True)
 def _ordinary(attack: Attack, _: Headless) -> None:
     """What every bound is measured against: an ordinary app's request passes them all."""
     attack.send("/v1/responses", {"input": "Say hi", "max_output_tokens": 8}, within=10, what="an ordinary request")
@@ -154,14 +158,14 @@ def _digits(count: int, length: int) -> list[str]:
     return [text[i * length:(i + 1) * length] for i in range(count)]
 
 
-@case("N4-embeddings-2048-inputs-of-4000-digits-client-leaves-after-1s")
+@case("N4-embeddings-2048-inputs-of-4000-digits-client-leaves-after-1s", llama=True)
 def _embedding_batch(attack: Attack, _: Headless) -> None:
     texts = _digits(2048, 4000)  # 7.8 MiB, under the 8 MiB body limit
     attack.send("/v1/embeddings", {"input": texts}, within=1, may_leave=True,
                 what="2 048 embedding inputs of 4 000 digits (7.8 MiB)")
 
 
-@case("N8-ten-embeddings-under-idempotency-keys")
+@case("N8-ten-embeddings-under-idempotency-keys", llama=True)
 def _stored_embeddings(attack: Attack, _: Headless) -> None:
     """Each answer was stored under its key for a day, outside every limit: 2 048 short inputs
     make 25 MB of JSON (red team N8: ten of them, 254 MiB). The disk bound of every case catches
@@ -172,7 +176,7 @@ def _stored_embeddings(attack: Attack, _: Headless) -> None:
                     what=f"embeddings {i + 1}/10 (64 short inputs, Idempotency-Key)")
 
 
-@case("N8b-the-largest-embedding-answer")
+@case("N8b-the-largest-embedding-answer", llama=True)
 def _largest_embedding_answer(attack: Attack, _: Headless) -> None:
     """The most inputs a request may have, answered as lists of numbers: 2 048 of them make 1.2
     million floats, 26 MB of JSON, which one json.dumps call on the loop took 1.3 s to write. Here
@@ -212,7 +216,7 @@ def _task_ended(attack: Attack, task_id: str, within: float) -> None:
     attack.bound(False, f"task {task_id} ended within {within:.0f} s")
 
 
-@case("N7-8MiB-instructions-and-10-streams-that-never-read")
+@case("N7-8MiB-instructions-and-10-streams-that-never-read", llama=True)
 def _amplified_streams(attack: Attack, service: Headless) -> None:
     """Every event of the task carried the 8 MiB of instructions (disk), and each stream that does
     not read held a page of them: +74 MiB per stream (red team N7). The streams' own bound is
@@ -314,7 +318,8 @@ def _six_bombs(attack: Attack, _: Headless) -> None:
 # -- the harness -------------------------------------------------------------------------------
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if spec.llama else pytest.mark.scripted)
+                                  for name, spec in CASES.items()])
 def test_worst_input_holds_neither_the_loop_nor_the_engine_nor_memory(
         name: str, headless: Headless, procs: Processes, tmp_path: Path) -> None:
     spec = CASES[name]
