@@ -154,9 +154,9 @@ class ScriptedEngine:
         """The child's generation (app/engine/child/main.py `generate`), scripted: chunks held back
         while they could still become a stop sequence, the last one marked `last`."""
         script, start = self.script, len(gen.prefix_ids or [])
-        prompt = sum(tokens(str(m.get("content", ""))) + 4 for m in gen.messages)
+        prompt = sum(tokens(str(m.get("content", ""))) + 4 for m in gen.request.prompt())
         limit = min(gen.max_tokens or script.tokens(), script.tokens())
-        stops = gen.stop or []
+        stops = gen.request.stop or []
         hold = max((len(s) for s in stops), default=1) - 1
         if prompt >= file.context_length:
             raise EngineError("context_length_exceeded",

@@ -13,10 +13,11 @@ from app.core.service import AppService
 from app.engine.parent.engine import EngineError, Generation
 from app.engine.registry import models
 from app.engine.registry.models import DEFAULT_MODEL_ID
+from app.engine.request import Request
 from tests.scripted import Script
 
 pytestmark = pytest.mark.scripted(pace=2000.0)
-HI = [{"role": "user", "content": "Say hi"}]
+HI = Request([{"role": "user", "content": "Say hi"}])
 
 
 async def run(service: AppService, gen: Generation) -> list[dict[str, Any]]:
@@ -43,7 +44,7 @@ async def test_a_resumed_generation_ends_with_the_uninterrupted_text(service: Ap
 
 
 async def test_a_stop_sequence_cuts_the_text_before_it(service: AppService) -> None:
-    stopped = await run(service, Generation(HI, max_tokens=40, stop=["5,", "zzz"]))
+    stopped = await run(service, Generation(Request(HI.messages, stop=["5,", "zzz"]), max_tokens=40))
     assert text(stopped) == "1, 2, 3, 4, " and stopped[-1]["reason"] == "stop"
     assert [m for m in stopped if m["ev"] == "chunk"][-1]["last"] is True
 
