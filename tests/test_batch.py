@@ -184,6 +184,15 @@ def parameters(seed: int) -> dict[str, Any]:
     return {**run, "alone": alone({"text": prompts["text"]}, greedy())}
 
 
+def resuming() -> dict[str, Any]:
+    """A sequence given the first tokens of its output (a resumed task), beside a new one."""
+    prompts = {"resumed": chat(QUESTIONS[1]), "new": chat(QUESTIONS[2])}
+    before = alone(prompts, greedy())
+    run = drive(new_batch(), {0: [("resumed", prompts["resumed"], greedy(prefix=tuple(before["resumed"][:5]))),
+                                  ("new", prompts["new"], greedy())]})
+    return {**run, "alone": {"resumed": before["resumed"][5:], "new": before["new"]}}
+
+
 def limits() -> dict[str, Any]:
     from app.engine.child.batch import Full
 
@@ -275,6 +284,13 @@ def test_each_sequence_samples_with_its_own_grammar_seed_and_temperature(worker:
     like_alone(seven, ["text"])
     assert seven["texts"]["drawn"] == again["texts"]["drawn"] != eight["texts"]["drawn"]
     assert seven["texts"]["json"] == eight["texts"]["json"] and seven["texts"]["text"] == eight["texts"]["text"]
+
+
+def test_a_resumed_sequence_carries_on_from_its_output_so_far(worker: ProcessPoolExecutor) -> None:
+    run = in_worker(worker, resuming)
+    like_alone(run, ["resumed", "new"])
+    assert run["counts"]["resumed"]["output"] == 5 + len(run["ids"]["resumed"])  # the prefix counts, as in the child
+    assert run["counts"]["resumed"]["output"] == TOKENS or run["reasons"]["resumed"] == "stop"
 
 
 def test_slots_and_context_bound_what_is_admitted(worker: ProcessPoolExecutor) -> None:

@@ -21,7 +21,7 @@ at admission), so `parallel` slots never need more than the buffer's cells, shar
 once. A finished sequence's cells stay in its slot: the next sequence whose prompt shares a prefix
 with any slot (running or finished) starts from a copy of it, the longest common prefix token by
 token, and evaluates only the rest. Which free slot a sequence takes: the one holding that prefix,
-else the one that served least recently.
+else an empty one, else the one that served least recently.
 """
 
 from __future__ import annotations
@@ -127,6 +127,10 @@ class Batch:
         self.ctx = LlamaContext(model=llm._model, params=params, verbose=False)
         self.mem = llama_cpp.llama_get_memory(self.ctx.ctx)
         self.batch = LlamaBatch(n_tokens=n_batch, embd=0, n_seq_max=1, verbose=False)
+        # A prefix can be taken from another sequence only where the cache holds every position's
+        # keys and values: a recurrent state holds the whole sequence at once, and a sliding
+        # window's cache has dropped what lies behind the window.
+        self.shares = not (llm._is_recurrent or llm._is_hybrid or llama_cpp.llama_model_n_swa(llm._model.model))
         self.slots = [Slot(i) for i in range(parallel)]
         self.streams: dict[Hashable, Stream] = {}   # admitted and not yet finished, in admission order
         self.ended: list[Out] = []                  # finished between steps, reported by the next
@@ -200,21 +204,23 @@ class Batch:
         free slot's own, or a copy of any slot's. Leaves it waiting when a sequence still reading
         its prompt will soon hold more of it (several similar prompts admitted at once are
         computed once)."""
-        tokens = stream.tokens
-        source = max(self.slots, key=lambda s: common(s.cached, tokens))
-        shared = min(common(source.cached, tokens), len(tokens) - 1)  # the last token is evaluated: its logits
-        reading = [s for s in self.streams.values() if s.slot is not None and s.fed < len(s.tokens)]
-        if any(min(common(s.tokens, tokens), len(tokens) - 1) > shared for s in reading):
+        tokens, lib, mem = stream.tokens, self.lib, self.mem
+
+        def reach(held: list[int]) -> int:  # the last token is evaluated in any case: its logits pick the first
+            return min(common(held, tokens), len(tokens) - 1) if self.shares else 0
+
+        source = max(self.slots, key=lambda s: reach(s.cached))
+        shared = reach(source.cached)
+        if any(reach(s.tokens) > shared for s in self.streams.values() if s.slot and s.fed < len(s.tokens)):
             return
-        free = [s for s in self.slots if s.stream is None]
-        slot = source if source.stream is None and shared else min(free, key=lambda s: s.used)
-        mem, lib = self.mem, self.lib
-        if slot is not source or not lib.llama_memory_seq_rm(mem, slot.id, shared, -1):
+        if shared and source.stream is None:
+            slot = source  # a free slot holding the prefix: the rest goes (never refused where self.shares)
+            lib.llama_memory_seq_rm(mem, slot.id, shared, -1)
+        else:
+            slot = min((s for s in self.slots if s.stream is None), key=lambda s: (bool(s.cached), s.used))
             lib.llama_memory_seq_rm(mem, slot.id, -1, -1)
-            if slot is not source and shared:
+            if shared:
                 lib.llama_memory_seq_cp(mem, source.id, slot.id, 0, shared)
-            else:
-                shared = 0  # a partial removal llama.cpp refused (not for a plain transformer's cache)
         slot.cached = tokens[:shared]
         slot.stream, stream.slot, stream.reused = stream, slot, shared
 
