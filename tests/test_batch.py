@@ -124,6 +124,15 @@ def drive(batch: Any, admit: dict[int, list[tuple[str, list[int], Any]]],
             "off": {k: off_greedy(s.tokens, ids[k]) for k, s in streams.items() if judge}}
 
 
+def cache_matches(batch: Any) -> bool:
+    """Whether every slot's sequence in llama.cpp's cache has exactly the positions the slot says
+    it holds, 0 to n-1."""
+    from llama_cpp import llama_memory_seq_pos_max, llama_memory_seq_pos_min
+
+    return all((llama_memory_seq_pos_min(batch.mem, s.id), llama_memory_seq_pos_max(batch.mem, s.id))
+               == ((0, len(s.cached) - 1) if s.cached else (-1, -1)) for s in batch.slots)
+
+
 def alone(prompts: dict[str, list[int]], params: Any) -> dict[str, list[int]]:
     """Each prompt's tokens decoded on its own, in a batch of its own."""
     return {key: drive(new_batch(), {0: [(key, prompt, params)]}, judge=False)["ids"][key]
@@ -144,7 +153,7 @@ def cancelling() -> dict[str, Any]:
     run = drive(batch, {0: [(k, p, greedy()) for k, p in prompts.items()]}, cancel={6: ["q1"]})
     slot = next(s for s in batch.slots if not s.cached)
     return {**run, "alone": alone(prompts, greedy()), "freed": llama_memory_seq_pos_max(batch.mem, slot.id) == -1,
-            "kept": [llama_memory_seq_pos_max(batch.mem, s.id) + 1 == len(s.cached) > 0 for s in batch.slots if s.cached]}
+            "kept": [len(s.cached) > 0 for s in batch.slots if s.cached], "cache_matches": cache_matches(batch)}
 
 
 def sharing() -> dict[str, Any]:
@@ -191,6 +200,16 @@ def resuming() -> dict[str, Any]:
     run = drive(new_batch(), {0: [("resumed", prompts["resumed"], greedy(prefix=tuple(before["resumed"][:5]))),
                                   ("new", prompts["new"], greedy())]})
     return {**run, "alone": {"resumed": before["resumed"][5:], "new": before["new"]}}
+
+
+def reading() -> dict[str, Any]:
+    """A prompt longer than a step takes in, admitted while another sequence generates."""
+    prompts = {"short": chat(QUESTIONS[2]), "long": chat(REVIEW + "The battery lasts all day. " * 60)}
+    batch, by_itself = new_batch(), new_batch()
+    run = drive(batch, {0: [("short", prompts["short"], greedy())], 2: [("long", prompts["long"], greedy())]})
+    drive(by_itself, {0: [("long", prompts["long"], greedy())]})  # in steps of its prompt alone
+    return {**run, "alone": alone(prompts, greedy()), "length": len(prompts["long"]),
+            "cache_matches": cache_matches(batch) and cache_matches(by_itself)}
 
 
 def limits() -> dict[str, Any]:
@@ -255,7 +274,7 @@ def test_cancel_ends_one_sequence_frees_its_cells_and_leaves_the_others_text(wor
     like_alone(run, ["q0", "q1", "q2"])
     assert all(run["counts"][k]["output"] > run["counts"]["q1"]["output"] for k in ("q0", "q2"))
     assert run["freed"], "the cancelled sequence's cells are still in the cache"
-    assert run["kept"] == [True, True], "the finished sequences' cells are kept for reuse"
+    assert run["kept"] == [True, True] and run["cache_matches"], "the finished sequences' cells are kept for reuse"
 
 
 def test_a_shared_prefix_is_copied_not_evaluated_again(worker: ProcessPoolExecutor) -> None:
@@ -291,6 +310,18 @@ def test_a_resumed_sequence_carries_on_from_its_output_so_far(worker: ProcessPoo
     like_alone(run, ["resumed", "new"])
     assert run["counts"]["resumed"]["output"] == 5 + len(run["ids"]["resumed"])  # the prefix counts, as in the child
     assert run["counts"]["resumed"]["output"] == TOKENS or run["reasons"]["resumed"] == "stop"
+
+
+def test_a_long_prompt_is_read_in_chunks_while_the_others_generate(worker: ProcessPoolExecutor) -> None:
+    run = in_worker(worker, reading)
+    assert run["length"] > 300 and max(run["decodes"]) <= 256  # a step's tokens at most: the prompt takes several
+    like_alone(run, ["short", "long"])
+    assert run["cache_matches"]
+    counts = run["counts"]["long"]
+    assert counts["reused"] > 0 and counts["reused"] + counts["evaluated"] == run["length"]
+    # Every step while the long prompt was read gave the short sequence its next token.
+    short = [i for i, keys in enumerate(run["steps"]) if "short" in keys]
+    assert short == list(range(short[0], short[-1] + 1)), run["steps"]
 
 
 def test_slots_and_context_bound_what_is_admitted(worker: ProcessPoolExecutor) -> None:

@@ -188,7 +188,7 @@ class Batch:
         for stream in [s for s in self.streams.values() if s.slot is None]:
             self._place(stream)
         rows = self._fill()
-        if not rows:
+        if not self.batch.batch.n_tokens:
             return out
         self.doing(self.kernels)
         status = self.lib.llama_decode(self.ctx.ctx, self.batch.batch)
