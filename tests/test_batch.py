@@ -1,6 +1,6 @@
 """Continuous batching (app/engine/child/batch.py) on the real llama.cpp and the default model.
 
-llama.cpp runs in a worker process of its own, as everywhere in the tests (a crash in it fails
+llama.cpp runs in a worker process of its own, never in the test process (a crash in it fails
 these tests, not the run), loaded once for the module in safe mode (fast mode's AMX kernels
 crash on some CPUs) on one thread (the machine is shared). The scenarios run there and hand back
 plain data; the assertions are made here.
@@ -9,10 +9,10 @@ Greedy text: batch composition changes llama.cpp's float sums (a step of several
 another matrix-product path than a step of one), and with this small model that flips greedy picks
 at near-ties: "What is the capital of France?" goes "L'Étoile, la Cité, ..." alone and "L'Étoile, la
 Marseillaise, ..." beside another sequence, from its 8th token on; "Write a haiku about the sea."
-beside these three flipped at its first (issue 38, `resume`). So a
-sequence beside others is held to its text alone for its first EXACT tokens, and every token it
-picks to be within NEAR_TIE of the best one in plain llama-cpp-python's evaluation of the same text
-(measured: at most 0.2; a sequence reading another's cells or logits is off by whole logits).
+beside these three flipped at its first (issue 38, `resume`). So a sequence beside others is held
+to its text alone for its first EXACT tokens, and every token it picks to be within NEAR_TIE of the
+best one in plain llama-cpp-python's evaluation of the same text (measured: at most 0.2; a sequence
+reading another's cells or logits is off by whole logits).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ REFERENCE: Any = None  # and plain llama-cpp-python, every position's logits kep
 
 def load() -> None:
     """The worker's initializer: the default model, as the engine child loads it in safe mode."""
-    global LLM
+    global LLM, REFERENCE
     from llama_cpp import Llama
 
     from app import paths
@@ -51,7 +51,6 @@ def load() -> None:
     backend.load()
     with extra_bufts(False):
         LLM = Llama(model_path=str(paths.default_model_file()), n_ctx=256, n_threads=1, verbose=False)
-        global REFERENCE
         REFERENCE = Llama(model_path=str(paths.default_model_file()), n_ctx=512, n_threads=1, verbose=False,
                           logits_all=True)
 
@@ -153,7 +152,7 @@ def cancelling() -> dict[str, Any]:
     run = drive(batch, {0: [(k, p, greedy()) for k, p in prompts.items()]}, cancel={6: ["q1"]})
     slot = next(s for s in batch.slots if not s.cached)
     return {**run, "alone": alone(prompts, greedy()), "freed": llama_memory_seq_pos_max(batch.mem, slot.id) == -1,
-            "kept": [len(s.cached) > 0 for s in batch.slots if s.cached], "cache_matches": cache_matches(batch)}
+            "kept": sum(bool(s.cached) for s in batch.slots), "cache_matches": cache_matches(batch)}
 
 
 def sharing() -> dict[str, Any]:
@@ -274,7 +273,7 @@ def test_cancel_ends_one_sequence_frees_its_cells_and_leaves_the_others_text(wor
     like_alone(run, ["q0", "q1", "q2"])
     assert all(run["counts"][k]["output"] > run["counts"]["q1"]["output"] for k in ("q0", "q2"))
     assert run["freed"], "the cancelled sequence's cells are still in the cache"
-    assert run["kept"] == [True, True] and run["cache_matches"], "the finished sequences' cells are kept for reuse"
+    assert run["kept"] == 2 and run["cache_matches"], "the finished sequences' cells are kept for reuse"
 
 
 def test_a_shared_prefix_is_copied_not_evaluated_again(worker: ProcessPoolExecutor) -> None:
