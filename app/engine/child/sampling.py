@@ -70,3 +70,17 @@ class GrammarSampler:
             token = int(self.all.candidates.data[self.all.candidates.selected].id)
         self.lib.llama_sampler_accept(self.grammar, token)
         return token
+
+
+def sampler_for(llm: Any, temperature: float, top_p: float, gbnf: str | None, prefix: list[int]) -> Any:
+    """The sampler chain `Llama.generate` would build (llama.cpp's own chain: greedy at
+    temperature 0, else top-p, temperature and a draw seeded with `llm`'s seed), under the
+    grammar if there is one, advanced over the tokens already produced (a resumed task), so the
+    output carries on from where it stands and still ends as valid JSON. Raises ValueError for
+    a grammar llama.cpp cannot parse."""
+    sampler = llm._init_sampler(temp=temperature, top_p=top_p, top_k=0, min_p=0.0, repeat_penalty=1.0)
+    if gbnf:
+        sampler = GrammarSampler(llm, sampler, gbnf)
+    for tok in prefix:
+        sampler.accept(tok)
+    return sampler
