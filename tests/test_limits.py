@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from app.core.service import AppService
+from app.engine.request import Request
 from tests.conftest import Headless, cpu_seconds, wait_until
 from tests.helpers import bearer, expect_error, http, pair, poll
 
@@ -372,11 +373,12 @@ def test_what_the_limits_count_stays_exact_through_every_change_of_a_task(tmp_pa
     conn = db.open_database(old).conn
     assert _kept(conn) == _recount(conn) == {"a": (1, 30), "b": (1, 30)}
 
-    settings, made = dict(config.DEFAULTS), itertools.count()
+    settings, made, sent = dict(config.DEFAULTS), itertools.count(), []
 
     def create(client: str, size: int) -> str:
         n = next(made)
-        request = json.dumps({"input": "y" * size})
+        request = Request([{"role": "user", "content": "y" * size}]).to_json()
+        sent.append(request)
         limits.store_request(conn, settings, f"resp_new{n}", client, "m", request, True, "{}", time.time())
         machine.create(conn, f"task_new{n}", f"resp_new{n}", "fail", None)
         return f"task_new{n}"
@@ -400,5 +402,5 @@ def test_what_the_limits_count_stays_exact_through_every_change_of_a_task(tmp_pa
         step()
         conn.execute("COMMIT")
         assert _kept(conn) == _recount(conn), step
-    assert _kept(conn) == {"a": (0, 10), "b": (0, 30), "c": (0, 113)}
+    assert _kept(conn) == {"a": (0, 10), "b": (0, 30), "c": (0, len(sent[0]))}  # c's 100 "y"s, stored
     conn.close()

@@ -50,6 +50,7 @@ class Scheduler:
         self.paused = False  # "pause new tasks": the kinds that it holds take none
         self._wake = asyncio.Event()
         self._offer: Offer | None = None  # held by a claim in flight: one at a time
+        self._after_offer = False  # the scheduler found the offer taken and waits for it to settle
         self._stopping = False
         self._main: asyncio.Task[None] | None = None
         self._workers: set[asyncio.Task[None]] = set()
@@ -108,6 +109,9 @@ class Scheduler:
         offer.holders -= 1
         if offer.holders == 0:
             self._offer = None
+            if self._after_offer:  # a claim sharing it took the room: the next offer is the scheduler's
+                self._after_offer = False
+                self.wake()
         if claimed is None:
             return
         self.bus.publish(claimed.events)
@@ -153,6 +157,7 @@ class Scheduler:
             self._wake.clear()
             offer = self.offer()
             if offer is None:
+                self._after_offer = self._offer is not None
                 await self._wake.wait()
                 continue
             claimed, failure = None, None

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from app.engine.child.sampling import DeadEnd, GrammarSampler
+from app.engine.child.sampling import DeadEnd, sampler_for
 from app.engine.child.slices import COARSE, grid, shared_slices
 from app.engine.child.threads import Threads
 from app.engine.constraints import grammar
@@ -251,13 +251,9 @@ class Child:
         """The sampler chain `Llama.generate` would build, with the request's grammar if it has
         one. The grammar is advanced over the tokens already produced (a resumed task), so the
         output carries on from where it stands and still ends as valid JSON."""
-        sampler = self.llm._init_sampler(temp=float(request.temperature), top_p=float(request.top_p),
-                                         top_k=0, min_p=0.0, repeat_penalty=1.0)
-        if request.constraint:
-            self.doing(GRAMMAR)
-            sampler = GrammarSampler(self.llm, sampler, grammar.gbnf(request.constraint))
-        for tok in prefix:
-            sampler.accept(tok)
+        gbnf = grammar.gbnf(request.constraint) if request.constraint else None
+        self.doing(GRAMMAR if gbnf else OTHER)
+        sampler = sampler_for(self.llm, float(request.temperature), float(request.top_p), gbnf, prefix)
         self.doing(OTHER)
         return sampler
 
