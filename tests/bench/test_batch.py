@@ -3,7 +3,8 @@
 Aggregate decode rate, tokens/s of all sequences together, with 1, 2 and 4 sequences of TOKENS
 tokens each, distinct prompts sharing a prefix (a system turn and an instruction), against the
 same Batch with one sequence and against plain llama-cpp-python generating the same prompts one
-after the other; the best of ROUNDS rounds, interleaved. Same model, mode (tests.bench.test_throughput.fast_works), threads, greedy.
+after the other; the best of ROUNDS rounds, interleaved. Same model, mode
+(tests.bench.test_throughput.fast_works), threads, greedy.
 THREADS (LMSP_BENCH_THREADS, default 1): on a machine shared with other busy programs two
 threads that wait for each other collapse (app/engine/child/threads.py), on both sides alike.
 """
@@ -26,7 +27,8 @@ THREADS = int(os.environ.get("LMSP_BENCH_THREADS", "1"))
 
 def prompt(llm: Any, topic: str) -> list[int]:
     text = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-            f"<|im_start|>user\nWrite a detailed essay about the history of {topic}.<|im_end|>\n<|im_start|>assistant\n")
+            f"<|im_start|>user\nWrite a detailed essay about the history of {topic}.<|im_end|>\n"
+            "<|im_start|>assistant\n")
     return llm.tokenize(text.encode(), add_bos=False, special=True)
 
 
