@@ -13,7 +13,7 @@ from app.store import config
 from app.store.store import Store
 from app.tasks.kinds.generation_job import EngineRoom
 from app.tasks.scheduler import Offer, claim
-from tests.test_api import check_sequence, events, start_background, wait_status
+from tests.test_api import check_sequence, events, start_background, task, wait_status
 from tests.test_metrics import metrics, value
 
 pytestmark = pytest.mark.scripted  # the machine around inference, not inference: tests/scripted.py's engines
@@ -131,3 +131,17 @@ async def test_a_queued_task_starts_in_the_commit_that_ends_the_one_before_it(ap
         evs = await events(api, task_id)
         check_sequence(evs)
         assert [e["type"] for e in evs][-2:] == ["response.output_text.done", "response.incomplete"]
+
+
+async def test_a_pause_holds_a_request_that_shares_an_offer_made_before_it(api: Any, service: Any) -> None:
+    """"Pause new tasks" holds the task of a request that arrives while a claim offered before the
+    pause is still on its way: its commit does not take the room that offer held for generations."""
+    held = service.scheduler.offer()  # the scheduler's claim, in flight
+    assert held is not None
+    service.tasks.set_paused(True)
+    task_id = (await start_background(api, {"input": "Say hi", "max_output_tokens": 1}))["task"]["id"]
+    service.scheduler.settle(held, None)
+    await asyncio.sleep(0.5)
+    assert (await task(api, task_id))["status"] == "queued"
+    service.tasks.set_paused(False)
+    await wait_status(api, task_id, {"completed"})

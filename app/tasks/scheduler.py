@@ -90,6 +90,8 @@ class Scheduler:
         if self._offer is not None:
             if self._offer.taken:
                 return None  # the next offer comes once it is settled
+            if self.paused and any(kind.holds_on_pause for kind, _ in self._offer.rooms):
+                return None  # made before a pause: its room for generations is no longer offered
             self._offer.holders += 1
             return self._offer
         rooms = [(kind, room) for kind in self.kinds.values()
