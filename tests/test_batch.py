@@ -156,8 +156,9 @@ def cancelling() -> dict[str, Any]:
 
 
 def sharing() -> dict[str, Any]:
-    from app.engine.child.batch import common
+    from llama_cpp import Llama
 
+    common = Llama.longest_token_prefix
     first, second = chat(REVIEW + "The battery lasts all day."), chat(REVIEW + "The screen cracked in a week.")
     batch = new_batch()
     one = drive(batch, {0: [("first", first, greedy())]})  # then, its slot finished, the second

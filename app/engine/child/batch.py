@@ -30,6 +30,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from app.engine.child.phases import GRAMMAR, KERNELS, OTHER
 from app.engine.child.sampling import DeadEnd, sampler_for
 
 
@@ -87,16 +88,6 @@ class Stream:
         return min(len(self.slot.cached), len(self.tokens)) if self.slot else 0
 
 
-def common(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Batch:
     def __init__(self, llm: Any, parallel: int, n_ctx: int, n_threads: int, n_batch: int = 256,
                  doing: Callable[[int], None] = lambda phase: None) -> None:
@@ -107,9 +98,6 @@ class Batch:
         import llama_cpp
         from llama_cpp._internals import LlamaBatch, LlamaContext
 
-        # Imported here, not above: the child's main module is to import this one.
-        from app.engine.child.main import GRAMMAR, KERNELS, OTHER
-
         if not 1 <= parallel <= n_batch:
             raise ValueError(f"parallel must be 1..{n_batch}")
         self.lib = llama_cpp
@@ -117,7 +105,6 @@ class Batch:
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.doing = doing
-        self.other, self.kernels, self.grammar = OTHER, KERNELS, GRAMMAR
         params = type(llm.context_params).from_buffer_copy(llm.context_params)  # as the child's own context
         params.n_ctx = parallel * n_ctx
         params.n_batch = params.n_ubatch = n_batch
@@ -154,12 +141,12 @@ class Batch:
         room = self.n_ctx - len(prompt)
         # Each sampler draws with its own seed: `_init_sampler` reads it from the Llama.
         self.llm.set_seed(self.lib.LLAMA_DEFAULT_SEED if params.seed is None else params.seed)
-        self.doing(self.grammar if params.gbnf else self.other)
+        self.doing(GRAMMAR if params.gbnf else OTHER)
         try:
             sampler = sampler_for(self.llm, float(params.temperature), float(params.top_p), params.gbnf,
                                   list(params.prefix))
         finally:
-            self.doing(self.other)
+            self.doing(OTHER)
         stream = Stream(key, tokens, min(params.max_tokens or room, room), sampler, bool(params.gbnf), len(prompt),
                         len(params.prefix))
         self.streams[key] = stream
@@ -190,9 +177,9 @@ class Batch:
         rows = self._fill()
         if not self.batch.batch.n_tokens:
             return out
-        self.doing(self.kernels)
+        self.doing(KERNELS)
         status = self.lib.llama_decode(self.ctx.ctx, self.batch.batch)
-        self.doing(self.other)
+        self.doing(OTHER)
         if status != 0:
             # Cannot happen while each slot stays within its context (see the module's note).
             raise RuntimeError(f"llama_decode failed ({status})")
@@ -207,7 +194,7 @@ class Batch:
         tokens, lib, mem = stream.tokens, self.lib, self.mem
 
         def reach(held: list[int]) -> int:  # the last token is evaluated in any case: its logits pick the first
-            return min(common(held, tokens), len(tokens) - 1) if self.shares else 0
+            return min(self.llm.longest_token_prefix(held, tokens), len(tokens) - 1) if self.shares else 0
 
         source = max(self.slots, key=lambda s: reach(s.cached))
         shared = reach(source.cached)
@@ -260,13 +247,13 @@ class Batch:
         return rows
 
     def _sample(self, stream: Stream, row: int) -> Out:
-        self.doing(self.grammar if stream.constrained else self.other)
+        self.doing(GRAMMAR if stream.constrained else OTHER)
         try:
             tok = int(stream.sampler.sample(self.ctx, row))
         except DeadEnd:
             return self._end(stream, None, "dead_end")
         finally:
-            self.doing(self.other)
+            self.doing(OTHER)
         if self.lib.llama_vocab_is_eog(self.llm._model.vocab, tok):
             return self._end(stream, None, "stop")
         stream.output_tokens += 1

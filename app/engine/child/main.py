@@ -12,7 +12,7 @@ the app down. It speaks plain dicts over a multiprocessing pipe:
                    {"ev": "error", "job"?, "code", "message", "param"?}
 
 and says what it runs (llama.cpp's kernels, a request's grammar, anything else) in a byte of
-shared memory the parent reads once it has died (see KERNELS).
+shared memory the parent reads once it has died (app/engine/child/phases.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from app.engine.child.phases import GRAMMAR, KERNELS, OTHER
 from app.engine.child.sampling import DeadEnd, sampler_for
 from app.engine.child.slices import COARSE, grid, shared_slices
 from app.engine.child.threads import Threads
@@ -59,17 +60,6 @@ def fault(point: str, extra_bufts: bool) -> None:
         scope, where, how = (spec.split(":") + ["SIGSEGV"])[:3]
         if where == point and (scope == "any" or (scope == "fast" and extra_bufts)):
             os.kill(os.getpid(), signal.Signals[how])
-
-
-# What the process is doing, in a byte of memory it shares with the parent, which reads it once
-# the process has died (app/engine/parent/engine.py): fast mode changes only llama.cpp's compute kernels
-# (KERNELS: loading, the warm-up, reading a prompt, decoding a token), so only a crash there is
-# fast mode's to answer for. The request's grammar (GRAMMAR) runs the same code in either mode,
-# driven by what the request asked for (llama.cpp aborts when a grammar's stack runs empty);
-# OTHER is everything else (tokenizing, sampling, waiting for a request).
-OTHER, KERNELS, GRAMMAR = 0, 1, 2
-PHASES = ("outside llama.cpp's compute kernels", "in llama.cpp's compute kernels",
-          "in the grammar of the request's output format")
 
 
 # Stands in for each message's text while the chat template renders; NUL never comes from a template.

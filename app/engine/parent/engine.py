@@ -3,7 +3,7 @@
 The child's messages become items on an asyncio queue, read by the event loop when the pipe
 is readable (on Windows, by a thread), so the loop never waits on the pipe. If the child dies
 from a crash signal in llama.cpp's compute kernels (loading, warming up, reading a prompt,
-decoding: the child says which part runs, see child.KERNELS) in fast mode and the setting is
+decoding: the child says which part runs, see phases.KERNELS) in fast mode and the setting is
 `auto`, the engine starts a fresh child in safe mode and carries on with the same load or
 generation from the tokens already produced (LMSP §11): the caller sees no failure. Other
 deaths (a crash in the request's grammar, say), and a second crash in safe mode, are an
@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from app.engine.child import main as child
+from app.engine.child import phases
 from app.engine.parent import cpu
 from app.engine.parent.modes import FAST, SAFE, EngineModes
 from app.engine.registry import models
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 Message = dict[str, Any]
 CRASHED: Message = {"ev": "error", "code": "engine_crashed", "message": "The inference process stopped unexpectedly."}
 # Deaths that point at llama.cpp's own code, not at someone killing the process (SIGKILL from the
-# out-of-memory killer, SIGTERM). Which code is what the child said it ran (child.PHASES): in the
+# out-of-memory killer, SIGTERM). Which code is what the child said it ran (phases.PHASES): in the
 # compute kernels, fast mode's paths may be at fault, and every one of these signals counts:
 # SIGSEGV/SIGBUS (AMX on Sapphire Rapids), SIGILL (AMX a virtual machine reports but refuses),
 # SIGFPE, and SIGABRT (a GGML_ASSERT in a repacking kernel). Elsewhere none counts: there
@@ -139,7 +140,7 @@ class Engine:
         self._left: set[str] = set()  # embedding jobs whose clients left
         self._last_used = time.monotonic()
         self.exit_signal: int | None = None  # how the last child died, if by a signal
-        self.exit_phase = child.OTHER         # and what it was doing (child.PHASES)
+        self.exit_phase = phases.OTHER        # and what it was doing (phases.PHASES)
         self._phase: Any = None               # the byte the child says that in
         self._mode_asked = FAST  # the mode of the last load asked for
 
@@ -169,7 +170,7 @@ class Engine:
         parent, kid = ctx.Pipe()
         # Windows' pipes are handles, not descriptors to put in place of its stderr.
         errors, their_errors = ctx.Pipe(duplex=False) if os.name == "posix" else (None, None)
-        self._phase = ctx.RawValue("B", child.OTHER)
+        self._phase = ctx.RawValue("B", phases.OTHER)
         proc = ctx.Process(target=child.main, args=(kid, their_errors, self._phase), name=f"lmsp-{self.name}",
                            daemon=True)
         proc.start()
@@ -205,7 +206,7 @@ class Engine:
         return msg
 
     async def _reap(self) -> None:
-        self.exit_signal, self.exit_phase = None, child.OTHER
+        self.exit_signal, self.exit_phase = None, phases.OTHER
         if self._proc is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 1)
             code = self._proc.exitcode
@@ -222,16 +223,16 @@ class Engine:
         path, mode = file.path, self._mode_asked
         name = signal.Signals(sig).name if sig else "no signal"
         detail = (f"{self.name}: inference process killed by {name} while {stage} {path} in {mode} mode, "
-                  f"{child.PHASES[phase]} (CPU: {cpu.summary()}; "
+                  f"{phases.PHASES[phase]} (CPU: {cpu.summary()}; "
                   f"llama.cpp CPU backend: {self.cpu_variant or 'native'})")
         log.error("%s", detail)
         if sig not in CRASH_SIGNALS:
             raise EngineError(CRASHED["code"], CRASHED["message"])
-        if phase != child.KERNELS:
+        if phase != phases.KERNELS:
             # Not fast mode's doing: safe mode runs the same code, and the cause may well be this
             # request (its grammar). It fails alone; the next request gets a fresh child, in the
             # mode the model runs in.
-            raise EngineError("engine_crashed", f"The inference engine crashed ({name}) {child.PHASES[phase]}, "
+            raise EngineError("engine_crashed", f"The inference engine crashed ({name}) {phases.PHASES[phase]}, "
                               "so this task stopped. Safe mode would not avoid that, and the model's engine mode "
                               "is unchanged; the next request gets a fresh engine. The log has the details.")
         crashes.append(mode)
