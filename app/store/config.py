@@ -22,7 +22,9 @@ DEFAULTS: dict[str, Any] = {
     "port": 11535,
     "retention_seconds": 604800,
     "default_on_restart": "fail",
-    "max_concurrent_tasks": 1,
+    "max_concurrent_tasks": 1,  # engines (copies of a model) at once
+    # Tasks one loaded model serves at once, decoded together (continuous batching); 1: one at a time.
+    "parallel": 4,
     "allowed_origins": [],
     "idempotency_ttl_seconds": 86400,
     "model_idle_ttl_seconds": 0,  # 0: never unload for idleness
@@ -87,6 +89,7 @@ VALIDATORS: dict[str, Any] = {
     "retention_seconds": _int_in(60, 10 * 365 * 86400),
     "default_on_restart": lambda v: v in ON_RESTART,
     "max_concurrent_tasks": _int_in(1, 16),
+    "parallel": _int_in(1, 64),
     "allowed_origins": _origins,
     "idempotency_ttl_seconds": _int_in(60, 365 * 86400),
     "model_idle_ttl_seconds": _int_in(0, 365 * 86400),
