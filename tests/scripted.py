@@ -74,8 +74,7 @@ class ScriptedEngine:
         self.file: Registered | None = None
         self.mode: str | None = None
         self.refused: set[Registered] = set()
-        self._task_file: Registered | None = None
-        self._cancelled = False
+        self.parallel = self.slots = 1
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = asyncio.Lock()
         self._last_used = time.monotonic()
@@ -93,9 +92,13 @@ class ScriptedEngine:
         return self._proc.pid if self._proc else None
 
     def ready(self) -> Registered | None:
-        if self.file is not None and self.alive and self.mode == self.modes.mode(self.file.digest):
+        if (self.file is not None and self.alive and self.mode == self.modes.mode(self.file.digest)
+                and self.slots == self.parallel):
             return self.file
         return None
+
+    def seat(self) -> ScriptedSeat:
+        return ScriptedSeat(self)
 
     def _reap(self) -> None:
         """After the child died, as `Engine._reap`: nothing is loaded any more."""
@@ -122,15 +125,10 @@ class ScriptedEngine:
         except OSError as exc:
             raise EngineError("model_load_failed", str(exc)) from exc
         await asyncio.sleep(self.script.load_seconds)
-        self.file, self.mode = file, self.modes.mode(file.digest)
+        self.file, self.mode, self.slots = file, self.modes.mode(file.digest), self.parallel
         log.info("%s: loaded %s in %s mode (scripted)", self.name, file.path, self.mode)
         self._last_used = time.monotonic()
         return True
-
-    async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
-        self._task_file, self._cancelled = models.registered(model), False
-        async with self._lock:
-            return await self._load(self._task_file)
 
     async def load(self, file: Registered) -> Message:
         async with self._lock:
@@ -140,17 +138,17 @@ class ScriptedEngine:
         async with self._lock:
             self.file = self.mode = None
 
-    async def generate(self, gen: Generation) -> AsyncIterator[Message]:
+    async def generate(self, seat: ScriptedSeat, gen: Generation) -> AsyncIterator[Message]:
+        file = seat.file
+        if file is None:
+            raise EngineError("model_not_loaded", "No model is loaded.")
         async with self._lock:
-            file = self._task_file
-            if file is None:
-                raise EngineError("model_not_loaded", "No model is loaded.")
             await self._load(file)
-            async for msg in self._answer(gen, file):
-                self._last_used = time.monotonic()
-                yield msg
+        async for msg in self._answer(seat, gen, file):
+            self._last_used = time.monotonic()
+            yield msg
 
-    async def _answer(self, gen: Generation, file: Registered) -> AsyncIterator[Message]:
+    async def _answer(self, seat: ScriptedSeat, gen: Generation, file: Registered) -> AsyncIterator[Message]:
         """The child's generation (app/engine/child/main.py `generate`), scripted: chunks held back
         while they could still become a stop sequence, the last one marked `last`."""
         script, start = self.script, len(gen.prefix_ids or [])
@@ -163,16 +161,16 @@ class ScriptedEngine:
                               f"The input is {prompt} tokens; the model's context holds {file.context_length}.")
         text = "".join(script.token(k) for k in range(start))
         emitted, count, reason = len(gen.prefix_text), start, "stop"
-        await self._pause(script.prompt_seconds)
+        await self._pause(seat, script.prompt_seconds)
         while count < limit:
-            await self._pause(1 / script.pace)
+            await self._pause(seat, 1 / script.pace)
             if script.crash_after is not None and count - start >= script.crash_after and self.alive:
                 assert self._proc is not None
                 self._proc.send_signal(signal.SIGKILL)
             if not self.alive:
                 self._reap()
                 raise EngineError(CRASHED["code"], CRASHED["message"])
-            if self._cancelled:
+            if seat.cancelled:
                 yield {"ev": "done", "reason": "cancelled", "input_tokens": prompt, "output_tokens": count}
                 return
             text += script.token(count)
@@ -191,11 +189,11 @@ class ScriptedEngine:
                 yield {"ev": "chunk", "ids": [], "text": text[emitted:], "last": True}
         yield {"ev": "done", "reason": reason, "input_tokens": prompt, "cached_tokens": 0, "output_tokens": count}
 
-    async def _pause(self, seconds: float) -> None:
+    async def _pause(self, seat: ScriptedSeat, seconds: float) -> None:
         """Wait `seconds`, or less if a cancel comes (the real child sees one between two slices
         of the prompt, and between two tokens)."""
         deadline = time.monotonic() + seconds
-        while not self._cancelled and (left := deadline - time.monotonic()) > 0:
+        while not seat.cancelled and (left := deadline - time.monotonic()) > 0:
             await asyncio.sleep(min(left, 0.01))
 
     async def embed(self, file: Registered, texts: list[str], dimensions: int | None) -> Message:
@@ -203,9 +201,6 @@ class ScriptedEngine:
 
     def idle_for(self) -> float:
         return time.monotonic() - self._last_used
-
-    def cancel(self) -> None:
-        self._cancelled = True
 
     async def stop(self) -> None:
         """As `Engine.stop`: the child is told to go (its pipe closed), killed if it lingers."""
@@ -219,3 +214,23 @@ class ScriptedEngine:
         except subprocess.TimeoutExpired:
             proc.kill()
             await asyncio.to_thread(proc.wait)
+
+
+class ScriptedSeat:
+    """One task's place on a scripted engine, as `Seat` is on an `Engine`."""
+
+    def __init__(self, engine: ScriptedEngine) -> None:
+        self.engine, self.name = engine, engine.name
+        self.file: Registered | None = None
+        self.cancelled = False
+
+    async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
+        self.file = models.registered(model)
+        async with self.engine._lock:
+            return await self.engine._load(self.file)
+
+    def generate(self, gen: Generation) -> AsyncIterator[Message]:
+        return self.engine.generate(self, gen)
+
+    def cancel(self) -> None:
+        self.cancelled = True

@@ -699,6 +699,7 @@ async def test_cancel_a_running_background_task(api, service):
 
 async def test_cancel_a_queued_task_is_immediate(api, service):
     assert service.settings["max_concurrent_tasks"] == 1
+    assert (await api.patch("/v1/settings", json={"parallel": 1})).status == 200  # one task at a time
     first = await start_background(api, LONG)
     await wait_status(api, first["task"]["id"], {"running"})
     second = await start_background(api, SAY_HI)

@@ -115,10 +115,12 @@ async def test_a_cancel_before_the_engine_child_has_the_job_ends_the_generation_
     async def waiting(_: str) -> None:
         pass
 
-    await engine.open(model, gen, waiting)
-    engine.cancel()
-    stopped = [msg async for msg in engine.generate(gen)]
+    seat = engine.seat()
+    await seat.open(model, gen, waiting)
+    seat.cancel()
+    stopped = [msg async for msg in seat.generate(gen)]
     assert [(m["ev"], m.get("reason")) for m in stopped] == [("done", "cancelled")], stopped
-    await engine.open(model, gen, waiting)
-    ran = [msg async for msg in engine.generate(gen)]
+    seat = engine.seat()
+    await seat.open(model, gen, waiting)
+    ran = [msg async for msg in seat.generate(gen)]
     assert any(m["ev"] == "chunk" and m["text"] for m in ran) and ran[-1]["reason"] in ("length", "stop"), ran

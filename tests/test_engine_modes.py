@@ -221,7 +221,7 @@ def test_the_fault_switch_is_for_the_engine_child_only() -> None:
     """Nothing but the child reads it: a user's environment never makes the service crash."""
     root = Path(__file__).resolve().parent.parent / "app"
     readers = [str(p.relative_to(root)) for p in root.rglob("*.py") if "LMSP_ENGINE_FAULT" in p.read_text()]
-    assert readers == ["engine/child/main.py"]
+    assert readers == ["engine/child/faults.py"]
     assert "LMSP_ENGINE_FAULT" not in os.environ
 
 

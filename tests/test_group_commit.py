@@ -99,7 +99,7 @@ async def test_claims_sharing_one_offer_take_one_task_between_them(api: Any, ser
     for _ in range(3):
         resp = await api.post("/v1/responses", json={"input": "hi", "background": True, "max_output_tokens": 1})
         assert resp.status == 202
-    offer = Offer([(service.generations, EngineRoom(("gguf",), (), service.pool.engines[0], None, ""))])
+    offer = Offer([(service.generations, EngineRoom(("gguf",), (), service.pool.engines[0], None, None, None, ""))])
 
     claims = await asyncio.gather(*(service.store.write(claim, offer) for _ in range(3)))
 
@@ -111,6 +111,7 @@ async def test_a_queued_task_starts_in_the_commit_that_ends_the_one_before_it(ap
     """The engine is free once a generation has ended: the commit that completes a task also takes
     the next queued one (to `running`, its model being loaded), so tasks waiting their turn cost a
     commit each, not two (one to end, one to start the next)."""
+    assert (await api.patch("/v1/settings", json={"parallel": 1})).status == 200  # one task at a time
     resp = await api.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1})  # the model loaded
     assert resp.status == 200
     service.tasks.set_paused(True)

@@ -105,7 +105,9 @@ def _final_text(svc: Headless, task_id: str) -> dict:
 
 @pytest.mark.llama
 def test_resume_after_sigkill_gives_the_uninterrupted_text(headless: Headless) -> None:
+    """With one task at a time (`parallel` 1), a resumed task ends with the text an uninterrupted run has."""
     headless.start()
+    assert headless.request("PATCH", "/v1/settings", {"parallel": 1})[0] == 200
     status, reference = headless.post("/v1/responses", PROMPT)
     assert status == 200 and reference["usage"]["output_tokens"] == 160
 

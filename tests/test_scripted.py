@@ -21,13 +21,13 @@ HI = Request([{"role": "user", "content": "Say hi"}])
 
 
 async def run(service: AppService, gen: Generation) -> list[dict[str, Any]]:
-    engine = service.pool.engines[0]
+    seat = service.pool.engines[0].seat()
 
     async def waiting(_: str) -> None:
         pass
 
-    await engine.open(await service.store.read(models.usable, DEFAULT_MODEL_ID), gen, waiting)
-    return [msg async for msg in engine.generate(gen)]
+    await seat.open(await service.store.read(models.usable, DEFAULT_MODEL_ID), gen, waiting)
+    return [msg async for msg in seat.generate(gen)]
 
 
 def text(messages: list[dict[str, Any]]) -> str:

@@ -117,6 +117,9 @@ class AppService:
 
     def _apply_settings(self, changes: dict[str, Any]) -> None:
         """Hand the settings the engine pool, the scheduler and routing read to them."""
+        if "parallel" in changes:  # before a resize: engines it makes serve as many at once
+            self.pool.set_parallel(changes["parallel"])
+            self.scheduler.wake()
         if "max_concurrent_tasks" in changes:
             self.pool.resize(changes["max_concurrent_tasks"])
             self.scheduler.wake()

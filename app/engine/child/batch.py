@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 from app.engine.child.phases import GRAMMAR, KERNELS, OTHER
 from app.engine.child.sampling import DeadEnd, sampler_for
+from app.engine.child.threads import Threads
 
 
 class Full(Exception):
@@ -90,11 +91,14 @@ class Stream:
 
 class Batch:
     def __init__(self, llm: Any, parallel: int, n_ctx: int, n_threads: int, n_batch: int = 256,
-                 doing: Callable[[int], None] = lambda phase: None) -> None:
+                 doing: Callable[[int], None] = lambda phase: None,
+                 before: Callable[[set[str]], None] = lambda points: None) -> None:
         """`llm`: the child's Llama (its model, tokenizer and sampler chain; its own context is
         not used). `n_ctx`: each sequence's context. `n_batch`: tokens one step evaluates at most
         (a prompt is read in chunks of what the generating sequences leave of it). `doing`: the
-        child's `doing`, told what runs (llama.cpp's kernels, a grammar) before it runs."""
+        child's `doing`, told what runs (llama.cpp's kernels, a grammar) before it runs. `before`:
+        told, before each step's evaluation, what it evaluates (`prompt`, `token<N>`: a sequence's
+        N-th output token), for the child's fault injection."""
         import llama_cpp
         from llama_cpp._internals import LlamaBatch, LlamaContext
 
@@ -105,6 +109,7 @@ class Batch:
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.doing = doing
+        self.before = before
         params = type(llm.context_params).from_buffer_copy(llm.context_params)  # as the child's own context
         params.n_ctx = parallel * n_ctx
         params.n_batch = params.n_ubatch = n_batch
@@ -113,6 +118,7 @@ class Batch:
         params.n_threads = params.n_threads_batch = n_threads
         self.ctx = LlamaContext(model=llm._model, params=params, verbose=False)
         self.mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        self.threads = Threads(self.ctx.ctx, n_threads)  # one thread while another program keeps the cores busy
         self.batch = LlamaBatch(n_tokens=n_batch, embd=0, n_seq_max=1, verbose=False)
         # A prefix can be taken from another sequence only where the cache holds every position's
         # keys and values: a recurrent state holds the whole sequence at once, and a sliding
@@ -174,11 +180,13 @@ class Batch:
             out.append(self._end(stream, None, "cancelled", keep=stream.keep))
         for stream in [s for s in self.streams.values() if s.slot is None]:
             self._place(stream)
-        rows = self._fill()
-        if not self.batch.batch.n_tokens:
+        rows, points = self._fill()
+        size = self.batch.batch.n_tokens
+        if not size:
             return out
         self.doing(KERNELS)
-        status = self.lib.llama_decode(self.ctx.ctx, self.batch.batch)
+        self.before(points)
+        status = self.threads.run(size, lambda: self.lib.llama_decode(self.ctx.ctx, self.batch.batch))
         self.doing(OTHER)
         if status != 0:
             # Cannot happen while each slot stays within its context (see the module's note).
@@ -211,18 +219,22 @@ class Batch:
         slot.cached = tokens[:shared]
         slot.stream, stream.slot, stream.reused = stream, slot, shared
 
-    def _fill(self) -> list[tuple[Stream, int]]:
+    def _fill(self) -> tuple[list[tuple[Stream, int]], set[str]]:
         """Put this step's tokens in the batch: each generating sequence's last token first,
         then prompt chunks in admission order while room is left. The rows whose logits are
-        sampled: one per sequence that has read all its tokens."""
+        sampled: one per sequence that has read all its tokens; and what the step evaluates
+        (see `before`)."""
         batch = self.batch.batch
         batch.n_tokens = 0
         rows: list[tuple[Stream, int]] = []
+        points: set[str] = set()
 
         def add(stream: Stream, tokens: list[int], sample: bool) -> None:
             slot = stream.slot
             assert slot is not None
             for tok in tokens:
+                output = len(slot.cached) + 1 - stream.prompt_tokens  # which output token, if one
+                points.add(f"token{output}" if output > 0 else "prompt")
                 n = batch.n_tokens
                 batch.token[n], batch.pos[n], batch.n_seq_id[n], batch.logits[n] = tok, len(slot.cached), 1, 0
                 batch.seq_id[n][0] = slot.id
@@ -244,7 +256,7 @@ class Batch:
                 chunk = stream.tokens[fed:fed + room]
                 stream.evaluated += len(chunk)
                 add(stream, chunk, fed + len(chunk) == len(stream.tokens))
-        return rows
+        return rows, points
 
     def _sample(self, stream: Stream, row: int) -> Out:
         self.doing(GRAMMAR if stream.constrained else OTHER)

@@ -3,7 +3,8 @@
 It runs in its own process so that a bad model file or a crash inside llama.cpp cannot take
 the app down. It speaks plain dicts over a multiprocessing pipe:
 
-  parent -> child  {"op": "load", "file", "n_ctx", "n_threads", "safe"} | {"op": "generate", "job", "request", ...}
+  parent -> child  {"op": "load", "file", "n_ctx", "n_threads", "safe", "parallel"}
+                   {"op": "generate", "job", "request", ...}
                    {"op": "embed", "job", "texts", "dimensions"} | {"op": "cancel", "job"} | {"op": "shutdown"}
   child -> parent  {"ev": "backend", "cpu_variant"} then {"ev": "loaded", ...}
                    {"ev": "chunk", "job", "ids", "text", "last"?} (`last`: no token follows, `done` does)
@@ -13,25 +14,31 @@ the app down. It speaks plain dicts over a multiprocessing pipe:
 
 and says what it runs (llama.cpp's kernels, a request's grammar, anything else) in a byte of
 shared memory the parent reads once it has died (app/engine/child/phases.py).
+
+With `parallel` 1 it runs one generation at a time, each evaluated as any other run of its prompt
+is (so `resume` gives an uninterrupted run's text, see `generate`); with more, up to `parallel`
+generations are decoded together, one step for all (app/engine/child/batched.py), and messages
+are read between steps.
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import ctypes
 import os
 import re
-import signal
 import time
 from collections import deque
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from app.engine.child.batched import Batched, finish
+from app.engine.child.faults import fault
 from app.engine.child.phases import GRAMMAR, KERNELS, OTHER
 from app.engine.child.sampling import DeadEnd, sampler_for
 from app.engine.child.slices import COARSE, grid, shared_slices
+from app.engine.child.text import Text
 from app.engine.child.threads import Threads
 from app.engine.constraints import grammar
 from app.engine.registry import models
@@ -45,21 +52,7 @@ Message = dict[str, Any]
 WARMUP = ("You are a helpful assistant. Read the following note and answer the question after it. "
           "Note: the meeting moved from Tuesday to Thursday at half past two, in the small room on the "
           "second floor; bring the printed budget. Question: when and where is the meeting now?")
-
-
-def fault(point: str, extra_bufts: bool) -> None:
-    """For tests only (a user never sets it): LMSP_ENGINE_FAULT=<scope>:<point>[:<signal>] makes
-    this process die by SIGSEGV (or the signal named, e.g. SIGABRT) at <point>: `warmup`, `prompt`,
-    `token<N>` (evaluating the N-th output token, for the next one; again when a resumed task
-    decodes its output so far), as llama.cpp's AMX kernels do on some CPUs, or
-    `grammar` (the request's grammar at work, as when llama.cpp throws from it). <scope> `fast`
-    crashes only with extra buffer types on (fast mode), `any` in every mode. Unset, this costs
-    one dictionary lookup."""
-    spec = os.environ.get("LMSP_ENGINE_FAULT")
-    if spec:
-        scope, where, how = (spec.split(":") + ["SIGSEGV"])[:3]
-        if where == point and (scope == "any" or (scope == "fast" and extra_bufts)):
-            os.kill(os.getpid(), signal.Signals[how])
+WARMUP_CONTEXT = 256  # holds the warm-up's tokens
 
 
 # Stands in for each message's text while the chat template renders; NUL never comes from a template.
@@ -105,6 +98,8 @@ class Child:
         self.embedder: Embedder | None = None  # made on the first embeddings request
         self.n_threads = 1
         self.threads: Threads | None = None  # how many of them decode, with the model
+        self.batched: Batched | None = None  # with a model that serves several generations at once
+        self.n_ctx = 0  # each generation's context
         self.inbox: deque[Message] = deque()
         self.fast = True  # extra buffer types on (fault injection needs to know)
         self.piece_bytes = 1
@@ -122,6 +117,10 @@ class Child:
     def serve(self) -> None:
         while True:
             self.doing(OTHER)
+            batched = self.batched
+            if batched is not None and batched.busy() and not self.inbox and not self.conn.poll():
+                batched.step()
+                continue
             msg = self.next_message()
             op = msg["op"]
             if op == "shutdown":
@@ -136,6 +135,8 @@ class Child:
                 self.generate(msg)
             elif op == "embed":
                 self.embed(msg)
+            elif op == "cancel" and batched is not None:
+                batched.cancel(msg["job"])
             # a cancel for a job that already ended needs no answer
 
     def load(self, msg: Message) -> None:
@@ -148,6 +149,7 @@ class Child:
         self.drop()  # free the old model before the new one takes memory
         self.fast = not msg.get("safe")
         self.n_threads = msg.get("n_threads") or os.cpu_count() or 1
+        parallel, self.n_ctx = msg.get("parallel", 1), msg.get("n_ctx", 4096)
         variant = backend.load()
         # Said before anything can crash, so that a crash report names the CPU code that ran.
         self.conn.send({"ev": "backend", "cpu_variant": variant})
@@ -159,7 +161,9 @@ class Child:
             return
         try:
             with extra_bufts(self.fast):
-                llm = Llama(model_path=path, n_ctx=msg.get("n_ctx", 4096), n_threads=self.n_threads, verbose=False)
+                # With several at once the batch's context serves them: the model's own only warms up.
+                llm = Llama(model_path=path, n_ctx=self.n_ctx if parallel == 1 else WARMUP_CONTEXT,
+                            n_threads=self.n_threads, verbose=False)
         except Exception as exc:  # llama.cpp reports a bad file as a ValueError/RuntimeError
             self.conn.send({"ev": "error", "code": "model_load_failed", "message": str(exc)})
             return
@@ -183,16 +187,24 @@ class Child:
                                                  bos_token=token_text(llm.token_bos()),
                                                  add_generation_prompt=True)
         self.llm = llm
-        self.threads = Threads(llm, self.n_threads)
+        if parallel == 1:
+            self.n_ctx = llm.n_ctx()
+            self.threads = Threads(llm._ctx.ctx, self.n_threads)
+        else:
+            self.batched = Batched(llm, parallel, self.n_ctx, self.n_threads, self.conn.send, self.doing, self.fast)
         self.piece_bytes = longest_piece(llm)
-        self.conn.send({"ev": "loaded", "n_ctx": llm.n_ctx(), "n_ctx_train": llm._model.n_ctx_train(),
-                        "load_seconds": time.monotonic() - started, "warmup_seconds": warmup})
+        self.conn.send({"ev": "loaded", "n_ctx": self.n_ctx, "parallel": parallel,
+                        "n_ctx_train": llm._model.n_ctx_train(), "load_seconds": time.monotonic() - started,
+                        "warmup_seconds": warmup})
 
     def drop(self) -> None:
-        """Forget the loaded model (the embeddings context first: it uses the model)."""
+        """Forget the loaded model (the contexts first: they use the model); its generations end."""
         if self.embedder is not None:
             self.embedder.close()
-        self.embedder = self.llm = self.formatter = self.threads = None
+        if self.batched is not None:
+            self.batched.stop_all()
+            self.batched.close()
+        self.embedder = self.llm = self.formatter = self.threads = self.batched = None
         self.body, self.plan = [], []
 
     def embed(self, msg: Message) -> None:
@@ -207,7 +219,8 @@ class Child:
             except ValueError as exc:  # llama.cpp could not make the context (memory)
                 self.conn.send({"ev": "error", "code": "embeddings_unavailable", "message": str(exc)})
                 return
-        threads = self.threads.using if self.threads else self.n_threads
+        threads = self.threads.using if self.threads else self.batched.batch.threads.using if self.batched else \
+            self.n_threads
         self.conn.send(self.embedder.embed(msg["texts"], msg.get("dimensions"), threads,
                                            lambda: self.cancelled(msg["job"])))
 
@@ -228,8 +241,8 @@ class Child:
             tokens = [llm.token_bos()] if llm._model.add_bos_token() else []
         texts = [(messages[int(p)]["content"] if k % 2 else p).encode() for k, p in enumerate(pieces)]
         least = sum(len(t) for t in texts) // self.piece_bytes
-        if least >= llm.n_ctx():
-            return f"The input is at least {least} tokens; the model's context holds {llm.n_ctx()}."
+        if least >= self.n_ctx:
+            return f"The input is at least {least} tokens; the model's context holds {self.n_ctx}."
         for k, text in enumerate(texts):
             if k % 256 == 255 and self.cancelled(job):
                 return None
@@ -252,7 +265,7 @@ class Child:
         assert self.threads is not None
         self.doing(KERNELS)
         fault(point, self.fast)
-        self.threads.eval(tokens)
+        self.threads.run(len(tokens), lambda: self.llm.eval(tokens))
         self.doing(OTHER)
 
     def sample(self, sampler: Any, constrained: bool) -> int:
@@ -270,42 +283,45 @@ class Child:
             msg = self.conn.recv()
             if msg["op"] == "cancel" and msg["job"] == job:
                 return True
-            if msg["op"] != "cancel":
-                self.inbox.append(msg)
+            self.inbox.append(msg)  # another job's cancel included: with several at once it may run
         return False
 
-    # Every step of the loop shares its state (text, what is emitted, the decoder, the history).
-    # long: one generation's loop, kept whole until issue 38's batched decoding replaces it.
-    def generate(self, msg: Message) -> None:
-        from llama_cpp import llama_vocab_is_eog
-
-        job = msg["job"]
-        request: Request = msg["request"]
-        llm, threads = self.llm, self.threads
-        if llm is None or threads is None:
+    def begin(self, msg: Message) -> list[int] | None:
+        """A generation's prompt as tokens, or None when it was answered already (no model, a
+        prompt too long for the context, a cancel while tokenizing)."""
+        job, request = msg["job"], msg["request"]
+        if self.llm is None:
             self.conn.send({"ev": "error", "job": job, "code": "model_not_loaded", "message": "No model is loaded."})
-            return
+            return None
         prompt = self.prompt_tokens(request.prompt(), job)
         if prompt is None:
             self.conn.send({"ev": "done", "job": job, "reason": "cancelled", "input_tokens": 0, "output_tokens": 0})
-            return
-        if isinstance(prompt, list) and len(prompt) >= llm.n_ctx():
-            prompt = f"The input is {len(prompt)} tokens; the model's context holds {llm.n_ctx()}."
+            return None
+        if isinstance(prompt, list) and len(prompt) >= self.n_ctx:
+            prompt = f"The input is {len(prompt)} tokens; the model's context holds {self.n_ctx}."
         if isinstance(prompt, str):
             self.conn.send({"ev": "error", "job": job, "code": "context_length_exceeded", "message": prompt})
-            return
-        prefix: list[int] = msg["prefix_ids"]
-        room = llm.n_ctx() - len(prompt)
-        limit = min(msg.get("max_tokens") or room, room)
-        stops = request.stop
-        hold = max((len(s) for s in stops), default=1) - 1  # text that could still become a stop
+            return None
+        return prompt
 
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    # Every step of the loop shares its state (the text, the count, the sampler).
+    # long: one generation's exact loop (parallel 1); several at once run in app/engine/child/batched.py.
+    def generate(self, msg: Message) -> None:
+        from llama_cpp import llama_vocab_is_eog
+
+        prompt = self.begin(msg)
+        if prompt is None:
+            return
+        if self.batched is not None:
+            self.batched.admit(msg, prompt)
+            return
+        job, request = msg["job"], msg["request"]
+        llm = self.llm
+        prefix: list[int] = msg["prefix_ids"]
+        room = self.n_ctx - len(prompt)
+        limit = min(msg.get("max_tokens") or room, room)
+        text = Text(llm, prompt, prefix, request.stop, msg["emitted_chars"])
         history = prompt + prefix
-        text = ""
-        for i, tok in enumerate(prefix):  # rebuild the text state the snapshot was taken from
-            text += decoder.decode(llm.detokenize([tok], prev_tokens=history[:len(prompt) + i]))
-        emitted: int = msg["emitted_chars"]
         count, reason = len(prefix), "length"
 
         # Build the context exactly as any other run of this prompt builds it: batch shapes
@@ -340,40 +356,27 @@ class Child:
             self.conn.send({"ev": "error", "job": job, "code": "unsupported_schema", "message": str(exc)})
             return
         constrained = bool(request.constraint)
-        if count < limit:
-            while True:
-                try:
-                    tok = self.sample(sampler, constrained)
-                except DeadEnd as exc:  # the task fails; what it wrote so far stays written
-                    self.conn.send({"ev": "error", "job": job, "code": "unsupported_schema", "message": str(exc)})
-                    return
-                if self.cancelled(job):
-                    reason = "cancelled"
-                    break
-                if llama_vocab_is_eog(llm._model.vocab, tok):
-                    reason = "stop"
-                    break
-                count += 1
-                text += decoder.decode(llm.detokenize([tok], prev_tokens=history))
-                history.append(tok)
-                cut = min((i for i in (text.find(s, max(0, emitted - hold)) for s in stops) if i >= 0), default=-1)
-                if cut >= 0:
-                    self.conn.send({"ev": "chunk", "job": job, "ids": [tok], "text": text[emitted:cut], "last": True})
-                    text, emitted, reason = text[:cut], cut, "stop"
-                    decoder.reset()  # bytes of a character after the stop are not output either
-                    break
-                safe = max(emitted, len(text) - hold)
-                self.conn.send({"ev": "chunk", "job": job, "ids": [tok], "text": text[emitted:safe],
-                                "last": count >= limit})
-                emitted = safe
-                if count >= limit:
-                    break
+        while count < limit:
+            try:
+                tok = self.sample(sampler, constrained)
+            except DeadEnd as exc:  # the task fails; what it wrote so far stays written
+                self.conn.send({"ev": "error", "job": job, "code": "unsupported_schema", "message": str(exc)})
+                return
+            if self.cancelled(job):
+                reason = "cancelled"
+                break
+            if llama_vocab_is_eog(llm._model.vocab, tok):
+                reason = "stop"
+                break
+            count += 1
+            piece, stopped = text.add(tok)
+            self.conn.send({"ev": "chunk", "job": job, "ids": [tok], "text": piece, "last": stopped or count >= limit})
+            if stopped:
+                reason = "stop"
+                break
+            if count < limit:
                 self.compute([tok], f"token{count}")
-        text += decoder.decode(b"", final=True)
-        if len(text) > emitted:
-            self.conn.send({"ev": "chunk", "job": job, "ids": [], "text": text[emitted:], "last": True})
-        self.conn.send({"ev": "done", "job": job, "reason": reason, "input_tokens": len(prompt), "cached_tokens": reuse,
-                        "output_tokens": count})
+        finish(self.conn.send, job, text, reason, len(prompt), reuse, count)
 
 
 # llama.cpp's threads (OpenMP, libgomp) wait for each other at every step of a token: they spin

@@ -20,6 +20,9 @@ class DeadEnd(Exception):
     """The grammar allows no token: the output so far cannot be finished."""
 
 
+DEAD_END = "The schema allows no further text here (e.g. a `pattern` that matches nothing)."
+
+
 class GrammarSampler:
     def __init__(self, llm: Any, chain: Any, gbnf: str) -> None:
         import llama_cpp
@@ -65,7 +68,7 @@ class GrammarSampler:
             if np.isneginf(self.all.candidates_data.logit[:self.all.candidates.size]).all():
                 # Sampling would still pick a token, and llama.cpp aborts the process when the
                 # grammar is told to accept it ("Unexpected empty grammar stack").
-                raise DeadEnd("The schema allows no further text here (e.g. a `pattern` that matches nothing).")
+                raise DeadEnd(DEAD_END)
             self.lib.llama_sampler_apply(self.chain.sampler, candidates)
             token = int(self.all.candidates.data[self.all.candidates.selected].id)
         self.lib.llama_sampler_accept(self.grammar, token)

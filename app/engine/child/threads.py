@@ -22,7 +22,10 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict, deque
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 STALL = 4.0          # a batch this many times the recent median of its size: try the other count
 FIRST_TRY = 1.0      # seconds until the other count is tried again, doubled while it loses
@@ -32,8 +35,9 @@ RECENT = 8           # batches of a size the median is taken over
 
 
 class Threads:
-    def __init__(self, llm: Any, most: int) -> None:
-        self.llm = llm
+    def __init__(self, ctx: Any, most: int) -> None:
+        """`ctx`: the llama.cpp context (a `llama_context_p`) whose evaluations are timed."""
+        self.ctx = ctx
         self.most = most
         self.using = most
         # Seconds each recent batch took, by thread count and batch size.
@@ -48,25 +52,23 @@ class Threads:
     def _use(self, count: int) -> None:
         import llama_cpp
 
-        llama_cpp.llama_set_n_threads(self.llm._ctx.ctx, count, count)
+        llama_cpp.llama_set_n_threads(self.ctx, count, count)
         self.using = count
 
     def _other(self) -> int:
         return 1 if self.using == self.most else self.most
 
-    def eval(self, tokens: list[int]) -> None:
-        """Evaluate a batch of tokens, timed, on the thread count that is faster."""
+    def run(self, size: int, evaluate: Callable[[], T]) -> T:
+        """Evaluate a batch of `size` tokens (`evaluate` does), timed, on the thread count that is faster."""
         if self.most == 1:
-            self.llm.eval(tokens)
-            return
-        size = len(tokens)
+            return evaluate()
         # A trial of all threads beside a busy program costs what that count takes: on one token
         # 0.15-0.8 s, on a prompt slice 2-3 s. So it waits for one token (every task has some).
         if self.due and size == self.last and (self.using == self.most or size == 1):
             self.due, self.trying = False, True
             self._use(self._other())
         start = time.perf_counter()
-        self.llm.eval(tokens)
+        result = evaluate()
         took = time.perf_counter() - start
         self.busy += took
         recent = self.recent[self.using, size]
@@ -83,3 +85,4 @@ class Threads:
         elif stalled or self.busy >= self.next_try:
             self.due = True
         self.last = size
+        return result

@@ -1,4 +1,4 @@
-"""The parent's side of one engine child: start it, load a model, stream a generation.
+"""The parent's side of one engine child: start it, load a model, stream its generations.
 
 The child's messages become items on an asyncio queue, read by the event loop when the pipe
 is readable (on Windows, by a thread), so the loop never waits on the pipe. If the child dies
@@ -9,11 +9,16 @@ generation from the tokens already produced (LMSP §11): the caller sees no fail
 deaths (a crash in the request's grammar, say), and a second crash in safe mode, are an
 `engine_crashed` error that changes no mode; the next request starts a fresh child in the mode
 the model runs in.
+
+A loaded model serves up to `slots` generations at once (the `parallel` it was loaded with),
+each a `Seat`: one task's place on the engine, with its own job in the child, its own stream of
+messages and its own cancel. After a crash every seat carries on (or fails) on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -28,7 +33,7 @@ from typing import Any, Protocol
 
 from app.engine.child import main as child
 from app.engine.child import phases
-from app.engine.parent import cpu
+from app.engine.parent import cpu, pipe
 from app.engine.parent.modes import FAST, SAFE, EngineModes
 from app.engine.registry import models
 from app.engine.registry.models import Registered
@@ -36,7 +41,7 @@ from app.engine.request import Request
 
 log = logging.getLogger(__name__)
 Message = dict[str, Any]
-CRASHED: Message = {"ev": "error", "code": "engine_crashed", "message": "The inference process stopped unexpectedly."}
+CRASHED = pipe.CRASHED
 # Deaths that point at llama.cpp's own code, not at someone killing the process (SIGKILL from the
 # out-of-memory killer, SIGTERM). Which code is what the child said it ran (phases.PHASES): in the
 # compute kernels, fast mode's paths may be at fault, and every one of these signals counts:
@@ -70,7 +75,7 @@ Waiting = Callable[[str], Awaitable[None]]  # told why a task waits for its engi
 
 
 class Runs(Protocol):
-    """What the runner needs of an engine, local (`Engine`) or remote (app/engine/net/remote.py)."""
+    """What a task needs of an engine, local (a `Seat` on an `Engine`) or remote (app/engine/net/remote.py)."""
     name: str
 
     async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
@@ -84,37 +89,28 @@ class Runs(Protocol):
         """Stop what runs: `generate` ends with a `done` of reason `cancelled`."""
 
 
-def _drain(loop: asyncio.AbstractEventLoop, conn: Connection, inbox: asyncio.Queue[Message]) -> None:
-    """On the loop, when the child's pipe is readable: take one message (the loop calls again
-    while more wait; `recv` waits at most for the rest of one the child is writing). At the end
-    of the pipe (the child gone) the engine hears CRASHED."""
-    try:
-        inbox.put_nowait(conn.recv())  # not `conn.poll()` first: it builds a selector each call
-    except (EOFError, OSError):
-        loop.remove_reader(conn.fileno())
-        inbox.put_nowait(CRASHED)
+class Seat:
+    """One task's place on a local engine (`Runs`): the model it opened, its job in the child, its cancel."""
 
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.name = engine.name
+        self.file: Registered | None = None  # the model `open` loaded: its generation's
+        self.cancelled = False  # a cancel came, perhaps before the child had the job
+        self.job: str | None = None  # its job in the child, while it has one
 
-def _pump(loop: asyncio.AbstractEventLoop, conn: Connection, inbox: asyncio.Queue[Message]) -> None:
-    """On a thread: hand each message of the child to the loop, then CRASHED when the pipe ends."""
-    try:
-        while True:
-            msg = conn.recv()
-            loop.call_soon_threadsafe(inbox.put_nowait, msg)
-    except (EOFError, OSError):
-        pass
-    if not loop.is_closed():
-        loop.call_soon_threadsafe(inbox.put_nowait, CRASHED)
+    async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
+        self.file = models.registered(model)
+        return not (await self.engine.load(self.file)).get("cached")
 
+    def generate(self, gen: Generation) -> AsyncIterator[Message]:
+        return self.engine.generate(self, gen)
 
-def _relay(stderr: Connection, name: str) -> None:
-    """On a thread: each line the child writes to its standard error into the log, until the
-    child is gone. Else llama.cpp's messages (why it aborted, say) would be in no log, and on a
-    stderr nobody reads the child would wait for room in the pipe once the parent filled it."""
-    with open(stderr.fileno(), "rb", closefd=False) as lines:
-        for line in lines:
-            log.info("%s: %s", name, line.decode(errors="replace").rstrip())
-    stderr.close()
+    def cancel(self) -> None:
+        """Ask its generation to stop; it ends with reason `cancelled` within a token."""
+        self.cancelled = True
+        if self.job:
+            self.engine.tell_child({"op": "cancel", "job": self.job})
 
 
 class Engine:
@@ -125,22 +121,26 @@ class Engine:
         self.name = name
         self.modes = modes
         self.n_threads = n_threads or os.cpu_count() or 1
+        self.parallel = 1  # generations the next load serves at once (the pool's `parallel`)
+        self.slots = 1     # those the loaded model serves (the `parallel` it was loaded with)
         self.file: Registered | None = None  # the model file loaded
-        self._task_file: Registered | None = None  # the one `open` loaded for the task: its generation's
-        self._cancelled = False  # a cancel came since `open`, perhaps before the child had the job
         self.refused: set[Registered] = set()  # files the child found not to be what was registered
         self.mode: str | None = None          # the mode the loaded model runs in
         self.cpu_variant: str | None = None   # which libggml-cpu-<variant> the child picked
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
-        self._inbox: asyncio.Queue[Message] | None = None
-        self._lock = asyncio.Lock()  # one request to the child at a time
-        self._job: str | None = None
+        self._inbox: asyncio.Queue[Message] = asyncio.Queue()  # the child's messages about no generation
+        self._jobs: dict[str, asyncio.Queue[Message]] = {}    # each generation's, by its job in the child
+        self._drained = asyncio.Event()  # no generation in the child
+        self._drained.set()
+        self._lock = asyncio.Lock()  # one load, job start or embedding at a time
+        self._death: asyncio.Future[None] | None = None  # the last child's, reaped
         self._embedding: str | None = None  # the child's embedding job, while it has one
         self._left: set[str] = set()  # embedding jobs whose clients left
         self._last_used = time.monotonic()
         self.exit_signal: int | None = None  # how the last child died, if by a signal
         self.exit_phase = phases.OTHER        # and what it was doing (phases.PHASES)
+        self.exit_mode = FAST                 # in which mode
         self._phase: Any = None               # the byte the child says that in
         self._mode_asked = FAST  # the mode of the last load asked for
 
@@ -151,8 +151,9 @@ class Engine:
 
     def ready(self) -> Registered | None:
         """The model file loaded, if loading it now would find nothing to do (loaded, in the
-        mode it runs in, by a live child)."""
-        if self.file is not None and self.alive and self.mode == self.modes.mode(self.file.digest):
+        mode it runs in and with the slots asked for, by a live child)."""
+        if (self.file is not None and self.alive and self.mode == self.modes.mode(self.file.digest)
+                and self.slots == self.parallel):
             return self.file
         return None
 
@@ -163,6 +164,9 @@ class Engine:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
+
+    def seat(self) -> Seat:
+        return Seat(self)
 
     def _start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -177,17 +181,28 @@ class Engine:
         kid.close()
         if errors is not None and their_errors is not None:
             their_errors.close()
-            threading.Thread(target=_relay, args=(errors, self.name), name=f"lmsp-{self.name}-stderr",
+            threading.Thread(target=pipe.relay, args=(errors, self.name), name=f"lmsp-{self.name}-stderr",
                              daemon=True).start()
         log.info("%s: started inference process %s", self.name, proc.pid)
-        inbox: asyncio.Queue[Message] = asyncio.Queue()
-        self._proc, self._conn, self._inbox, self.file = proc, parent, inbox, None
+        self._proc, self._conn, self._inbox, self.file = proc, parent, asyncio.Queue(), None
 
         if os.name == "posix":  # the pipe is a socket the loop watches: no thread to wake it per token
-            loop.add_reader(parent.fileno(), _drain, loop, parent, inbox)
+            loop.add_reader(parent.fileno(), pipe.drain, loop, parent, self._deliver)
         else:  # Windows' named pipes are no selectable sockets: a thread reads them
-            threading.Thread(target=_pump, args=(loop, parent, inbox), name=f"lmsp-{self.name}-pipe",
+            threading.Thread(target=pipe.pump, args=(loop, parent, self._deliver), name=f"lmsp-{self.name}-pipe",
                              daemon=True).start()
+
+    def _deliver(self, msg: Message) -> None:
+        """A message of the child, to the generation it is about, else to whoever talks to the child.
+        Its death, to everyone: it is reaped once, whoever hears of it first waits for that."""
+        if msg is CRASHED:
+            self._death = asyncio.ensure_future(self._reap(self._proc))
+            for queue in self._jobs.values():
+                queue.put_nowait(CRASHED)
+        if "job" not in msg:
+            self._inbox.put_nowait(msg)
+        elif msg["job"] in self._jobs:  # else a late word of a generation nobody reads any more
+            self._jobs[msg["job"]].put_nowait(msg)
 
     def _send(self, msg: Message) -> None:
         if not self.alive or self._conn is None:
@@ -198,29 +213,29 @@ class Engine:
         except (BrokenPipeError, OSError) as exc:
             raise EngineError(CRASHED["code"], CRASHED["message"]) from exc
 
-    async def _next(self) -> Message:
-        assert self._inbox is not None
-        msg = await self._inbox.get()
-        if msg is CRASHED:
-            await self._reap()
+    async def _next(self, queue: asyncio.Queue[Message] | None = None) -> Message:
+        msg = await (queue or self._inbox).get()
+        if msg is CRASHED and self._death is not None:
+            await asyncio.shield(self._death)
         return msg
 
-    async def _reap(self) -> None:
-        self.exit_signal, self.exit_phase = None, phases.OTHER
-        if self._proc is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 1)
-            code = self._proc.exitcode
-            self.exit_signal = -code if code is not None and code < 0 else None
-            self.exit_phase = self._phase.value
-            log.warning("%s process exited with code %s", self.name, code)
-        self._proc = self._conn = None
-        self.file = self.mode = None
+    async def _reap(self, proc: multiprocessing.process.BaseProcess | None) -> None:
+        if proc is None or proc is not self._proc:
+            return
+        await asyncio.get_running_loop().run_in_executor(None, proc.join, 1)
+        code = proc.exitcode
+        self.exit_signal = -code if code is not None and code < 0 else None
+        self.exit_phase, self.exit_mode = self._phase.value, self._mode_asked
+        log.warning("%s process exited with code %s", self.name, code)
+        if proc is self._proc:
+            self._proc = self._conn = None
+            self.file = self.mode = None
 
     async def _survive(self, crashes: list[str], stage: str, file: Registered) -> None:
         """After the child died: decide whether to carry on (in safe mode) or fail.
         `crashes` holds the modes the child crashed in during this one request."""
         sig, phase = self.exit_signal, self.exit_phase
-        path, mode = file.path, self._mode_asked
+        path, mode = file.path, self.exit_mode
         name = signal.Signals(sig).name if sig else "no signal"
         detail = (f"{self.name}: inference process killed by {name} while {stage} {path} in {mode} mode, "
                   f"{phases.PHASES[phase]} (CPU: {cpu.summary()}; "
@@ -237,9 +252,10 @@ class Engine:
                               "is unchanged; the next request gets a fresh engine. The log has the details.")
         crashes.append(mode)
         if mode == FAST and self.modes.auto:
-            await self.modes.fall_back(file.digest, (
-                f"The inference engine crashed ({name}) in fast mode on this CPU while {stage} this model; "
-                "it now runs in safe mode (llama.cpp's weight repacking and AMX kernels off), a little slower."))
+            if self.modes.mode(file.digest) == FAST:  # not yet said by another generation of that child
+                await self.modes.fall_back(file.digest, (
+                    f"The inference engine crashed ({name}) in fast mode on this CPU while {stage} this model; "
+                    "it now runs in safe mode (llama.cpp's weight repacking and AMX kernels off), a little slower."))
             log.warning("%s: continuing in safe mode", self.name)
             return
         if mode == FAST:
@@ -262,7 +278,7 @@ class Engine:
             self.file = self.mode = None
             self._mode_asked = mode
             self._send({"op": "load", "file": file, "n_ctx": file.context_length, "n_threads": self.n_threads,
-                        "safe": mode == SAFE})
+                        "safe": mode == SAFE, "parallel": self.parallel})
             msg = await self._next()
             if msg is not CRASHED and msg["ev"] == "backend":
                 self.cpu_variant = msg["cpu_variant"]
@@ -274,55 +290,88 @@ class Engine:
                 if msg["code"] == "model_changed":
                     self.refused.add(file)
                 raise EngineError(msg["code"], msg["message"])
-            self.file, self.mode = file, mode
-            log.info("%s: loaded %s in %s mode in %.2f s (warm-up %.2f s; llama.cpp CPU backend: %s)", self.name,
-                     file.path, mode, msg["load_seconds"], msg.get("warmup_seconds", 0.0),
+            self.file, self.mode, self.slots = file, mode, msg["parallel"]
+            log.info("%s: loaded %s in %s mode, %d at once, in %.2f s (warm-up %.2f s; llama.cpp CPU backend: %s)",
+                     self.name, file.path, mode, self.slots, msg["load_seconds"], msg.get("warmup_seconds", 0.0),
                      self.cpu_variant or "native")
             self._last_used = time.monotonic()
             return msg
 
-    async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
-        self._task_file, self._cancelled = models.registered(model), False
-        return not (await self.load(self._task_file)).get("cached")
+    @contextlib.asynccontextmanager
+    async def _turn(self, file: Registered) -> AsyncIterator[None]:
+        """Hold the lock, once no generation runs unless `file` is ready as it is: another model
+        (an embedding's) or other slots are loaded only between generations."""
+        while True:
+            await self._lock.acquire()
+            if not self._jobs or self.ready() == file:
+                break
+            self._lock.release()
+            await self._drained.wait()
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     async def load(self, file: Registered) -> Message:
         """Load `file` unless it is already loaded. Raises EngineError on failure (`model_changed`
         when the file at its path is no longer the one registered)."""
-        async with self._lock:
+        async with self._turn(file):
             return await self._load(file, [])
 
     async def unload(self) -> None:
+        """Let the model go (the pool asks only while no generation runs)."""
         async with self._lock:
             if self.alive and self.model_path is not None:
                 self._send({"op": "unload"})
                 await self._next()
             self.file = self.mode = None
 
-    async def generate(self, gen: Generation) -> AsyncIterator[Message]:
-        """Yield `chunk` messages, then one `done`. Raises EngineError on failure.
-        A crash that `_survive` forgives is invisible here: the model is loaded again and
-        the generation continues from the tokens already yielded."""
+    async def _begin(self, seat: Seat, file: Registered, crashes: list[str], queue: asyncio.Queue[Message],
+                     gen: Generation, ids: list[int], emitted: int) -> str | None:
+        """Start the seat's generation in the child, `file` loaded first (again, after a crash);
+        its job, or None when a cancel came first."""
         async with self._lock:
-            file = self._task_file
-            if file is None:
-                raise EngineError("model_not_loaded", "No model is loaded.")
-            crashes: list[str] = []
             # An embedding may have had the lock since `open` and loaded its own model: the task's
             # comes back first (nothing to do when it is still loaded).
             await self._load(file, crashes)
-            ids, emitted = list(gen.prefix_ids), len(gen.prefix_text)
-            while True:
-                if self._cancelled:  # before the child had this job (a reload, a restart after a crash)
-                    yield {"ev": "done", "reason": "cancelled", "input_tokens": 0, "output_tokens": 0}
-                    return
-                job = f"job{next(self._ids)}"
-                self._job = job
-                self._send({"op": "generate", "job": job, "request": gen.request, "max_tokens": gen.max_tokens,
-                            "prefix_ids": ids, "emitted_chars": emitted})
+            if seat.cancelled:  # before the child had this job (a reload, a restart after a crash)
+                return None
+            job = seat.job = f"job{next(self._ids)}"
+            self._jobs[job] = queue
+            self._drained.clear()
+            self._send({"op": "generate", "job": job, "request": gen.request, "max_tokens": gen.max_tokens,
+                        "prefix_ids": ids, "emitted_chars": emitted})
+            return job
+
+    def _forget(self, seat: Seat) -> None:
+        """The seat's job in the child is over (it ended, or the child died)."""
+        if seat.job is not None:
+            self._jobs.pop(seat.job, None)
+            seat.job = None
+        if not self._jobs:
+            self._drained.set()
+
+    async def generate(self, seat: Seat, gen: Generation) -> AsyncIterator[Message]:
+        """Yield `chunk` messages, then one `done`. Raises EngineError on failure.
+        A crash that `_survive` forgives is invisible here: the model is loaded again and
+        the generation continues from the tokens already yielded."""
+        file = seat.file
+        if file is None:
+            raise EngineError("model_not_loaded", "No model is loaded.")
+        crashes: list[str] = []
+        ids, emitted = list(gen.prefix_ids), len(gen.prefix_text)
+        queue: asyncio.Queue[Message] = asyncio.Queue()
+        while True:
+            if await self._begin(seat, file, crashes, queue, gen, ids, emitted) is None:
+                yield {"ev": "done", "reason": "cancelled", "input_tokens": 0, "output_tokens": 0}
+                return
+            try:
                 while True:
-                    msg = await self._next()
+                    msg = await self._next(queue)
                     if msg is CRASHED:
                         break
+                    if msg["ev"] in ("done", "error"):
+                        self._forget(seat)  # before the yield: the task stops iterating at `done`
                     if msg["ev"] == "error":
                         raise EngineError(msg["code"], msg["message"])
                     if msg["ev"] == "chunk":
@@ -334,12 +383,14 @@ class Engine:
                     yield msg
                     if msg["ev"] == "done":
                         return
-                await self._survive(crashes, "generating with", file)
-                await self._load(file, crashes)
+            finally:
+                self._forget(seat)
+            await self._survive(crashes, "generating with", file)
 
     async def embed(self, file: Registered, texts: list[str], dimensions: int | None) -> Message:
-        """Embed `texts` with the model in `file`, loading it if needed. It waits its turn on the
-        same lock as a generation: it runs between two, never during one. The `embedded` message,
+        """Embed `texts` with the model in `file`, loading it if needed. It waits its turn: with the
+        model the generations run, the child embeds between two of their steps (between two
+        generations when it serves one at a time); another model waits for them to end. The `embedded` message,
         with `fresh` set if the model had to be loaded. Raises EngineError.
         Cancelled (its client left), it stops the child at its next batch (within a second); the
         lock is held until the child has said so, so that nobody takes its answer for their own."""
@@ -350,12 +401,12 @@ class Engine:
         except asyncio.CancelledError:
             self._left.add(job)
             if self._embedding == job:
-                self._tell_child({"op": "cancel", "job": job})
+                self.tell_child({"op": "cancel", "job": job})
             work.add_done_callback(lambda done: done.cancelled() or done.exception())  # nobody waits for it
             raise
 
     async def _embed(self, job: str, file: Registered, texts: list[str], dimensions: int | None) -> Message:
-        async with self._lock:
+        async with self._turn(file):
             try:
                 loaded = None if job in self._left else await self._load(file, [])
                 if loaded is None or job in self._left:  # its client left before the child had it
@@ -374,13 +425,7 @@ class Engine:
     def idle_for(self) -> float:
         return time.monotonic() - self._last_used
 
-    def cancel(self) -> None:
-        """Ask the running generation to stop; it ends with reason `cancelled` within a token."""
-        self._cancelled = True
-        if self._job:
-            self._tell_child({"op": "cancel", "job": self._job})
-
-    def _tell_child(self, msg: Message) -> None:
+    def tell_child(self, msg: Message) -> None:
         """Send if there is a child to hear it (a cancel for a job it finished is ignored)."""
         if self._conn is not None and self.alive:
             try:

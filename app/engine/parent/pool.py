@@ -1,8 +1,10 @@
 """The engine pool: the one owner of the local engines (one llama.cpp child each).
 
-It makes them (`resize`), says which is idle and which holds a model, lends one to a task
-(`lease`, by task id, until `release`) and lets a model go (`unload`, `unload_idle`). The
-scheduler and the core ask it; nobody else keeps a list of engines.
+It makes them (`resize`), says which is idle, which has a slot free beside its running tasks
+and which holds a model, lends a slot of one to a task (`lease`, by task id, until `release`)
+and lets a model go (`unload`, `unload_idle`). An engine serves up to `parallel` tasks at once
+(the setting); a change reaches each engine once no task runs on it (its next load uses it).
+The scheduler and the core ask it; nobody else keeps a list of engines.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class EnginePool:
         self.factory = factory
         self._engines: list[Engine] = []
         self._leases: dict[str, Engine] = {}  # task id -> the engine it runs on
-        self.capacity = 0  # how many tasks may run at once locally (max_concurrent_tasks)
+        self.capacity = 0  # how many engines are in use (max_concurrent_tasks)
+        self.parallel = 1  # tasks an engine serves at once (parallel)
 
     @property
     def engines(self) -> Sequence[Engine]:
@@ -40,23 +43,51 @@ class EnginePool:
         # all run slower than one. An engine keeps its share until it is restarted.
         threads = max(1, (os.cpu_count() or 1) // capacity)
         while len(self._engines) < capacity:
-            self._engines.append(self.factory(f"engine{len(self._engines)}", self.modes, n_threads=threads))
+            engine = self.factory(f"engine{len(self._engines)}", self.modes, n_threads=threads)
+            engine.parallel = self.parallel
+            self._engines.append(engine)
         self.capacity = capacity
 
+    def set_parallel(self, parallel: int) -> None:
+        self.parallel = parallel
+        for engine in self._engines:
+            if not self.busy(engine):
+                engine.parallel = parallel
+
+    def running(self, engine: Engine) -> int:
+        """How many tasks hold a slot of this engine."""
+        return sum(leased is engine for leased in self._leases.values())
+
     def busy(self, engine: Engine) -> bool:
-        return any(leased is engine for leased in self._leases.values())
+        return self.running(engine) > 0
 
     def idle(self) -> Engine | None:
         """The first engine in use that no task holds."""
         return next((e for e in self._engines[:self.capacity] if not self.busy(e)), None)
 
+    def shared(self) -> Engine | None:
+        """An engine in use with tasks running and a slot free: a task of the model it holds ready joins them."""
+        return next((e for e in self._engines[:self.capacity]
+                     if 0 < self.running(e) < e.parallel and e.ready() is not None), None)
+
     def lease(self, task_id: str, engine: Engine) -> None:
-        assert not self.busy(engine)
+        assert self.running(engine) < engine.parallel
         self._leases[task_id] = engine
 
     def release(self, task_id: str) -> None:
         """The task no longer uses its engine (again is fine: a task hands its engine over first)."""
-        self._leases.pop(task_id, None)
+        engine = self._leases.pop(task_id, None)
+        if engine is not None and not self.busy(engine):
+            engine.parallel = self.parallel
+
+    def slots(self) -> dict[str, tuple[int, int]]:
+        """Per model file loaded: (slots busy, slots in all) of the engines holding it."""
+        counts: dict[str, tuple[int, int]] = {}
+        for engine in self._engines:
+            if engine.model_path and engine.alive:
+                busy, total = counts.get(engine.model_path, (0, 0))
+                counts[engine.model_path] = busy + self.running(engine), total + engine.slots
+        return counts
 
     def holding(self, path: str | None) -> list[Engine]:
         """The engines that have this model file loaded (none for a remote model: it has no path)."""

@@ -26,6 +26,7 @@ from typing import Any
 
 from app.engine.net.remote import RemoteEngine
 from app.engine.parent.engine import EngineError, Generation, Runs
+from app.engine.registry import models
 from app.errors import LmspError, StoreError
 from app.tasks import calls, machine, records, recovery
 from app.tasks.kinds import generation_writes as writes
@@ -68,14 +69,16 @@ class Generations(Kind):
         return sum(isinstance(job.engine, RemoteEngine) for job in self.jobs.values())
 
     def room(self) -> EngineRoom | None:
-        engine = self.pool.idle()
+        engine, shared = self.pool.idle(), self.pool.shared()
         # No remote model, no remote task to look for: a claim that finds nothing still costs the
         # writer a transaction, and would run after every task that ends.
         remote = bool(self.upstreams.models) and self.remote_running() < self.remote_capacity
-        names = tuple(name for name, free in (("gguf", engine is not None), ("remote", remote)) if free)
+        local = engine is not None or shared is not None
+        names = tuple(name for name, free in (("gguf", local), ("remote", remote)) if free)
         if not names:
             return None
-        return EngineRoom(names, tuple(self.jobs), engine, engine.ready() if engine else None, self.last_client)
+        return EngineRoom(names, tuple(self.jobs), engine, engine.ready() if engine else None, shared,
+                          shared.ready() if shared else None, self.last_client)
 
     def claim(self, conn: sqlite3.Connection, room: Room) -> Claimed | None:
         assert isinstance(room, EngineRoom)
@@ -93,9 +96,10 @@ class Generations(Kind):
         if claimed.name == "remote":
             runs: Runs = RemoteEngine(self.upstreams)
         else:
-            assert room.engine is not None
-            runs = room.engine
-            self.pool.lease(claimed.task_id, room.engine)
+            engine = room.engine_for(models.registered(task.model) if task.model is not None else None)[0]
+            assert engine is not None
+            runs = engine.seat()
+            self.pool.lease(claimed.task_id, engine)
         job = self.jobs[claimed.task_id] = Job(claimed.task_id, runs)
         return self._run(job, task)
 

@@ -20,11 +20,22 @@ from app.tasks.kinds.base import Room
 
 @dataclass(frozen=True)
 class EngineRoom(Room):
-    """A generation's room: a free engine (`gguf` among the names) and the model file it holds
-    ready, if any; whose task was taken last (the next queued one is another client's)."""
+    """A generation's room: an engine no task holds and the model file it holds ready, if any;
+    an engine with tasks running and a slot free beside them, and the model they run; whose task
+    was taken last (the next queued one is another client's). `gguf` is among the names when
+    either engine is there."""
     engine: Engine | None
     ready: Registered | None
+    shared: Engine | None
+    holds: Registered | None
     last_client: str
+
+    def engine_for(self, file: Registered | None) -> tuple[Engine | None, Registered | None]:
+        """The engine a task of this model file runs on (beside the tasks of its model, if it can),
+        and the file that engine holds ready."""
+        if self.shared is not None and file is not None and file == self.holds:
+            return self.shared, self.holds
+        return self.engine, self.ready
 
 
 @dataclass(frozen=True)

@@ -38,25 +38,31 @@ def take(conn: sqlite3.Connection, kind: str, room: EngineRoom) -> Taken | None:
     resumed `running` task first, else a queued one, round-robin by client: the oldest of the
     first client after the last one served (in id order, wrapping around) that has one. A client
     with 50 queued tasks delays another's single task by one task, not 50. When the engine offered
-    holds the task's model, the task is `running` in the same commit. None when nothing waits."""
+    holds the task's model, the task is `running` in the same commit. With no engine free, only
+    a task of the model an engine with a slot free runs is taken for it. None when nothing waits."""
     busy, formats = room.busy, room.names
     # A task whose model was deleted is taken as a local one, and fails as such.
     tasks = ("SELECT t.id, r.client_id, COALESCE(m.format, 'gguf') AS format FROM tasks t "
              "JOIN responses r ON r.id = t.response_id LEFT JOIN models m ON m.id = r.model_id "
              f"WHERE t.kind = ? AND COALESCE(m.format, 'gguf') IN ({','.join('?' * len(formats))})")
+    args: tuple[Any, ...] = (kind, *formats)
+    if room.engine is None and room.holds is not None:
+        tasks += " AND (m.format = 'remote' OR (m.path = ? AND m.digest = ?))"
+        args += (room.holds.path, room.holds.digest)
     exclude = f" AND t.id NOT IN ({','.join('?' * len(busy))})" if busy else ""
     row = conn.execute(f"{tasks} AND t.status = 'running'{exclude} ORDER BY t.created_at LIMIT 1",
-                       (kind, *formats, *busy)).fetchone()
+                       (*args, *busy)).fetchone()
     if row is not None:
         return row["id"], row["client_id"], row["format"], [], _prepare(conn, row["id"])
     row = conn.execute(f"{tasks} AND t.status = 'queued' ORDER BY r.client_id <= ?, r.client_id, t.created_at LIMIT 1",
-                       (kind, *formats, room.last_client)).fetchone()
+                       (*args, room.last_client)).fetchone()
     if row is None:
         return None
     events = machine.transition(conn, row["id"], LOADING, [("response.loading", {"progress": 0.0})])
     assert events is not None
     task = _prepare(conn, row["id"])
-    if task.model is not None and room.ready is not None and models.registered(task.model) == room.ready:
+    ready = room.engine_for(models.registered(task.model) if task.model is not None else None)[1]
+    if task.model is not None and ready is not None and models.registered(task.model) == ready:
         # Nothing to load: the task starts running in this commit, not in one of its own.
         started = start_running(conn, row["id"], records.message_id(task.row["response_id"]),
                                 task.request.call)
