@@ -129,6 +129,38 @@ def test_resume_after_sigkill_gives_the_uninterrupted_text(headless: Headless) -
     assert {e["attempt"] for e in events["data"]} == {1}
 
 
+@pytest.mark.llama
+def test_resume_with_several_at_once_keeps_the_committed_text_word_for_word(headless: Headless) -> None:
+    """With several tasks at once (`parallel` 4, the default) a resumed task keeps the text it had
+    written, word for word, and continues from exactly there; that the rest is what an
+    uninterrupted run would have said is not promised (batch composition changes llama.cpp's sums)."""
+    headless.start()
+    ids = []
+    for topic in ("a storm", "a ship"):
+        body = {**PROMPT, "input": f"Write a long story about a lighthouse keeper and {topic}.", "background": True,
+                "on_restart": "resume"}
+        status, created = headless.post("/v1/responses", body)
+        assert status == 202
+        ids.append(created["task"]["id"])
+    wait_until(lambda: all(headless.get(f"/v1/tasks/{i}")[1]["progress"]["output_tokens"] >= 40 for i in ids),
+               timeout=60)
+    headless.kill()
+    conn = db.open_database(headless.data_dir / "lmsp.sqlite3").conn
+    committed = {task_id: output.read(conn, task_id)[1] for task_id in ids}  # what the crash left written
+    conn.close()
+
+    headless.start()
+    for task_id in ids:
+        final = _final_text(headless, task_id)
+        assert final["status"] == "incomplete" and final["usage"]["output_tokens"] == 160
+        assert len(committed[task_id]) > 20 and final["output_text"].startswith(committed[task_id])
+        status, events = headless.get(f"/v1/tasks/{task_id}/events")
+        assert [e["sequence_number"] for e in events["data"]] == list(range(len(events["data"])))
+        assert "".join(e["delta"] for e in events["data"] if e["type"] == "response.output_text.delta") == \
+            final["output_text"]
+        assert {e["attempt"] for e in events["data"]} == {1}
+
+
 def test_retry_after_sigkill_starts_a_new_attempt(headless: Headless) -> None:
     headless.start()
     status, created = headless.post("/v1/responses", {**PROMPT, "background": True, "on_restart": "retry"})

@@ -9,6 +9,8 @@ transaction:
     loading          failed      queued      queued
     running          failed      queued      running (continues from the snapshot)
     cancelling       cancelled   cancelled   cancelled
+
+The same rules move a running task whose engine child died beneath it (`after_engine_death`).
 """
 
 from __future__ import annotations
@@ -49,15 +51,30 @@ def _move(conn: sqlite3.Connection, task: sqlite3.Row) -> str:
                            [("response.failed", {"response": RESPONSE, "error": RESTARTED})],
                            error_code=RESTARTED["code"], error_message=RESTARTED["message"], finished_at=now)
     elif to == QUEUED and status in (LOADING, RUNNING):
-        # `retry` starts again from nothing: a new attempt, whose opening event says so.
-        attempt = task["attempt"] + 1 if task["on_restart"] == "retry" else task["attempt"]
-        output.clear(conn, task["id"])
-        machine.transition(conn, task["id"], QUEUED,
-                           [("response.queued", {"response": RESPONSE, "output_reset": True})],
-                           only_from=(status,), attempt=attempt, output_tokens=0, tokens_per_second=None,
-                           started_at=None)
+        _requeue(conn, task, status)
     # queued stays queued and a resumed running task stays running: no transition to write.
     return f"{status}->{to}"
+
+
+def _requeue(conn: sqlite3.Connection, task: sqlite3.Row, status: str) -> list[machine.Event] | None:
+    """Back to the queue, its output gone; `retry` starts again from nothing: a new attempt, whose
+    opening event says so."""
+    attempt = task["attempt"] + 1 if task["on_restart"] == "retry" else task["attempt"]
+    output.clear(conn, task["id"])
+    return machine.transition(conn, task["id"], QUEUED,
+                              [("response.queued", {"response": RESPONSE, "output_reset": True})],
+                              only_from=(status,), attempt=attempt, output_tokens=0, tokens_per_second=None,
+                              started_at=None)
+
+
+def after_engine_death(conn: sqlite3.Connection, task_id: str) -> list[machine.Event] | None:
+    """A running task whose engine child died, by its `on_restart`: `resume` stays running (its
+    next run continues from what it wrote), `retry` is queued again from nothing. None: it is to
+    fail (`fail`), or it is no longer running (a cancel came)."""
+    task = conn.execute("SELECT id, status, on_restart, attempt FROM tasks WHERE id = ?", (task_id,)).fetchone()
+    if task is None or task["status"] != RUNNING or task["on_restart"] == "fail":
+        return None
+    return [] if task["on_restart"] == "resume" else _requeue(conn, task, RUNNING)
 
 
 def recover(conn: sqlite3.Connection, kind: str) -> dict[str, int]:

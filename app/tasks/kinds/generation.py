@@ -37,6 +37,9 @@ from app.tasks.states import RUNNING
 log = logging.getLogger(__name__)
 # Engine errors a task fails with as they are; any other failure to open an engine is a failed load.
 OWN_CODES = ("engine_crashed", "upstream_unavailable", "upstream_error")
+# Engine deaths a task outlives by its `on_restart` (resumed or retried), in one run of the service:
+# a request that kills its engine every time fails after this many, not in a loop.
+ENGINE_DEATHS = 2
 # The least time between two writes of an unwatched task's output (seconds): at 100 tokens/s
 # about ten tokens a commit instead of one (tests/bench/test_throughput.py has the figures).
 QUIET_SPACING = 0.1
@@ -58,6 +61,7 @@ class Generations(Kind):
         self.tokens_generated = 0     # since start, for /metrics
         self.last_tokens_per_second: float | None = None
         self.last_client = ""  # whose task was taken last: the next queued one is another's
+        self.deaths: dict[str, int] = {}  # engine deaths each task has outlived
         self._stopping = False
         self.bus.on_watch(self._hurry)
 
@@ -220,6 +224,7 @@ class Generations(Kind):
                 raise task.refused
             if await job.engine.open(task.model, gen, waiting):  # a fresh load: tell the GUI
                 self.bus.publish([{"type": "models.changed"}])
+                self.host.wake()  # and the tasks queued for that model: its other slots are free now
         except (LmspError, EngineError) as exc:
             code = exc.code if isinstance(exc, LmspError) or exc.code in OWN_CODES else "model_load_failed"
             await self._fail(job.task_id, code, exc.message)
@@ -257,8 +262,11 @@ class Generations(Kind):
             return
         if failure is not None:
             await self._flush(job)
-            await self._fail(job.task_id, failure.code, failure.message)
+            if not await self._outlive(job.task_id, failure):
+                self.deaths.pop(job.task_id, None)
+                await self._fail(job.task_id, failure.code, failure.message)
             return
+        self.deaths.pop(job.task_id, None)
         self.last_tokens_per_second = tokens_per_second(job) or self.last_tokens_per_second
         await job.stop_saving()
         if job.error is not None:
@@ -278,6 +286,18 @@ class Generations(Kind):
         self._leave(job.task_id)
         if await self.host.end_and_claim(writes.complete, job.task_id, last, ending, reason, usage) is None:
             await self.write(writes.cancelled, job.task_id)
+
+    async def _outlive(self, task_id: str, failure: EngineError) -> bool:
+        """After its engine child died beneath it, the task runs again as its `on_restart` says
+        (as after a restart of the service), its room freed for the next claim; False when it fails."""
+        deaths = self.deaths.get(task_id, 0)
+        if failure.code != "engine_crashed" or deaths >= ENGINE_DEATHS or self._stopping:
+            return False
+        if await self.write(recovery.after_engine_death, task_id) is None:
+            return False
+        self.deaths[task_id] = deaths + 1
+        log.warning("task %s: its engine stopped; it runs again by its on_restart", task_id)
+        return True
 
     async def _restart_output(self, job: Job, resume_mode: str) -> None:
         """Drop the output written so far: the engine starts the text again (LMSP §11, `retry`).

@@ -1,0 +1,107 @@
+"""Several tasks at once on one loaded model (`parallel`, default 4): real llama.cpp and the
+default model, its tasks decoded together in one context. Each task's stream stays its own:
+gap-free, its deltas exactly its text; a cancel or an engine death touches each task alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Any
+
+import pytest
+
+from tests.helpers import COUNT, pair, poll, raw, wait_status
+from tests.test_api import check_sequence, deltas, events, task
+
+# Distinct prompts that share their beginning, as apps send them.
+LONG = {"max_output_tokens": 96, "temperature": 0, "background": True}
+
+
+async def start(api: Any, body: dict[str, Any], headers: dict[str, str] | None = None) -> str:
+    resp, text = await raw(api, "POST", "/v1/responses", headers=headers or dict(api.session.headers), json=body)
+    assert resp.status == 202, text
+    return str(json.loads(text)["task"]["id"])
+
+
+async def generating_together(api: Any, ids: list[str], tokens: int = 4) -> list[dict[str, Any]]:
+    """The tasks once all of them are running and have written `tokens`, none of them ended."""
+    async def check() -> list[dict[str, Any]] | None:
+        now = [await task(api, i) for i in ids]
+        assert all(t["status"] in ("queued", "loading", "running") for t in now), now
+        return now if all(t["status"] == "running" and t["progress"]["output_tokens"] >= tokens for t in now) else None
+    return list(await poll(check, timeout=120, what="the tasks to generate together"))
+
+
+async def exact(api: Any, task_id: str) -> dict[str, Any]:
+    """The ended task's response, after checking its stream: gap-free, its deltas its text."""
+    final = await wait_status(api, task_id, timeout=180)
+    evs = await events(api, task_id)
+    check_sequence(evs)
+    resp = await api.get(f"/v1/responses/{final['response_id']}")
+    response = await resp.json()
+    # A retried task's text is its last attempt's.
+    assert deltas([e for e in evs if e["attempt"] == final["attempt"]]) == response["output_text"], task_id
+    return {**final, "response": response, "events": evs}
+
+
+@pytest.mark.llama
+async def test_tasks_of_one_model_run_together_and_each_stream_stays_exact(api: Any, service: Any) -> None:
+    assert service.settings["parallel"] == 4
+    ids = [await start(api, {**LONG, "input": f"{COUNT} ({word})"}) for word in ("red", "green", "blue")]
+    await generating_together(api, ids)
+    assert service.pool.slots() == {service.pool.engines[0].model_path: (3, 4)}
+    for task_id in ids:
+        done = await exact(api, task_id)
+        assert done["status"] == "completed" and done["response"]["status"] == "incomplete", done
+        assert done["response"]["usage"]["output_tokens"] == 96, done["response"]["usage"]
+
+
+@pytest.mark.llama
+async def test_a_cancel_stops_one_task_and_the_others_carry_on(api: Any) -> None:
+    first, second = [await start(api, {**LONG, "input": f"{COUNT} ({n})"}) for n in (1, 2)]
+    await generating_together(api, [first, second])
+    resp = await api.post(f"/v1/tasks/{first}/cancel")
+    assert resp.status == 200, await resp.text()
+    cancelled = await exact(api, first)
+    assert cancelled["status"] == "cancelled" and cancelled["response"]["usage"]["output_tokens"] < 96
+    carried_on = await exact(api, second)
+    assert carried_on["response"]["status"] == "incomplete" and carried_on["response"]["usage"]["output_tokens"] == 96
+
+
+@pytest.mark.llama
+async def test_an_engine_death_moves_each_of_its_tasks_by_its_own_on_restart(api: Any, service: Any) -> None:
+    policies = ("fail", "retry", "resume")
+    ids = [await start(api, {**LONG, "input": f"{COUNT} ({p})", "on_restart": p}) for p in policies]
+    await generating_together(api, ids, tokens=8)
+    committed = deltas(await events(api, ids[2]))  # the resumed task's text so far: kept, word for word
+    assert committed
+    pid = service.pool.engines[0].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+
+    failed, retried, resumed = [await exact(api, task_id) for task_id in ids]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "engine_crashed", failed
+    assert retried["response"]["status"] == "incomplete" and retried["attempt"] == 2, retried
+    assert any(e.get("output_reset") for e in retried["events"] if e["type"] == "response.queued")
+    assert resumed["response"]["status"] == "incomplete" and resumed["attempt"] == 1, resumed
+    assert resumed["response"]["output_text"].startswith(committed)
+    assert resumed["response"]["usage"]["output_tokens"] == 96
+
+
+@pytest.mark.scripted(pace=40.0)
+async def test_slots_go_round_robin_between_apps(api: Any, service: Any) -> None:
+    """One app's queue does not take every slot: another app's single task gets the next one."""
+    assert (await api.patch("/v1/settings", json={"parallel": 2})).status == 200
+    _, busy_token = await pair(api, ["responses:write", "tasks:read"], name="Busy App")
+    _, other_token = await pair(api, ["responses:write", "tasks:read"], name="Other App")
+    service.tasks.set_paused(True)
+    body = {"input": "count", "max_output_tokens": 20, "background": True}
+    busy = [await start(api, body, {"Authorization": f"Bearer {busy_token}"}) for _ in range(6)]
+    other = await start(api, body, {"Authorization": f"Bearer {other_token}"})
+    service.tasks.set_paused(False)
+    await wait_status(api, other, timeout=60)
+    started = {i: (await task(api, i))["started_at"] or float("inf") for i in [*busy, other]}
+    # Two slots: the busy app's first task, then the other app's, before the busy app's second.
+    order = sorted(started, key=lambda i: started[i])
+    assert order.index(other) <= 1, [(i == other, started[i]) for i in order]
