@@ -105,3 +105,17 @@ def test_available_memory_is_what_linux_says() -> None:
         meminfo = Path("/proc/meminfo").read_text()
         total = int(re.search(r"MemTotal: +(\d+) kB", meminfo).group(1)) * 1024  # type: ignore[union-attr]
         assert available is not None and 0 < available <= total
+
+
+@needs_model
+def test_a_load_that_would_not_fit_is_refused_before_llama_cpp_reads_the_file(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`refusal`, for the engine just before it loads a file (the memory available set by the test)."""
+    assert MODEL is not None
+    size = MODEL.stat().st_size
+    needs = size + (memory.kv_bytes(gguf.inspect(MODEL).metadata, 4 * 4096) or 0)
+    monkeypatch.setattr(memory, "available_bytes", lambda: needs - 1)
+    why = memory.refusal("smollm2", str(MODEL), size, 4096, 4)
+    assert why is not None and why.startswith("parallel 4 needs ") and "for smollm2" in why
+    assert memory.refusal("smollm2", str(MODEL), size, 4096, 3) is None
+    assert memory.refusal("gone", str(tmp_path / "gone.gguf"), size, 4096, 64) is None  # llama.cpp says why

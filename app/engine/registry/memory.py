@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from app.display import human_size
+from app.engine.registry import gguf
 
 F16 = 2  # bytes of one key or value element in the cache
 # llama.cpp rounds a context's cells up to a multiple of this (1000 cells are allocated as 1024).
@@ -82,6 +83,15 @@ def model_memory(weights_bytes: int, metadata: Mapping[str, Any], context_length
     return Memory(weights_bytes, kv_bytes(metadata, parallel * context_length), parallel)
 
 
+def header(path: str) -> dict[str, Any] | None:
+    """The metadata of the GGUF file at `path` (milliseconds: the header only); None if it cannot
+    be read, as a file that changed since it was registered. Blocking."""
+    try:
+        return gguf.inspect(path).metadata
+    except gguf.GgufError:
+        return None
+
+
 def available_bytes() -> int | None:
     """Memory this computer can give a new model now without swapping; None where unknown.
     Linux's MemAvailable counts the page cache it can drop (the free pages alone, SC_AVPHYS_PAGES,
@@ -115,3 +125,13 @@ def most_parallel(weights_bytes: int, metadata: Mapping[str, Any], context_lengt
     return max((p for p in range(1, limit + 1)
                 if (total := model_memory(weights_bytes, metadata, context_length, p).total_bytes) is not None
                 and total <= available), default=0)
+
+
+def refusal(name: str, path: str, weights_bytes: int, context_length: int, parallel: int) -> str | None:
+    """Why the model `name` at `path` must not be loaded with `parallel` sequences of
+    `context_length`: it would not fit in the memory available now (None: it fits, or that is not
+    known). Blocking (reads the header): for the engine, just before llama.cpp loads the file."""
+    metadata = header(path)
+    if metadata is None:
+        return None  # llama.cpp's loader says what is wrong with the file
+    return shortfall(name, model_memory(weights_bytes, metadata, context_length, parallel), available_bytes())
