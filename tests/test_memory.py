@@ -95,8 +95,11 @@ def test_shortfall_names_the_model_and_the_figures() -> None:
     plain = {"general.architecture": "llama", "llama.block_count": 2, "llama.embedding_length": 256,
              "llama.attention.head_count": 4}
     per_sequence = memory.kv_bytes(plain, 1024) or 0
-    assert memory.most_parallel(1000, plain, 1024, 1000 + 3 * per_sequence, 64) == 3
-    assert memory.most_parallel(1000, plain, 1024, 999, 64) == 0
+
+    def needs(parallel: int) -> memory.Memory:
+        return memory.model_memory(1000, plain, 1024, parallel)
+    assert memory.most_parallel(needs, 1000 + 3 * per_sequence, 64) == 3
+    assert memory.most_parallel(needs, 999, 64) == 0
 
 
 def test_available_memory_is_what_linux_says() -> None:

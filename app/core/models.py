@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -99,8 +100,7 @@ class Models:
         await self._read_headers(rows)
         for row in rows:
             why = memory.shortfall(row["id"], self.memory(row, changes["parallel"]), available)
-            most = memory.most_parallel(row["size_bytes"], self._headers.get(row["digest"]) or {},
-                                        models.context_length(row["context_length"]), available, changes["parallel"])
+            most = memory.most_parallel(functools.partial(self.memory, row), available, changes["parallel"])
             if why and most:
                 raise InvalidRequest(f"{why[0].upper()}{why[1:]}. At most {most} fit now.", param="parallel")
 

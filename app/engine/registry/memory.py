@@ -9,7 +9,7 @@ would not fit is refused with figures rather than ended by the system's OOM kill
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,12 +119,11 @@ def shortfall(model: str, memory: Memory, available: int | None) -> str | None:
             f"computer has {human_size(available)} available")
 
 
-def most_parallel(weights_bytes: int, metadata: Mapping[str, Any], context_length: int, available: int,
-                  limit: int) -> int:
-    """The largest `parallel` up to `limit` whose memory fits in `available` (0: not even 1)."""
+def most_parallel(memory: Callable[[int], Memory], available: int, limit: int) -> int:
+    """The largest `parallel` up to `limit` whose `memory(parallel)` fits in `available` (0: not
+    even 1, or not known)."""
     return max((p for p in range(1, limit + 1)
-                if (total := model_memory(weights_bytes, metadata, context_length, p).total_bytes) is not None
-                and total <= available), default=0)
+                if (total := memory(p).total_bytes) is not None and total <= available), default=0)
 
 
 def refusal(name: str, path: str, weights_bytes: int, context_length: int, parallel: int) -> str | None:
