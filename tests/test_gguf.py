@@ -152,7 +152,8 @@ def test_valid_small_file_is_read_back(tmp_path: Path) -> None:
     assert info.metadata["llama.rope.freq_base"] == 10000.0
     assert info.metadata["tokenizer.ggml.add_bos_token"] is True
     assert info.metadata["test.negative"] == -5
-    # Arrays, over-long strings and the chat template are never kept.
+    assert info.metadata["tokenizer.ggml.token_type"] == (1, 3, 1, 1)  # short arrays of integers are kept
+    # Other arrays, over-long strings and the chat template are never kept.
     for key in ("tokenizer.chat_template", "tokenizer.ggml.tokens", "test.nested", "test.long_text"):
         assert key not in info.metadata
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ from app.core.remotes import Remotes
 from app.engine.parent.engine import EngineError
 from app.engine.parent.modes import EngineModes
 from app.engine.parent.pool import EnginePool
-from app.engine.registry import discovery, gguf, models
+from app.engine.registry import discovery, gguf, memory, models
 from app.errors import Conflict, Forbidden, InvalidRequest, LmspError, TooManyRequests
 from app.events import EventBus
 from app.store.store import Store
@@ -29,12 +31,15 @@ EXAMINERS = 2
 
 
 class Models:
-    def __init__(self, store: Store, bus: EventBus, pool: EnginePool, modes: EngineModes, remotes: Remotes) -> None:
+    def __init__(self, store: Store, bus: EventBus, pool: EnginePool, modes: EngineModes, remotes: Remotes,
+                 parallel: Callable[[], int]) -> None:
         self.store = store
         self.bus = bus
         self.pool = pool
         self.modes = modes
         self.remotes = remotes  # a remote model is registered, probed and forgotten there
+        self.parallel = parallel  # the setting: sequences one loaded model serves at once
+        self._headers: dict[str, dict[str, Any] | None] = {}  # digest -> its GGUF header's metadata
         self.model_load_seconds: float | None = None  # the last explicit load, for /metrics
         # a file being examined: set the event to stop it -> its app (None: the owner)
         self._examining: dict[threading.Event, str | None] = {}
@@ -61,10 +66,43 @@ class Models:
 
     async def list_models(self) -> list[dict[str, Any]]:
         rows = await self.store.read(lambda c: c.execute("SELECT * FROM models ORDER BY created_at").fetchall())
+        await self._read_headers(rows)
         return [self._model_object(r) for r in rows]
 
     async def model(self, model_id: str) -> dict[str, Any]:
-        return self._model_object(await self.store.read(models.get, model_id))
+        row = await self.store.read(models.get, model_id)
+        await self._read_headers([row])
+        return self._model_object(row)
+
+    async def _read_headers(self, rows: Iterable[Any]) -> None:
+        """The GGUF header of each local model not read yet (once a file, off the loop): what its
+        KV cache takes depends on it, and the registry keeps only a few of its keys."""
+        for row in rows:
+            if row["format"] == "remote" or row["digest"] in self._headers:
+                continue
+            if models.file_status(row) == "available":
+                self._headers[row["digest"]] = await asyncio.to_thread(memory.header, row["path"])
+
+    def memory(self, row: Any, parallel: int | None = None) -> memory.Memory:
+        """What a local model takes loaded with `parallel` (default: the setting) sequences."""
+        return memory.model_memory(row["size_bytes"], self._headers.get(row["digest"]) or {},
+                                   models.context_length(row["context_length"]), parallel or self.parallel())
+
+    async def check_parallel(self, changes: dict[str, Any]) -> None:
+        """Refuse a `parallel` with which a registered model would not fit in the memory this
+        computer has now (a settings check: Settings.update asks it before saving). A model that
+        does not fit even with 1 is left to its load to refuse: no `parallel` can help it, and it
+        must not keep the setting from changing."""
+        if "parallel" not in changes or (available := memory.available_bytes()) is None:
+            return
+        rows = await self.store.read(lambda c: c.execute("SELECT * FROM models WHERE format != 'remote' "
+                                                         "ORDER BY created_at").fetchall())
+        await self._read_headers(rows)
+        for row in rows:
+            why = memory.shortfall(row["id"], self.memory(row, changes["parallel"]), available)
+            most = memory.most_parallel(functools.partial(self.memory, row), available, changes["parallel"])
+            if why and most:
+                raise InvalidRequest(f"{why[0].upper()}{why[1:]}. At most {most} fit now.", param="parallel")
 
     def _model_object(self, row: Any) -> dict[str, Any]:
         if row["format"] == "remote":
@@ -72,7 +110,7 @@ class Models:
         found = models.model_object(row, self.loaded_paths())
         if found["status"] == "available" and self.pool.refused(models.registered(row)):
             found["status"] = "changed"  # same file, size and mtime, but an engine found other bytes in it
-        return {**found, "engine": self.modes.describe(row["digest"])}
+        return {**found, "engine": self.modes.describe(row["digest"]), "memory": self.memory(row).as_dict()}
 
     async def register_model(self, body: Any, progress: Any = None, client: Client = OWNER) -> dict[str, Any]:
         """Register a file (or a remote model) on behalf of `client`, who may then remove it."""
@@ -161,6 +199,10 @@ class Models:
         engine = self.pool.idle()
         if engine is None:
             raise Conflict("engines_busy", "Every engine is busy with a task; try again when one is free.")
+        await self._read_headers([row])
+        if row["path"] not in self.loaded_paths() and (
+                why := memory.shortfall(model_id, self.memory(row), memory.available_bytes())):
+            raise LmspError("model_load_failed", f"The model could not be loaded: {why}.", status=422)
         started = time.monotonic()
         try:
             await engine.load(models.registered(row))

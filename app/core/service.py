@@ -72,7 +72,8 @@ class AppService:
         # The features the surfaces call.
         self.access = Access(self.store, self.bus, owner_vault(data_dir))
         self.remotes = Remotes(data_dir, self.store, self.bus, self.upstreams, self.scheduler)
-        self.models = Models(self.store, self.bus, self.pool, self.modes, self.remotes)
+        self.models = Models(self.store, self.bus, self.pool, self.modes, self.remotes,
+                             lambda: int(self.settings["parallel"]))
         self.downloads = Downloads(self.store, self.settings, self.transfers)
         self.embeddings = Embeddings(self.store, self.bus, self.pool)
         self.tasks = Tasks(self.store, self.bus, self.scheduler)
@@ -80,6 +81,7 @@ class AppService:
                                    self.off_loop)
         self.housekeeping = Housekeeping(self.store, self.bus, self.settings, self.access, self.remotes, self.pool)
         self.settings.on_change.append(self._apply_settings)
+        self.settings.checks.append(self.models.check_parallel)
 
     async def start(self) -> None:
         await asyncio.to_thread(make_private, self.data_dir)

@@ -6,7 +6,7 @@ the composition root): a bad value changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 from app.events import EventBus
@@ -22,6 +22,9 @@ class Settings(Mapping[str, Any]):
         self.bus = bus
         self.current: dict[str, Any] = dict(config.DEFAULTS)
         self.on_change: list[Callable[[dict[str, Any]], None]] = []  # told each saved change
+        # Asked before a change is saved, each may refuse it (raise): checks that need more than the
+        # value, as whether a `parallel` fits the models in memory (Models.check_parallel).
+        self.checks: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
 
     def __getitem__(self, key: str) -> Any:
         return self.current[key]
@@ -43,12 +46,15 @@ class Settings(Mapping[str, Any]):
         if isinstance(changes, dict) and changes.get(RESTART_KEY) == RESTART_REQUIRED:
             changes = {k: v for k, v in changes.items() if k != RESTART_KEY}
         changes = config.validate(changes)
+        for check in self.checks:
+            await check(changes)
         await self.store.write(config.save, changes)
         self.current = {**self.current, **changes}
         self._apply(changes)
-        # `engine_mode` changes how every local model runs, as GET /v1/models and the Models tab show.
+        # `engine_mode` changes how every local model runs and `parallel` the memory it takes, as
+        # GET /v1/models and the Models tab show.
         self.bus.publish([{"type": "settings.changed", "changed": sorted(changes)}]
-                         + [{"type": "models.changed"}] * ("engine_mode" in changes))
+                         + [{"type": "models.changed"}] * bool({"engine_mode", "parallel"} & set(changes)))
         return self.view()
 
     def _apply(self, changes: dict[str, Any]) -> None:

@@ -20,7 +20,8 @@ from app.gui.remote_dialog import RemoteModelDialog
 from app.gui.session import Session
 from app.gui.widgets import hashing_progress, list_page, list_table, named
 
-COLUMNS = ("Model", "Size", "Digest", "State", "Engine")
+COLUMNS = ("Model", "Size", "Digest", "State", "Engine", "Memory")
+ENGINE, MEMORY = 4, 5
 ENGINE_MODES = {"fast": "Fast", "safe": "Safe mode"}
 ENGINE_HINT = "llama.cpp's fastest CPU paths for this processor."
 STATES = {"available": "Ready", "loaded": "Loaded", "missing": "File missing", "changed": "File changed on disk",
@@ -50,6 +51,21 @@ def state_text(model: dict[str, Any]) -> str:
     return f"{state}, {down} of {len(model['endpoints'])} unreachable"
 
 
+def memory_text(model: dict[str, Any]) -> tuple[str, str]:
+    """The Memory cell and its longer form, from the model's `memory`: "0.5 GB" and "Memory: 0.5 GB
+    (KV cache 0.4 GB for 4 tasks at once)"; a KV cache that cannot be known before the load says so."""
+    memory = model.get("memory")
+    if not memory:
+        return "—", ""
+    tasks = f"for {memory['parallel']} task{'s' if memory['parallel'] != 1 else ''} at once"
+    if memory["total_bytes"] is None:
+        return (f"{human_size(memory['weights_bytes'])} + ?",
+                f"Memory: {human_size(memory['weights_bytes'])} and a KV cache {tasks} whose size is not known "
+                "before the model loads")
+    total = human_size(memory["total_bytes"])
+    return total, f"Memory: {total} (KV cache {human_size(memory['kv_cache_bytes'])} {tasks})"
+
+
 def endpoints_summary(model: dict[str, Any]) -> str:
     endpoints = model.get("endpoints") or []
     count = f"{len(endpoints)} endpoint{'s' if len(endpoints) != 1 else ''}"
@@ -61,7 +77,7 @@ class ModelsTab(QWidget):
         super().__init__(parent)
         self.session = session
         self.progress: QProgressDialog | None = None
-        self.table = list_table(COLUMNS, stretch=0, widths={1: 90, 2: 120, 3: 180, 4: 90})
+        self.table = list_table(COLUMNS, stretch=0, widths={1: 90, 2: 120, 3: 180, ENGINE: 90, MEMORY: 90})
         self.table.itemSelectionChanged.connect(self._update_buttons)
         self.table.itemDoubleClicked.connect(lambda _item: self.edit_remote())
         self.remote_dialog: RemoteModelDialog | None = None  # the one add/edit window open, if any
@@ -104,16 +120,18 @@ class ModelsTab(QWidget):
         for row, model in enumerate(models):
             engine = model.get("engine") or {}
             remote = is_remote(model)
+            memory, memory_hint = memory_text(model)
             cells = (model["id"], human_size(model.get("size_bytes")), short_digest(model.get("digest")),
                      state_text(model),
-                     "Remote" if remote else ENGINE_MODES.get(engine.get("mode", ""), "—"))
+                     "Remote" if remote else ENGINE_MODES.get(engine.get("mode", ""), "—"), memory)
+            hints = {ENGINE: REMOTE_HINT if remote else engine.get("reason") or ENGINE_HINT, MEMORY: memory_hint}
             where = ("\n".join(endpoint_line(e) for e in model["endpoints"]) if remote
                      else f"{model.get('path', '')}\n{model.get('digest', '')}")
             for col, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 item.setData(Qt.ItemDataRole.UserRole, model)
-                item.setToolTip(where if col != 4 else REMOTE_HINT if remote else engine.get("reason") or ENGINE_HINT)
-                if col == 1:
+                item.setToolTip(hints.get(col, where))
+                if col in (1, MEMORY):
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 self.table.setItem(row, col, item)
             if selected and model["id"] == selected["id"]:
@@ -142,7 +160,8 @@ class ModelsTab(QWidget):
             self.details.setText("")
             return
         where = endpoints_summary(model) if remote else model.get("path", "")
-        self.details.setText(f"{model['id']} — {where}")
+        memory = memory_text(model)[1]
+        self.details.setText(f"{model['id']} — {where}" + (f"\n{memory}" if memory else ""))
 
     # -- actions ----------------------------------------------------------------------------
 

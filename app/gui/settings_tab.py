@@ -34,7 +34,7 @@ ENGINE_MODES = {"auto": "Automatic (fast; safe if it crashes)", "fast": "Fast on
                 "safe": "Safe (slower, avoids CPU-specific crashes)"}
 RESTART_NEEDED = ("host", "port")
 GROUPS = (("Network", ("host", "port", "allowed_origins")),
-          ("Tasks", ("max_concurrent_tasks", "default_on_restart", "retention_seconds")),
+          ("Tasks", ("max_concurrent_tasks", "parallel", "default_on_restart", "retention_seconds")),
           ("Models", ("model_idle_ttl_seconds", "engine_mode")))
 LONGEST_LABEL = "Unfinished task after a restart:"  # the groups' label columns line up at this width
 
@@ -52,6 +52,7 @@ class SettingsTab(QWidget):
         for value, text in ON_RESTART.items():
             self.on_restart.addItem(text, value)
         self.concurrency = QSpinBox(minimum=1, maximum=16)
+        self.parallel = QSpinBox(minimum=1, maximum=64)
         self.origins = QPlainTextEdit()
         self.origins.setPlaceholderText("https://example.app  (one per line; none: only apps without an Origin)")
         self.origins.setFixedHeight(64)
@@ -67,6 +68,8 @@ class SettingsTab(QWidget):
             "retention_seconds": (self.retention, "Keep finished tasks for", ""),
             "default_on_restart": (self.on_restart, "Unfinished task after a restart", ""),
             "max_concurrent_tasks": (self.concurrency, "Tasks at once", "Each needs memory for its own model copy."),
+            "parallel": (self.parallel, "Parallel tasks per model", "Tasks one loaded model serves together; each "
+                         "needs memory for its own KV cache (the Models tab shows what a model takes)."),
             "allowed_origins": (self.origins, "Allowed web origins", "Web pages from these origins may call the API."),
             "model_idle_ttl_seconds": (self.idle, "Unload idle model after", ""),
             "engine_mode": (self.engine_mode, "Inference engine", "Safe mode turns off llama.cpp's weight "
@@ -141,6 +144,7 @@ class SettingsTab(QWidget):
         self.retention.setValue(max(1, round(s["retention_seconds"] / DAY)))
         self.on_restart.setCurrentIndex(max(0, self.on_restart.findData(s["default_on_restart"])))
         self.concurrency.setValue(s["max_concurrent_tasks"])
+        self.parallel.setValue(s["parallel"])
         self.origins.setPlainText("\n".join(s["allowed_origins"]))
         self.idle.setValue(round(s["model_idle_ttl_seconds"] / MINUTE))
         self.engine_mode.setCurrentIndex(max(0, self.engine_mode.findData(s["engine_mode"])))
@@ -160,6 +164,7 @@ class SettingsTab(QWidget):
                 "retention_seconds": self.retention.value() * DAY,
                 "default_on_restart": self.on_restart.currentData(),
                 "max_concurrent_tasks": self.concurrency.value(),
+                "parallel": self.parallel.value(),
                 "allowed_origins": [o.strip() for o in self.origins.toPlainText().splitlines() if o.strip()],
                 "model_idle_ttl_seconds": self.idle.value() * MINUTE,
                 "engine_mode": self.engine_mode.currentData()}

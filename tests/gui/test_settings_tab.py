@@ -6,9 +6,13 @@ from __future__ import annotations
 import pytest
 from gui_helpers import Until
 
+from app.display import human_size
+from app.engine.registry import memory
+from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.gui.session import Session
 from app.gui.settings_tab import SettingsTab
 from app.store import config
+from tests.test_model_memory import needs
 
 pytestmark = pytest.mark.gui
 
@@ -57,3 +61,24 @@ async def test_saving_good_values_says_when_they_take_effect(session: Session, u
     assert saved["host"] == "127.0.0.1"  # untouched fields are not sent at all
     tab.save_button.click()
     assert tab.status.text() == "Nothing to save."
+
+
+async def test_a_parallel_that_would_not_fit_is_explained_next_to_its_field(
+        session: Session, until: Until, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory this computer has is set by the test: the default model fits any parallel here."""
+    monkeypatch.setattr(memory, "available_bytes", lambda: needs(2) + 1000)
+    tab = SettingsTab(session)
+    tab.show()
+    assert tab.parallel.value() == 4
+    before_stored = await stored(session)
+    tab.parallel.setValue(16)
+    tab.save_button.click()
+    error = tab.errors["parallel"]
+    await until(lambda: error.isVisible(), 10, "parallel error shown")
+    assert error.text().startswith(f"Parallel 16 needs {human_size(needs(16))} for {DEFAULT_MODEL_ID}")
+    assert error.text().endswith("At most 2 fit now.") and "Not saved" in tab.status.text()
+    assert session.service.settings["parallel"] == 4 and await stored(session) == before_stored
+    tab.parallel.setValue(2)
+    tab.save_button.click()
+    await until(lambda: tab.status.text().startswith("Saved"), 10, "saved")
+    assert not error.isVisible() and (await stored(session))["parallel"] == 2

@@ -35,6 +35,11 @@ _SCALARS = {t: struct.Struct(f) for t, f in
              10: "<Q", 11: "<q", 12: "<d"}.items()}
 _MIN_SIZE = {**{t: s.size for t, s in _SCALARS.items()}, STRING: 8, ARRAY: 4 + 8}
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+# Arrays of integers this short are kept: a value per layer (a model's layers number in the
+# hundreds at most), such as `<arch>.attention.head_count_kv` where layers differ, which the KV
+# cache's size depends on. Longer ones (a tokenizer's token types) are only skipped.
+_INTEGERS, MAX_KEPT_ARRAY = (0, 1, 2, 3, 4, 5, 10, 11), 1024
+Value = str | int | float | bool | tuple[int, ...]
 # ggml type -> (elements per block, bytes per block), copied from ggml's GGML_QUANT_SIZES.
 # Types missing here (new or exotic quantisations) are still accepted, just without a size check.
 BLOCK_SIZES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24),
@@ -62,7 +67,7 @@ class GgufInfo:
     context_length: int | None
     has_chat_template: bool
     file_size: int
-    metadata: dict[str, str | int | float | bool]
+    metadata: dict[str, Value]
 
 
 def _num(n: int) -> str:
@@ -155,8 +160,9 @@ class _Reader:
         return self.take(n, what).decode("utf-8", "replace")
 
 
-def _value(r: _Reader, vtype: int, what: str, depth: int = 0) -> str | int | float | bool | None:
-    """Reads one value; returns scalars and short strings, None for what we only skip."""
+def _value(r: _Reader, vtype: int, what: str, depth: int = 0) -> Value | None:
+    """Reads one value; returns scalars, short strings and short arrays of integers, None for
+    what we only skip."""
     if vtype in _SCALARS:
         s = _SCALARS[vtype]
         scalar: int | float | bool = s.unpack(r.take(s.size, what))[0]
@@ -184,6 +190,9 @@ def _value(r: _Reader, vtype: int, what: str, depth: int = 0) -> str | int | flo
                         f"and arrays in one header, {MAX_WALKED - r.walk_left} before it ({what})")
     if count * _MIN_SIZE[etype] > r.remaining:
         raise GgufError(f"array count {_num(count)} at offset {start} cannot fit in the file ({what})")
+    if etype in _INTEGERS and count <= MAX_KEPT_ARRAY:
+        s = _SCALARS[etype]
+        return tuple(int(n) for (n,) in s.iter_unpack(r.take(count * s.size, what)))
     if etype in _SCALARS:
         r.skip(count * _MIN_SIZE[etype], what)
         return None
@@ -248,7 +257,7 @@ def _parse(r: _Reader) -> GgufInfo:
     if tensor_count > MAX_TENSORS or kv_count * MIN_KV + tensor_count * MIN_TENSOR > r.remaining:
         raise GgufError(f"tensor_count {_num(tensor_count)} cannot fit in a {r.size}-byte file")
 
-    metadata: dict[str, str | int | float | bool] = {}
+    metadata: dict[str, Value] = {}
     seen: set[str] = set()
     has_template, alignment = False, 32
     for i in range(kv_count):
