@@ -41,7 +41,7 @@ from app.engine.child.slices import COARSE, grid, shared_slices
 from app.engine.child.text import Text
 from app.engine.child.threads import Threads
 from app.engine.constraints import grammar
-from app.engine.registry import models
+from app.engine.registry import memory, models
 from app.engine.request import ChatMessage, Request
 
 if TYPE_CHECKING:
@@ -153,12 +153,10 @@ class Child:
         variant = backend.load()
         # Said before anything can crash, so that a crash report names the CPU code that ran.
         self.conn.send({"ev": "backend", "cpu_variant": variant})
-        try:
-            fd, path = models.open_verified(msg["file"])
-        except (models.FileChanged, OSError) as exc:
-            self.conn.send({"ev": "error", "code": "model_changed" if isinstance(exc, models.FileChanged)
-                            else "model_load_failed", "message": str(exc)})
+        opened = self.open_model(msg["file"], parallel)
+        if opened is None:
             return
+        fd, path = opened
         try:
             with extra_bufts(self.fast):
                 # With several at once the batch's context serves them: the model's own only warms up.
@@ -196,6 +194,23 @@ class Child:
         self.conn.send({"ev": "loaded", "n_ctx": self.n_ctx, "parallel": parallel,
                         "n_ctx_train": llm._model.n_ctx_train(), "load_seconds": time.monotonic() - started,
                         "warmup_seconds": warmup})
+
+    def open_model(self, file: models.Registered, parallel: int) -> tuple[int, str] | None:
+        """The model file opened, if it is the one registered and fits in memory with `parallel`
+        contexts (refused before llama.cpp takes the memory: what does not fit is an OOM kill);
+        else None, the error said."""
+        try:
+            fd, path = models.open_verified(file)
+        except (models.FileChanged, OSError) as exc:
+            self.conn.send({"ev": "error", "code": "model_changed" if isinstance(exc, models.FileChanged)
+                            else "model_load_failed", "message": str(exc)})
+            return None
+        too_big = memory.refusal(os.path.basename(file.path), path, file.size_bytes, self.n_ctx, parallel)
+        if too_big is not None:
+            os.close(fd)
+            self.conn.send({"ev": "error", "code": "model_load_failed", "message": too_big})
+            return None
+        return fd, path
 
     def drop(self) -> None:
         """Forget the loaded model (the contexts first: they use the model); its generations end."""
