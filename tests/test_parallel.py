@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
+from app.engine.registry.models import DEFAULT_MODEL_ID
 from tests.helpers import COUNT, pair, poll, raw, wait_status
 from tests.test_api import check_sequence, deltas, events, task
+from tests.test_metrics import metrics, value
 
 # Distinct prompts that share their beginning, as apps send them.
 LONG = {"max_output_tokens": 96, "temperature": 0, "background": True}
@@ -105,3 +107,38 @@ async def test_slots_go_round_robin_between_apps(api: Any, service: Any) -> None
     # Two slots: the busy app's first task, then the other app's, before the busy app's second.
     order = sorted(started, key=lambda i: started[i])
     assert order.index(other) <= 1, [(i == other, started[i]) for i in order]
+
+
+@pytest.mark.scripted(pace=20.0)
+async def test_each_task_shows_its_slot_or_its_place_in_the_queue(api: Any, service: Any) -> None:
+    assert (await api.patch("/v1/settings", json={"parallel": 2})).status == 200
+    apps = {}
+    for name in ("Notes", "Editor"):
+        _, token = await pair(api, ["responses:write", "tasks:read"], name=name)
+        apps[name] = {"Authorization": f"Bearer {token}"}
+    service.tasks.set_paused(True)
+    body = {"input": "count", "max_output_tokens": 400, "background": True}
+    notes = [await start(api, body, apps["Notes"]) for _ in range(3)]
+    editor = [await start(api, body, apps["Editor"]) for _ in range(2)]
+    queued = sorted([await task(api, i) for i in notes + editor], key=lambda t: t["queue_position"])
+    assert [t["queue_position"] for t in queued] == [1, 2, 3, 4, 5] and all(t["slot"] is None for t in queued)
+    owners = ["notes" if t["id"] in notes else "editor" for t in queued]
+    assert owners in (["notes", "editor"] * 2 + ["notes"], ["editor", "notes"] * 2 + ["notes"]), owners  # in turns
+
+    service.tasks.set_paused(False)
+    running = await poll(lambda: _running(api, [t["id"] for t in queued]), what="two tasks running")
+    assert sorted(t["slot"]["index"] for t in running) == [0, 1] and {t["slot"]["of"] for t in running} == {2}
+    assert {t["id"] for t in running} == {t["id"] for t in queued[:2]}
+    waiting = [await task(api, t["id"]) for t in queued[2:]]
+    assert [t["queue_position"] for t in waiting] == [1, 2, 3] and all(t["slot"] is None for t in waiting)
+    samples = await metrics(api)
+    assert value(samples, "lmsp_slots_busy", model=DEFAULT_MODEL_ID) == 2
+    assert value(samples, "lmsp_slots_total", model=DEFAULT_MODEL_ID) == 2
+    listed = {t["id"]: t for t in (await (await api.get("/v1/tasks?limit=10")).json())["data"]}
+    assert listed[queued[2]["id"]]["queue_position"] == 1 and listed[queued[0]["id"]]["slot"] is not None
+
+
+async def _running(api: Any, ids: list[str]) -> list[dict[str, Any]] | None:
+    now = [await task(api, i) for i in ids]
+    running = [t for t in now if t["status"] == "running"]
+    return running if len(running) == 2 else None

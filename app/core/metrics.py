@@ -34,8 +34,24 @@ def task_counts(conn: sqlite3.Connection) -> dict[str, int]:
     return {r["status"]: r["n"] for r in conn.execute("SELECT status, count(*) AS n FROM tasks GROUP BY status")}
 
 
+def model_ids(conn: sqlite3.Connection) -> dict[str, str]:
+    """Each local model's id, by its file's path."""
+    return {r["path"]: r["id"] for r in conn.execute("SELECT id, path FROM models WHERE path IS NOT NULL")}
+
+
+def slot_lines(slots: dict[str, tuple[int, int]], ids: dict[str, str]) -> list[str]:
+    """Slots busy and in all, per loaded model (`EnginePool.slots`, by path)."""
+    lines = ["# HELP lmsp_slots_busy Tasks a loaded model is decoding now.", "# TYPE lmsp_slots_busy gauge"]
+    lines += [f'lmsp_slots_busy{{model="{ids.get(path, path)}"}} {busy}' for path, (busy, _) in sorted(slots.items())]
+    lines += ["# HELP lmsp_slots_total Tasks a loaded model can decode at once (its copies' parallel slots).",
+              "# TYPE lmsp_slots_total gauge"]
+    lines += [f'lmsp_slots_total{{model="{ids.get(path, path)}"}} {n}' for path, (_, n) in sorted(slots.items())]
+    return lines
+
+
 def render(counts: dict[str, int], *, tokens: int, tokens_per_second: float | None, load_seconds: float | None,
-           recovery: dict[str, int], latency: LatencyHistogram, commits: int, transactions: int) -> str:
+           recovery: dict[str, int], latency: LatencyHistogram, commits: int, transactions: int,
+           slots: list[str]) -> str:
     lines: list[Any] = ["# HELP lmsp_tasks Tasks in the database by state.", "# TYPE lmsp_tasks gauge"]
     lines += [f'lmsp_tasks{{state="{s}"}} {counts.get(s, 0)}' for s in (*UNFINISHED, *TERMINAL)]
     lines += ["# HELP lmsp_queue_depth Tasks waiting to run.", "# TYPE lmsp_queue_depth gauge",
@@ -54,6 +70,7 @@ def render(counts: dict[str, int], *, tokens: int, tokens_per_second: float | No
               "# TYPE lmsp_store_commits_total counter", f"lmsp_store_commits_total {commits}",
               "# HELP lmsp_store_transactions_total Writes committed; writes that arrive together share a commit.",
               "# TYPE lmsp_store_transactions_total counter", f"lmsp_store_transactions_total {transactions}"]
+    lines += slots
     lines += ["# HELP lmsp_request_seconds HTTP request latency (to the first byte of the answer).",
               "# TYPE lmsp_request_seconds histogram", *latency.lines("lmsp_request_seconds")]
     return "\n".join(lines) + "\n"

@@ -140,7 +140,8 @@ class AppService:
         return metrics.render(await self.store.read(metrics.task_counts), tokens=self.generations.tokens_generated,
                               tokens_per_second=self.generations.last_tokens_per_second,
                               load_seconds=self.models.model_load_seconds, recovery=self.recovery_counts,
-                              latency=latency, commits=self.store.commits, transactions=self.store.transactions)
+                              latency=latency, commits=self.store.commits, transactions=self.store.transactions,
+                              slots=metrics.slot_lines(self.pool.slots(), await self.store.read(metrics.model_ids)))
 
     def describe(self) -> dict[str, Any]:
         return {"protocol": "lmsp", "version": "1.0",

@@ -11,6 +11,7 @@ from app.errors import Conflict, InvalidRequest, NotFound
 from app.events import EventBus, Feed
 from app.store.store import Store
 from app.tasks import kinds, machine, records
+from app.tasks.kinds.generation import Generations
 from app.tasks.scheduler import Scheduler
 from app.tasks.states import TERMINAL
 
@@ -22,9 +23,19 @@ class Tasks:
         self.store = store
         self.bus = bus
         self.scheduler = scheduler
+        self.generations = scheduler.kind(Generations)
 
     async def task(self, client: Client, task_id: str) -> dict[str, Any]:
-        return records.task_object(await self.owned(client, "task", task_id))
+        return (await self._placed([records.task_object(await self.owned(client, "task", task_id))]))[0]
+
+    async def _placed(self, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The task objects with where each stands (LMSP §14): its place in the queue while
+        queued (read only when one is), its slot while it runs."""
+        queued = any(t["kind"] == "response" and t["status"] == "queued" for t in tasks)
+        places = await self.generations.places([t["id"] for t in tasks], queued)
+        for task in tasks:
+            task.update(places[task["id"]])
+        return tasks
 
     async def owned(self, client: Client, kind: str, ident: str, whole: bool = False) -> dict[str, Any]:
         """The task row (with its response) of a task or response `client` may see; else 404.
@@ -65,7 +76,7 @@ class Tasks:
             raise Conflict("task_not_cancellable", f"Task {row['id']} has already ended.")
         cancelled = await self.store.read(records.one_listed, "t.id", row["id"])
         assert cancelled is not None  # a task is deleted only once it has ended, long after
-        return records.task_object(cancelled)
+        return (await self._placed([records.task_object(cancelled)]))[0]
 
     async def wait(self, task_id: str) -> dict[str, Any]:
         """Wait until the task is finished; returns its final row."""
@@ -84,7 +95,7 @@ class Tasks:
                          after: str | None = None) -> tuple[list[dict[str, Any]], bool]:
         """Newest first; `after` is the id of the last task of the previous page."""
         rows = await self.store.read(_list_tasks, None if client.is_admin else client.id, status, limit + 1, after)
-        return [records.task_object(r) for r in rows[:limit]], len(rows) > limit
+        return await self._placed([records.task_object(r) for r in rows[:limit]]), len(rows) > limit
 
     def set_paused(self, paused: bool) -> None:
         self.scheduler.set_paused(paused)

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from app.engine.parent.engine import Engine
 from app.engine.parent.modes import EngineModes
@@ -28,7 +29,7 @@ class EnginePool:
         self.modes = modes
         self.factory = factory
         self._engines: list[Engine] = []
-        self._leases: dict[str, Engine] = {}  # task id -> the engine it runs on
+        self._leases: dict[str, tuple[Engine, int]] = {}  # task id -> the engine it runs on, and its slot there
         self.capacity = 0  # how many engines are in use (max_concurrent_tasks)
         self.parallel = 1  # tasks an engine serves at once (parallel)
 
@@ -56,7 +57,7 @@ class EnginePool:
 
     def running(self, engine: Engine) -> int:
         """How many tasks hold a slot of this engine."""
-        return sum(leased is engine for leased in self._leases.values())
+        return sum(leased is engine for leased, _ in self._leases.values())
 
     def busy(self, engine: Engine) -> bool:
         return self.running(engine) > 0
@@ -71,14 +72,22 @@ class EnginePool:
                      if 0 < self.running(e) < e.parallel and e.ready() is not None), None)
 
     def lease(self, task_id: str, engine: Engine) -> None:
-        assert self.running(engine) < engine.parallel
-        self._leases[task_id] = engine
+        """Give the task the engine's lowest free slot."""
+        taken = {slot for leased, slot in self._leases.values() if leased is engine}
+        self._leases[task_id] = engine, min(set(range(engine.parallel)) - taken)
 
     def release(self, task_id: str) -> None:
         """The task no longer uses its engine (again is fine: a task hands its engine over first)."""
-        engine = self._leases.pop(task_id, None)
+        engine, _ = self._leases.pop(task_id, (None, 0))
         if engine is not None and not self.busy(engine):
             engine.parallel = self.parallel
+
+    def slot_of(self, task_id: str) -> dict[str, Any] | None:
+        """Where a task runs: `{"engine", "index", "of"}` (its slot, from 0, of the engine's), if it holds one."""
+        if task_id not in self._leases:
+            return None
+        engine, slot = self._leases[task_id]
+        return {"engine": engine.name, "index": slot, "of": engine.parallel}
 
     def slots(self) -> dict[str, tuple[int, int]]:
         """Per model file loaded: (slots busy, slots in all) of the engines holding it."""

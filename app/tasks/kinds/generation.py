@@ -113,6 +113,15 @@ class Generations(Kind):
         if job is not None:
             job.engine.cancel()
 
+    async def places(self, task_ids: list[str], queued: bool) -> dict[str, dict[str, Any]]:
+        """Where each of these tasks stands: `queue_position` (1: the next to run) while queued
+        (the queue is read only when one of them is), `slot` (app/engine/parent/pool.py
+        `slot_of`) while it runs on a local engine."""
+        order = await self.store.read(writes.queue_order, self.name, self.last_client) if queued else []
+        position = {task_id: n for n, task_id in enumerate(order, 1)}
+        return {task_id: {"queue_position": position.get(task_id), "slot": self.pool.slot_of(task_id)}
+                for task_id in task_ids}
+
     def _hurry(self, task_id: str) -> None:
         """A live reader arrived: what the task holds back is written now, the rest as it comes."""
         job = self.jobs.get(task_id)

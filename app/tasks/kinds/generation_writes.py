@@ -71,6 +71,18 @@ def take(conn: sqlite3.Connection, kind: str, room: EngineRoom) -> Taken | None:
     return row["id"], row["client_id"], row["format"], events, task
 
 
+def queue_order(conn: sqlite3.Connection, kind: str, last_client: str) -> list[str]:
+    """The queued tasks of `kind` in the order `take` would take them: clients in turn (in id
+    order, from the first after `last_client`, wrapping around), each its oldest task."""
+    queues: dict[str, list[str]] = {}
+    for row in conn.execute("SELECT t.id, r.client_id FROM tasks t JOIN responses r ON r.id = t.response_id "
+                            "WHERE t.kind = ? AND t.status = 'queued' ORDER BY r.client_id <= ?, r.client_id, "
+                            "t.created_at", (kind, last_client)):
+        queues.setdefault(row["client_id"], []).append(row["id"])
+    turns = list(queues.values())
+    return [queue[k] for k in range(max(map(len, turns), default=0)) for queue in turns if k < len(queue)]
+
+
 def waiting(conn: sqlite3.Connection, task_id: str, message: str) -> list[machine.Event] | None:
     return machine.record(conn, task_id, (LOADING,), [("response.loading", {"progress": 0.0, "message": message})])
 
