@@ -31,6 +31,17 @@ def done_and_limit(task: dict[str, Any]) -> tuple[int, int | None]:
     return progress["output_tokens"], progress["max_output_tokens"]
 
 
+def status_text(task: dict[str, Any]) -> str:
+    """The status, with where the task stands: its place in the queue, its slot among the tasks its
+    model decodes together."""
+    slot = task.get("slot")
+    if task.get("queue_position"):
+        return f"queued #{task['queue_position']}"
+    if slot and slot["of"] > 1:
+        return f"{task['status']} · slot {slot['index'] + 1} of {slot['of']}"
+    return str(task["status"])
+
+
 def elapsed(task: dict[str, Any], now: float) -> float | None:
     start = task.get("started_at")
     if start is None:
@@ -86,7 +97,7 @@ class TaskTableModel(QAbstractTableModel):
         if role != Qt.ItemDataRole.DisplayRole:
             return None
         if col == STATUS:
-            return task["status"]
+            return status_text(task)
         if col == MODEL:
             return task.get("model") or "—"
         if col == CLIENT:

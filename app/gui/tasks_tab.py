@@ -45,6 +45,8 @@ from app.gui.task_table import (
 
 LOAD_LIMIT = 200
 BATCH_SECONDS = 0.1
+# Events of a task leaving the queue (to load, or cancelled) or joining it (a retry): the others move.
+QUEUE_MOVES = {"response.loading", "response.cancelled", "response.queued"}
 
 
 class TasksTab(QWidget):
@@ -57,6 +59,7 @@ class TasksTab(QWidget):
         self._stale: set[str] = set()
         self._fetching = False
         self._more = False  # list_tasks had more than LOAD_LIMIT
+        self._queue_moved = False  # a task left or joined the queue since the queued rows were read
 
         self.filter = QComboBox()
         self.filter.addItems(list(FILTERS))
@@ -130,6 +133,8 @@ class TasksTab(QWidget):
 
     def on_event(self, event: dict[str, Any]) -> None:
         self._stale.add(event["task_id"])
+        if event["type"] in QUEUE_MOVES:  # the other queued tasks' places changed
+            self._queue_moved = True
         if not self._fetching and self.session.owner is not None:
             self._fetching = True
             spawn(self._refresh_stale(), self)
@@ -141,6 +146,11 @@ class TasksTab(QWidget):
             while self._stale:
                 await asyncio.sleep(BATCH_SECONDS)  # let a burst of deltas collapse into one read
                 batch, self._stale = self._stale, set()
+                if self._queue_moved:
+                    self._queue_moved = False
+                    queued, _ = await self.session.service.tasks.list_tasks(owner, "queued", LOAD_LIMIT)
+                    for task in queued:
+                        self.model.upsert(task)
                 for task_id in batch:
                     try:
                         task = await self.session.service.tasks.task(owner, task_id)
