@@ -98,7 +98,7 @@ class Batch:
         (a prompt is read in chunks of what the generating sequences leave of it). `doing`: the
         child's `doing`, told what runs (llama.cpp's kernels, a grammar) before it runs. `before`:
         told, before each step's evaluation, what it evaluates (`prompt`, `token<N>`: a sequence's
-        N-th output token), for the child's fault injection."""
+        N-th output token), and before a grammar picks a token (`grammar`): the child's fault injection."""
         import llama_cpp
         from llama_cpp._internals import LlamaBatch, LlamaContext
 
@@ -260,6 +260,8 @@ class Batch:
 
     def _sample(self, stream: Stream, row: int) -> Out:
         self.doing(GRAMMAR if stream.constrained else OTHER)
+        if stream.constrained:
+            self.before({"grammar"})
         try:
             tok = int(stream.sampler.sample(self.ctx, row))
         except DeadEnd:

@@ -37,7 +37,8 @@ def _pooling(llm: Any) -> int:
 
 
 class Embedder:
-    def __init__(self, llm: Any, n_threads: int, piece_bytes: int) -> None:
+    def __init__(self, llm: Any, n_ctx: int, n_threads: int, piece_bytes: int) -> None:
+        """`n_ctx`: the longest input, as long as a generation's context."""
         from llama_cpp import _internals, llama_cpp
 
         own = _pooling(llm)
@@ -45,15 +46,15 @@ class Embedder:
         params = llama_cpp.llama_context_default_params()
         # An input as long as the generation context may end in a batch after others began:
         # room for both in the cache.
-        params.n_ctx = llm.n_ctx() + SLICE
-        params.n_batch = params.n_ubatch = llm.n_ctx() if self.whole else SLICE
+        params.n_ctx = n_ctx + SLICE
+        params.n_batch = params.n_ubatch = n_ctx if self.whole else SLICE
         params.n_seq_max = SEQUENCES
         params.kv_unified = True  # short inputs share the cache instead of n_ctx / SEQUENCES each
         params.embeddings = True
         params.pooling_type = own
         params.n_threads = params.n_threads_batch = n_threads
         self.llm = llm
-        self.limit = llm.n_ctx()
+        self.limit = n_ctx
         self.piece_bytes = piece_bytes
         self.ctx = _internals.LlamaContext(model=llm._model, params=params, verbose=False)
         self.batch = _internals.LlamaBatch(n_tokens=params.n_batch, embd=0, n_seq_max=1, verbose=False)

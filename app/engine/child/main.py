@@ -230,7 +230,7 @@ class Child:
             from app.engine.child.embedder import Embedder  # numpy too: imported where it is used, as llama_cpp is
 
             try:
-                self.embedder = Embedder(self.llm, self.n_threads, self.piece_bytes)
+                self.embedder = Embedder(self.llm, self.n_ctx, self.n_threads, self.piece_bytes)
             except ValueError as exc:  # llama.cpp could not make the context (memory)
                 self.conn.send({"ev": "error", "code": "embeddings_unavailable", "message": str(exc)})
                 return
