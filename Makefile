@@ -46,8 +46,8 @@ $(LLAMA_WHEEL):
 	touch $@
 
 # $(call build-llama-server,FOLDER,CMAKE FLAGS): llama-server from the llama.cpp llama-cpp-python
-# vendors, into FOLDER with the shared libraries it was built with (none when static); the
-# sources and the build folder are removed once it is there.
+# vendors, into FOLDER with the shared libraries it was built with (none when static; their
+# version links kept as links); the sources and the build folder are removed once it is there.
 define build-llama-server
 	rm -rf $(1)/src $(1)/build
 	mkdir -p $(1)/src
@@ -56,7 +56,7 @@ define build-llama-server
 	tar -xzf $(1)/src/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(1)/src
 	cmake -S $(1)/src/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp -B $(1)/build $(2)
 	cmake --build $(1)/build --target llama-server -j$$(nproc)
-	find $(1)/build/bin -name '*.so' -exec cp {} $(1)/ \;
+	find $(1)/build/bin -name '*.so*' -exec cp -P {} $(1)/ \;
 	cp $(1)/build/bin/llama-server $(1)/llama-server.tmp && mv $(1)/llama-server.tmp $(1)/llama-server
 	rm -rf $(1)/src $(1)/build
 endef
