@@ -17,9 +17,17 @@ LLAMA_WHEEL   := $(WHEELS)/.built
 # kernels in this build (GGML_NATIVE=OFF: AVX2 at most), so it runs on CPUs where they crash.
 LLAMA_SERVER_DIR ?= $(HOME)/.cache/lmsp-tray/llama-server-$(LLAMA_VERSION)
 LLAMA_SERVER     := $(LLAMA_SERVER_DIR)/llama-server
-LLAMA_SERVER_CMAKE := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF \
-  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
-  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+SERVER_CMAKE := -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+LLAMA_SERVER_CMAKE := $(SERVER_CMAKE) -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF
+# Bench-only (tests/bench/test_parallel.py, `make bench`, never `make test`): the same server
+# built with the wheel's own flags, every CPU variant a shared library the binary picks at run
+# time, so the bench compares LMSP with llama-server on the same kernels (the AVX2-only build
+# above would flatter LMSP). The libraries are kept next to the binary, found by $$ORIGIN.
+LLAMA_PEER_DIR ?= $(HOME)/.cache/lmsp-tray/llama-server-portable-$(LLAMA_VERSION)
+LLAMA_PEER     := $(LLAMA_PEER_DIR)/llama-server
+LLAMA_PEER_CMAKE := $(SERVER_CMAKE) $(LLAMA_CMAKE) -DBUILD_SHARED_LIBS=ON \
+  -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON
 
 # Qt's platform plugins and the virtual screen + tray host the GUI tests use.
 APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbcommon-x11-0 \
@@ -27,7 +35,7 @@ APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbc
   libxcb-xinerama0 libxcb-xkb1 libegl1 libgl1 libdbus-1-3 libfontconfig1 cmake build-essential \
   desktop-file-utils appstream
 
-.PHONY: run test lint bench package system-deps clean llama-server
+.PHONY: run test lint bench package system-deps clean llama-server llama-server-portable
 
 # --no-cache-dir: pip's own wheel cache does not know CMAKE_ARGS and could hand back a
 # native build made elsewhere.
@@ -37,18 +45,27 @@ $(LLAMA_WHEEL):
 	  --no-cache-dir --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_VERSION) -w $(WHEELS)
 	touch $@
 
-# One static binary; the sources and the build folder are removed once it is there.
-$(LLAMA_SERVER):
-	rm -rf $(LLAMA_SERVER_DIR)/src $(LLAMA_SERVER_DIR)/build
-	mkdir -p $(LLAMA_SERVER_DIR)/src
+# $(call build-llama-server,FOLDER,CMAKE FLAGS): llama-server from the llama.cpp llama-cpp-python
+# vendors, into FOLDER with the shared libraries it was built with (none when static; their
+# version links kept as links); the sources and the build folder are removed once it is there.
+define build-llama-server
+	rm -rf $(1)/src $(1)/build
+	mkdir -p $(1)/src
 	$(PYTHON) -m pip download --quiet --no-deps --no-binary llama-cpp-python \
-	  llama-cpp-python==$(LLAMA_VERSION) -d $(LLAMA_SERVER_DIR)/src
-	tar -xzf $(LLAMA_SERVER_DIR)/src/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(LLAMA_SERVER_DIR)/src
-	cmake -S $(LLAMA_SERVER_DIR)/src/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp \
-	  -B $(LLAMA_SERVER_DIR)/build $(LLAMA_SERVER_CMAKE)
-	cmake --build $(LLAMA_SERVER_DIR)/build --target llama-server -j$$(nproc)
-	cp $(LLAMA_SERVER_DIR)/build/bin/llama-server $@.tmp && mv $@.tmp $@
-	rm -rf $(LLAMA_SERVER_DIR)/src $(LLAMA_SERVER_DIR)/build
+	  llama-cpp-python==$(LLAMA_VERSION) -d $(1)/src
+	tar -xzf $(1)/src/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(1)/src
+	cmake -S $(1)/src/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp -B $(1)/build $(2)
+	cmake --build $(1)/build --target llama-server -j$$(nproc)
+	find $(1)/build/bin -name '*.so*' -exec cp -P {} $(1)/ \;
+	cp $(1)/build/bin/llama-server $(1)/llama-server.tmp && mv $(1)/llama-server.tmp $(1)/llama-server
+	rm -rf $(1)/src $(1)/build
+endef
+
+$(LLAMA_SERVER):
+	$(call build-llama-server,$(LLAMA_SERVER_DIR),$(LLAMA_SERVER_CMAKE))
+
+$(LLAMA_PEER):
+	$(call build-llama-server,$(LLAMA_PEER_DIR),$(LLAMA_PEER_CMAKE))
 
 $(BIN)/.installed: pyproject.toml $(LLAMA_WHEEL)
 	$(PYTHON) -m venv $(VENV)
@@ -76,14 +93,16 @@ lint: $(BIN)/.installed
 test: system-deps $(BIN)/.installed $(LLAMA_SERVER) lint
 	LMSP_WHEELS=$(WHEELS) LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q
 
-bench: system-deps $(BIN)/.installed
-	$(BIN)/python -m pytest -q -s tests/bench
+bench: system-deps $(BIN)/.installed $(LLAMA_PEER)
+	LMSP_LLAMA_PEER=$(LLAMA_PEER) $(BIN)/python -m pytest -q -s tests/bench
 
 # The one-folder desktop app in dist/lmsp-tray/ (PyInstaller; packaging/README.md).
 package: system-deps $(BIN)/.installed
 	packaging/build.sh
 
 llama-server: $(LLAMA_SERVER)
+
+llama-server-portable: $(LLAMA_PEER)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -298,10 +298,13 @@ class Upstream:
     llama-cpp-python's (`kind="python"`, tests/upstream.py) or llama.cpp's `llama-server`.
     One thread each by default: two of them share the machine's two cores. `interrupt` (python
     only, its default): a new request ends the stream in progress; llama-server runs 4 slots at
-    once. `fast` (python only): llama.cpp's fast mode, as a benchmark's peer of the engine."""
+    once. `fast` (python only): llama.cpp's fast mode, as a benchmark's peer of the engine.
+    `server` (llama-server only): which build; `options`: more of its options, after (and so
+    over) the defaults here."""
 
     def __init__(self, procs: Processes, log: Path, kind: str = "python", alias: str = "smollm2",
-                 interrupt: bool = True, api_key: str | None = None, threads: int = 1, fast: bool = False) -> None:
+                 interrupt: bool = True, api_key: str | None = None, threads: int = 1, fast: bool = False,
+                 server: Path = LLAMA_SERVER, options: tuple[str, ...] = ()) -> None:
         from app.paths import default_model_file
 
         self.procs, self.log, self.kind, self.alias, self.api_key = procs, log, kind, alias, api_key
@@ -315,10 +318,10 @@ class Upstream:
                             "--interrupt-requests" if interrupt else "--no-interrupt-requests",
                             *(["--fast"] if fast else [])]
         else:
-            assert LLAMA_SERVER.is_file(), f"no {LLAMA_SERVER}: `make llama-server` builds it"
-            self.command = [str(LLAMA_SERVER), "--model", model, "--alias", alias, "--host", "127.0.0.1",
+            assert server.is_file(), f"no {server}: `make llama-server` builds it"
+            self.command = [str(server), "--model", model, "--alias", alias, "--host", "127.0.0.1",
                             "--port", str(self.port), "--threads", str(threads), "--threads-batch", str(threads),
-                            "--ctx-size", "2048", "--no-ui"]
+                            "--ctx-size", "2048", "--no-ui", *options]
         if api_key:  # then every request needs `Authorization: Bearer <api_key>`, else 401
             self.command += ["--api-key", api_key]
 
@@ -364,8 +367,8 @@ class Upstream:
 
 @pytest.fixture
 def upstreams(tmp_path: Path, procs: Processes) -> Any:
-    """upstreams(n=1, kind="python", alias="smollm2", interrupt=True, api_key=None, threads=1, fast=False)
-    -> n ready Upstreams, each killed (whole process group) with the test."""
+    """upstreams(n=1, kind="python", alias="smollm2", interrupt=True, api_key=None, threads=1, fast=False,
+    server=LLAMA_SERVER, options=()) -> n ready Upstreams, each killed (whole process group) with the test."""
     def start(n: int = 1, **kwargs: Any) -> list[Upstream]:
         count = len(list(tmp_path.glob("upstream-*.log")))
         started = [Upstream(procs, tmp_path / f"upstream-{count + i}.log", **kwargs).start() for i in range(n)]

@@ -101,17 +101,17 @@ def sse(url: str, body: dict[str, Any], token: str | None = None) -> Iterator[tu
                 yield time.perf_counter(), json.loads(line[6:])
 
 
-def chat_body(up: Upstream, tokens: int) -> dict[str, Any]:
-    """The chat completion the service would send an upstream for PROMPT (app/engine/net/remote.py's own body)."""
-    gen = Generation(Request([{"role": "user", "content": PROMPT}], temperature=0), max_tokens=tokens)
+def chat_body(up: Upstream, tokens: int, prompt: str = PROMPT) -> dict[str, Any]:
+    """The chat completion the service would send an upstream for `prompt` (app/engine/net/remote.py's own body)."""
+    gen = Generation(Request([{"role": "user", "content": prompt}], temperature=0), max_tokens=tokens)
     return chat_request(up.alias, gen)
 
 
-def direct_stream(up: Upstream, tokens: int = TOKENS) -> Stream:
+def direct_stream(up: Upstream, tokens: int = TOKENS, prompt: str = PROMPT) -> Stream:
     """`chat_body`, streamed straight to the upstream."""
     start = time.perf_counter()
     arrivals, made = [], 0
-    for at, event in sse(up.base_url + "/chat/completions", chat_body(up, tokens)):
+    for at, event in sse(up.base_url + "/chat/completions", chat_body(up, tokens, prompt)):
         if any((choice.get("delta") or {}).get("content") for choice in event.get("choices") or ()):
             arrivals.append(at)
         made = (event.get("usage") or {}).get("completion_tokens", made)
