@@ -34,6 +34,10 @@ APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbc
   libxcb-icccm4 libxcb-image0 libxcb-keysyms1 libxcb-randr0 libxcb-render-util0 libxcb-shape0 \
   libxcb-xinerama0 libxcb-xkb1 libegl1 libgl1 libdbus-1-3 libfontconfig1 cmake build-essential \
   desktop-file-utils appstream
+# The web-page tests (tests/test_browser.py): headless Chromium, and npm for the `openai` package
+# the pages load (tests/browser/package-lock.json; no CDN).
+APT_PACKAGES += chromium npm
+BROWSER_DEPS := tests/browser/node_modules/.package-lock.json
 
 .PHONY: run test lint bench package system-deps clean llama-server llama-server-portable
 
@@ -88,9 +92,12 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff check app tests
 	$(BIN)/mypy
 
+$(BROWSER_DEPS): tests/browser/package-lock.json
+	cd tests/browser && npm ci --no-audit --no-fund
+
 # tests/test_wheel.py installs the app's wheel in a fresh venv, with llama.cpp from $(WHEELS);
 # the remote-endpoint tests start $(LLAMA_SERVER) as one of their upstreams.
-test: system-deps $(BIN)/.installed $(LLAMA_SERVER) lint
+test: system-deps $(BIN)/.installed $(LLAMA_SERVER) $(BROWSER_DEPS) lint
 	LMSP_WHEELS=$(WHEELS) LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q
 
 bench: system-deps $(BIN)/.installed $(LLAMA_PEER)

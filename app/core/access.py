@@ -11,9 +11,10 @@ from typing import Any
 
 from app.core import auth, pairing
 from app.core.auth import Client
-from app.errors import Conflict, NotFound
+from app.errors import Conflict, Forbidden, NotFound
 from app.events import EventBus
 from app.secrets import Vault
+from app.store.config import ORIGIN
 from app.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,16 @@ class Access:
         self._touched: dict[str, float] = {}  # client -> when its "last used" was last written
         self._verified: dict[str, tuple[float, Client]] = {}  # token hash -> (when verified, its client)
         self._revocations = 0
+        self._origins: dict[str, frozenset[str]] = {}  # client -> the web origins it was allowed from
+
+    async def load_origins(self) -> None:
+        """Before the port opens: which web origins each client has (`origin_known`)."""
+        self._origins = await self.store.read(pairing.client_origins)
+
+    def origin_known(self, origin: str) -> bool:
+        """Whether some client may be used from pages of `origin` (LMSP §16): its preflights are
+        answered; a request from it still needs that client's token (app/server/middleware.py)."""
+        return any(origin in origins for origins in self._origins.values())
 
     async def ensure_owner_token(self) -> None:
         token = await asyncio.to_thread(self.vault.get)
@@ -72,13 +83,20 @@ class Access:
             asyncio.create_task(self.store.write(auth.touch, client.id))
         return client
 
-    async def request_pairing(self, body: Any, requester: str = "local") -> dict[str, Any]:
-        """`requester`: who asks, as far as the connection tells (app/server/peer.py)."""
+    async def request_pairing(self, body: Any, requester: str = "local", origin: str | None = None) -> dict[str, Any]:
+        """`requester`: who asks, as far as the connection tells (app/server/peer.py); `origin`: the
+        web page asking, if a page asks. Each page is a requester of its own: one site filling its
+        share of waiting requests leaves the local apps of the same user theirs."""
         name, scopes = pairing.parse(body)
+        if origin is not None:
+            if not ORIGIN.match(origin):  # "null": a file, or a sandboxed frame; any page could claim it
+                raise Forbidden("origin_not_allowed", f"A page asking to pair must have a web origin "
+                                f"(scheme://host[:port]); {origin!r} is not one.")
+            requester = f"{requester} {origin}"
         now = time.time()
         self._requesters = {pid: (who, until) for pid, (who, until) in self._requesters.items() if until > now}
         theirs = {pid for pid, (who, _) in self._requesters.items() if who == requester}
-        row = await self.store.write(pairing.create, name, scopes, theirs)
+        row = await self.store.write(pairing.create, name, scopes, theirs, origin)
         self._requesters[row["id"]] = (requester, row["expires_at"])
         notify = now - self._announced.get(requester, 0.0) >= pairing.NOTIFY_EVERY_SECONDS
         if notify:
@@ -117,6 +135,8 @@ class Access:
         if token is not None:
             # To be collected within a pairing's lifetime; `forget_uncollected` drops it after that.
             self._pairing_tokens[pairing_id] = (token, time.time() + pairing.LIFETIME_SECONDS)
+            if row["origin"] is not None:
+                self._origins[row["client_id"]] = frozenset({row["origin"]})
         self.bus.publish([{"type": "pairing.resolved", "id": pairing_id, "status": row["status"]}])
         return pairing.pairing_object(row)
 
@@ -124,16 +144,16 @@ class Access:
         rows = await self.store.read(lambda c: c.execute(
             "SELECT * FROM clients WHERE revoked_at IS NULL ORDER BY created_at").fetchall())
         return [{"id": r["id"], "object": "client", "name": r["name"], "scopes": json.loads(r["scopes"]),
-                 "owner": bool(r["is_owner"]), "created_at": r["created_at"], "last_used_at": r["last_used_at"]}
+                 "owner": bool(r["is_owner"]), "created_at": r["created_at"], "last_used_at": r["last_used_at"],
+                 "origins": sorted(self._origins.get(r["id"], ()))}
                 for r in rows]
 
     async def revoke_client(self, client_id: str) -> None:
         if client_id == auth.OWNER_ID:
             raise Conflict("cannot_revoke_owner", "The owner token cannot be revoked.")
-        done = await self.store.write(lambda c: c.execute(
-            "UPDATE clients SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), client_id)).rowcount)
-        if not done:
+        if not await self.store.write(pairing.revoke, client_id):
             raise NotFound("client", client_id)
+        self._origins.pop(client_id, None)  # its pages are refused from the next request
         self._revocations += 1  # a lookup that read the row before this must not be remembered
         self._verified = {k: v for k, v in self._verified.items() if v[1].id != client_id}  # refused from now on
         self.bus.publish([{"type": "clients.changed"}])

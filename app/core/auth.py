@@ -20,6 +20,7 @@ class Client:
     id: str
     name: str
     scopes: frozenset[str]
+    origins: frozenset[str] = frozenset()  # web pages that may use its token (LMSP §16)
 
     @property
     def is_admin(self) -> bool:
@@ -61,7 +62,8 @@ def authenticate(conn: sqlite3.Connection, token: str) -> Client | None:
                        (digest,)).fetchone()
     if row is None or not hmac.compare_digest(row["token_hash"], digest):
         return None
-    return Client(row["id"], row["name"], frozenset(json.loads(row["scopes"])))
+    origins = conn.execute("SELECT origin FROM client_origins WHERE client_id = ?", (row["id"],)).fetchall()
+    return Client(row["id"], row["name"], frozenset(json.loads(row["scopes"])), frozenset(o[0] for o in origins))
 
 
 def touch(conn: sqlite3.Connection, client_id: str) -> None:

@@ -84,11 +84,13 @@ def status_of(row: sqlite3.Row, now: float | None = None) -> str:
 def pairing_object(row: sqlite3.Row) -> dict[str, Any]:
     return {"id": row["id"], "object": "pairing", "status": status_of(row), "client_name": row["client_name"],
             "scopes": json.loads(row["scopes"]), "code": row["code"], "created_at": row["created_at"],
-            "expires_at": row["expires_at"], "client_id": row["client_id"]}
+            "expires_at": row["expires_at"], "client_id": row["client_id"], "origin": row["origin"]}
 
 
-def create(conn: sqlite3.Connection, name: str, scopes: list[str], theirs: set[str]) -> sqlite3.Row:
-    """A new pending request; `theirs`: the ids of the requests this requester made before."""
+def create(conn: sqlite3.Connection, name: str, scopes: list[str], theirs: set[str],
+           origin: str | None = None) -> sqlite3.Row:
+    """A new pending request; `theirs`: the ids of the requests this requester made before;
+    `origin`: the web page's, for a request made from one."""
     now = time.time()
     waiting = conn.execute("SELECT id, client_name, expires_at FROM pairings WHERE status = 'pending' "
                            "AND expires_at > ?", (now,)).fetchall()
@@ -106,9 +108,9 @@ def create(conn: sqlite3.Connection, name: str, scopes: list[str], theirs: set[s
                               retry_after(own if len(own) >= MAX_PENDING_PER_REQUESTER else waiting))
     pairing_id = "pair_" + secrets.token_urlsafe(24)
     code = f"{secrets.randbelow(1000):03d}-{secrets.randbelow(1000):03d}"
-    conn.execute("INSERT INTO pairings(id, client_name, scopes, code, status, created_at, expires_at) "
-                 "VALUES (?, ?, ?, ?, 'pending', ?, ?)",
-                 (pairing_id, name, json.dumps(scopes), code, now, now + LIFETIME_SECONDS))
+    conn.execute("INSERT INTO pairings(id, client_name, scopes, code, status, created_at, expires_at, origin) "
+                 "VALUES (?, ?, ?, ?, 'pending', ?, ?, ?)",
+                 (pairing_id, name, json.dumps(scopes), code, now, now + LIFETIME_SECONDS, origin))
     return get(conn, pairing_id)
 
 
@@ -136,6 +138,8 @@ def decide(conn: sqlite3.Connection, pairing_id: str, approve: bool) -> tuple[sq
         client_id = "client_" + secrets.token_hex(8)
         conn.execute("INSERT INTO clients(id, name, token_hash, scopes, created_at) VALUES (?, ?, ?, ?, ?)",
                      (client_id, row["client_name"], token_hash(token), row["scopes"], time.time()))
+        if row["origin"] is not None:  # asked from a web page: that page may use the token
+            conn.execute("INSERT INTO client_origins(client_id, origin) VALUES (?, ?)", (client_id, row["origin"]))
     conn.execute("UPDATE pairings SET status = ?, client_id = ? WHERE id = ? AND status = 'pending'",
                  ("approved" if approve else "denied", client_id, pairing_id))
     return get(conn, pairing_id), token
@@ -145,3 +149,19 @@ def hand_over(conn: sqlite3.Connection, pairing_id: str) -> bool:
     """Mark the token as given; True only the first time (a token is returned exactly once)."""
     return conn.execute("UPDATE pairings SET token_given = 1 WHERE id = ? AND status = 'approved' "
                         "AND token_given = 0", (pairing_id,)).rowcount == 1
+
+
+def client_origins(conn: sqlite3.Connection) -> dict[str, frozenset[str]]:
+    """The web origins of each client that has any (revoking a client removes its own)."""
+    found: dict[str, set[str]] = {}
+    for row in conn.execute("SELECT client_id, origin FROM client_origins"):
+        found.setdefault(row["client_id"], set()).add(row["origin"])
+    return {client_id: frozenset(origins) for client_id, origins in found.items()}
+
+
+def revoke(conn: sqlite3.Connection, client_id: str) -> bool:
+    """Revoke a live client and forget its web origins; False if there is no such client."""
+    done = conn.execute("UPDATE clients SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                        (time.time(), client_id)).rowcount
+    conn.execute("DELETE FROM client_origins WHERE client_id = ?", (client_id,))
+    return bool(done)

@@ -89,6 +89,7 @@ class AppService:
         await self.settings.load()
         self.service_id = await self.store.write(_service_id)
         await self.access.ensure_owner_token()
+        await self.access.load_origins()
         await self.models.ensure_default_model()
         await self.modes.open()
         self.recovery_counts = await self.scheduler.recover()

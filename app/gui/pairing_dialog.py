@@ -69,6 +69,10 @@ class PairingDialog(QDialog):
         self.code.setFont(font)
         self.code.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.code.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        # A web page asks: the person judges the address it comes from, not only the name it gives itself.
+        self.origin = named(QLabel(f"Asked by the web page at <b>{_escape(pairing['origin'])}</b>. If you allow "
+                                   "it, pages from this address (and only from it) can use this access.",
+                                   wordWrap=True), "pairing-origin") if pairing.get("origin") else None
         self.expiry = named(QLabel(), "pairing-expiry")
         self.expiry.setStyleSheet(style.HINT)
         self.expiry.setAlignment(Qt.AlignmentFlag.AlignCenter)
@@ -86,6 +90,8 @@ class PairingDialog(QDialog):
         layout = QVBoxLayout(self)
         layout.setSpacing(10)
         layout.addWidget(name)
+        if self.origin is not None:
+            layout.addWidget(self.origin)
         layout.addWidget(abilities)
         layout.addWidget(QLabel("Check that the app shows the same code:"))
         layout.addWidget(self.code)

@@ -13,7 +13,8 @@ from app.server.peer import requester
 
 
 async def request_pairing(request: web.Request) -> web.Response:
-    created = await request.app[SERVICE].access.request_pairing(await read_json(request), await requester(request))
+    created = await request.app[SERVICE].access.request_pairing(await read_json(request), await requester(request),
+                                                                request.headers.get("Origin"))
     return web.json_response(created, status=202)
 
 

@@ -24,6 +24,15 @@ LOCAL_HOSTS = {"localhost", "127.0.0.1", "[::1]"}
 DECODE_ON_LOOP = 64 * 1024  # bytes of JSON decoded in a couple of milliseconds; larger ones on a reader thread
 BODY_SECONDS = 10.0  # to send a whole body once its headers are in (loopback sends 8 MiB in milliseconds)
 CORS_ORIGIN = web.RequestKey("cors_origin", str)  # set once the Origin passed the check
+# LMSP §16. The request headers a page may send: the ones the API reads or harmlessly ignores, as
+# the official `openai` JavaScript SDK sends them (a `*` would not cover Authorization), and the
+# SDK's X-Stainless-* ones (its version, platform, retry count), named back as the preflight asks.
+CORS_REQUEST_HEADERS = ("Authorization", "Content-Type", "Accept", "Idempotency-Key", "Last-Event-ID", "OpenAI-Beta",
+                        "X-Requested-With")
+STAINLESS = re.compile(r"x-stainless-[a-z0-9-]+", re.IGNORECASE)
+CORS_EXPOSED = "Location, Idempotent-Replayed, Retry-After, X-Request-Id, openai-poll-after-ms"  # readable by scripts
+CORS_MAX_AGE = "600"  # seconds a browser may keep a preflight's answer
+PAIRING = re.compile(r"/v1/pairings(/[^/]+)?")  # where a page not yet allowed asks to pair, and polls
 
 
 def error_response(status: int, code: str, message: str, *, param: str | None = None,
@@ -94,21 +103,40 @@ def _host_name(host: str) -> str:
 
 @web.middleware
 async def boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """DNS-rebinding defence (Host) and cross-site defence (Origin), before any work."""
+    """DNS-rebinding defence (Host) and cross-site defence (Origin), before any work. An origin
+    passes if the owner allowed it (`allowed_origins`), if some client was paired from it, or on
+    the two pairing routes, where any page may ask (the person then sees its origin)."""
     settings = request.app[SERVICE].settings
     host = _host_name(request.headers.get("Host", "")).lower()
     if host not in request.app[HOSTS] and host not in settings["allowed_hosts"]:
         return error_response(421, "misdirected_request", "This service only answers requests addressed to localhost.")
     origin = request.headers.get("Origin")
-    if origin is not None and origin not in settings["allowed_origins"]:
-        return error_response(403, "origin_not_allowed", f"Requests from the origin {origin!r} are not allowed.",
-                              etype="permission_error")
     if origin is None:
         return await handler(request)
+    # Some client's origin passes here; `authorize` then wants that client's token.
+    known = _allowed_everywhere(request, origin) or request.app[SERVICE].access.origin_known(origin)
+    if not (known or PAIRING.fullmatch(request.path)):
+        return error_response(403, "origin_not_allowed", f"Requests from the origin {origin!r} are not allowed: "
+                              "a page asks to pair first (POST /v1/pairings), or the owner adds its origin to "
+                              "the setting allowed_origins.", etype="permission_error")
     request[CORS_ORIGIN] = origin  # `cors_headers` adds the headers to whatever answer this request gets
     if request.method == "OPTIONS":
-        return web.Response(status=204)
+        return _preflight(request)
     return await handler(request)
+
+
+def _allowed_everywhere(request: web.Request, origin: str) -> bool:
+    """Pages of `origin` may use any token (the owner listed it), not only their own client's."""
+    return origin in request.app[SERVICE].settings["allowed_origins"]
+
+
+def _preflight(request: web.Request) -> web.Response:
+    """A browser's question before a request it may not send unasked (LMSP §16): no token comes with it."""
+    asked = (name.strip() for name in request.headers.get("Access-Control-Request-Headers", "").split(","))
+    headers = [*CORS_REQUEST_HEADERS, *(name for name in asked if STAINLESS.fullmatch(name))]
+    return web.Response(status=204, headers={"Access-Control-Allow-Methods": "GET, POST, PATCH, DELETE, OPTIONS",
+                                             "Access-Control-Allow-Headers": ", ".join(headers),
+                                             "Access-Control-Max-Age": CORS_MAX_AGE})
 
 
 async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -119,8 +147,7 @@ async def cors_headers(request: web.Request, response: web.StreamResponse) -> No
         return
     response.headers["Access-Control-Allow-Origin"] = origin
     response.headers["Vary"] = "Origin"
-    response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, Idempotency-Key, Last-Event-ID"
-    response.headers["Access-Control-Allow-Methods"] = "GET, POST, PATCH, DELETE, OPTIONS"
+    response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSED
 
 
 @web.middleware
@@ -142,6 +169,11 @@ async def authorize(request: web.Request, handler: Handler) -> web.StreamRespons
         raise Unauthorized("The token is not valid (unknown or revoked).")
     if not client.allows(scope):
         raise Forbidden("insufficient_scope", f"This token lacks the scope {scope!r}.")
+    origin = request.get(CORS_ORIGIN)
+    if origin is not None and origin not in client.origins and not _allowed_everywhere(request, origin):
+        # Another client's page: an origin allowed for one app's token is not allowed for the others'.
+        raise Forbidden("origin_not_allowed", f"Pages from {origin!r} may not use this token: its app "
+                        "was not paired from them.")
     request[CLIENT] = client
     return await handler(request)
 

@@ -15,9 +15,11 @@ from app.gui.session import Session
 pytestmark = pytest.mark.gui
 
 
-async def request(session: Session, name: str = "Notes", scopes: list[str] | None = None) -> dict:
+async def request(session: Session, name: str = "Notes", scopes: list[str] | None = None,
+                  origin: str | None = None) -> dict:
     return await session.service.access.request_pairing({"client_name": name,
-                                                  "scopes": scopes or ["responses:write", "models:read"]})
+                                                  "scopes": scopes or ["responses:write", "models:read"]},
+                                                 origin=origin)
 
 
 def texts(dialog: PairingDialog) -> str:
@@ -38,6 +40,22 @@ async def test_allow_creates_the_client(session: Session, until: Until) -> None:
     status = await session.service.access.pairing_status(pairing["id"])
     assert status["status"] == "approved" and status["token"].startswith("lmsp_")
     assert any(c["name"] == "Notes" for c in await session.service.access.list_clients())
+
+
+async def test_a_web_page_is_named_by_its_origin_and_allowing_it_allows_that_origin(
+        session: Session, until: Until) -> None:
+    pairing = await request(session, "Notes", origin="http://localhost:5173")
+    dialog = PairingDialog(session, pairing)
+    dialog.show()
+    assert dialog.origin is not None and "web page at <b>http://localhost:5173</b>" in dialog.origin.text()
+    local = PairingDialog(session, await request(session, "Editor"))
+    assert local.origin is None  # a local app: no page
+    local.close()
+    dialog.allow_button.click()
+    await until(lambda: not _alive(dialog) or not dialog.isVisible(), 10, "dialog closed")
+    [client] = [c for c in await session.service.access.list_clients() if c["name"] == "Notes"]
+    assert client["origins"] == ["http://localhost:5173"]
+    assert session.service.access.origin_known("http://localhost:5173")
 
 
 async def test_deny_refuses_the_request(session: Session, until: Until) -> None:
