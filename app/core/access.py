@@ -10,7 +10,8 @@ import time
 from typing import Any
 
 from app.core import auth, pairing
-from app.core.auth import Client
+from app.core.auth import OLLAMA_ID, OLLAMA_NAME, Client
+from app.core.settings import Settings
 from app.errors import Conflict, NotFound
 from app.events import EventBus
 from app.secrets import Vault
@@ -24,10 +25,12 @@ class Access:
     """The plaintext token of an approved pairing lives only in memory, until the requester
     collects it (once); the owner's, in the vault (the OS keyring)."""
 
-    def __init__(self, store: Store, bus: EventBus, vault: Vault) -> None:
+    def __init__(self, store: Store, bus: EventBus, vault: Vault, settings: Settings) -> None:
         self.store = store
         self.bus = bus
         self.vault = vault
+        self.settings = settings
+        self.ollama: Client | None = None  # the built-in client of the Ollama listener, while it is open
         self._pairing_tokens: dict[str, tuple[str, float]] = {}  # pairing id -> (token, collect it before this time)
         self._requesters: dict[str, tuple[str, float]] = {}  # pending pairing id -> (who asked, when it expires)
         self._announced: dict[str, float] = {}  # requester -> when a notification last announced one of theirs
@@ -127,9 +130,21 @@ class Access:
                  "owner": bool(r["is_owner"]), "created_at": r["created_at"], "last_used_at": r["last_used_at"]}
                 for r in rows]
 
+    async def open_ollama(self) -> None:
+        """The built-in client "Apps using the Ollama API" as the settings say (LMSP §15): there,
+        with `ollama_scopes`, while `ollama_api` is `open`; revoked otherwise."""
+        scopes = list(self.settings["ollama_scopes"]) if self.settings["ollama_api"] == "open" else None
+        self.ollama = None if scopes is None else Client(OLLAMA_ID, OLLAMA_NAME, frozenset(scopes))
+        await self.store.write(auth.install_ollama, scopes)
+        self.bus.publish([{"type": "clients.changed"}])
+
     async def revoke_client(self, client_id: str) -> None:
         if client_id == auth.OWNER_ID:
             raise Conflict("cannot_revoke_owner", "The owner token cannot be revoked.")
+        if client_id == OLLAMA_ID and self.ollama is not None:
+            # One click turns the open listener off; apps with their own token keep /api/ here.
+            await self.settings.update({"ollama_api": "token"})
+            return
         done = await self.store.write(lambda c: c.execute(
             "UPDATE clients SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), client_id)).rowcount)
         if not done:

@@ -13,10 +13,10 @@ from typing import Any
 
 from aiohttp import web
 
-from app.core import answers
+from app.core import answers, ollama
 from app.core.idempotency import Stored
 from app.errors import Forbidden, LmspError, Unauthorized
-from app.server.keys import BUSY, CLIENT, HOSTS, LATENCY, SCOPES, SERVICE
+from app.server.keys import BUSY, CLIENT, HOSTS, LATENCY, SCOPES, SERVICE, TOKENLESS
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -100,7 +100,8 @@ async def boundary(request: web.Request, handler: Handler) -> web.StreamResponse
     if host not in request.app[HOSTS] and host not in settings["allowed_hosts"]:
         return error_response(421, "misdirected_request", "This service only answers requests addressed to localhost.")
     origin = request.headers.get("Origin")
-    if origin is not None and origin not in settings["allowed_origins"]:
+    if origin is not None and origin not in settings["allowed_origins"] and not ollama.default_origin(
+            request.path, origin):
         return error_response(403, "origin_not_allowed", f"Requests from the origin {origin!r} are not allowed.",
                               etype="permission_error")
     if origin is None:
@@ -108,6 +109,14 @@ async def boundary(request: web.Request, handler: Handler) -> web.StreamResponse
     request[CORS_ORIGIN] = origin  # `cors_headers` adds the headers to whatever answer this request gets
     if request.method == "OPTIONS":
         return web.Response(status=204)
+    return await handler(request)
+
+
+@web.middleware
+async def ollama_switch(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Ollama's API (LMSP §15) is not there while the setting `ollama_api` is `off`."""
+    if ollama.is_ollama_path(request.path) and request.app[SERVICE].settings["ollama_api"] == "off":
+        raise web.HTTPNotFound()
     return await handler(request)
 
 
@@ -136,8 +145,12 @@ async def authorize(request: web.Request, handler: Handler) -> web.StreamRespons
         return await handler(request)
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():  # the scheme is case-insensitive (RFC 9110)
-        raise Unauthorized()
-    client = await request.app[SERVICE].access.authenticate(token.strip())
+        tokenless = request.app.get(TOKENLESS)  # on the Ollama listener: its built-in client
+        client = tokenless() if tokenless is not None else None
+        if client is None:
+            raise Unauthorized()
+    else:
+        client = await request.app[SERVICE].access.authenticate(token.strip())
     if client is None:
         raise Unauthorized("The token is not valid (unknown or revoked).")
     if not client.allows(scope):
