@@ -14,10 +14,12 @@ from typing import Any
 import ollama  # a test dependency: the package apps use, never mocked
 import pytest
 
+from app import paths
 from app.core.auth import OLLAMA_ID, OLLAMA_NAME
 from app.engine.registry.models import DEFAULT_MODEL_ID
 from tests.conftest import Headless, free_port
 from tests.helpers import http, pair_sync, wait_until
+from tests.hub_server import FakeHub, HubFile
 
 pytestmark = pytest.mark.scripted(length=6)
 NAME = f"{DEFAULT_MODEL_ID}:latest"
@@ -235,3 +237,36 @@ def test_a_taken_port_is_refused_clearly(headless: Headless) -> None:
     assert headless.get("/v1/settings")[1]["ollama_api"] == "off"
     status, body = headless.request("PATCH", "/v1/settings", {"ollama_scopes": ["admin"]})
     assert status == 400 and body["error"]["param"] == "ollama_scopes"
+
+
+def test_pull_from_the_hub_then_chat_and_delete(headless: Headless, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ollama pull hf.co/owner/repo:QUANT` is a durable download (LMSP §13) from the hub (here its
+    stand-in on loopback), its progress as Ollama's; the model then answers to that name, and
+    deleting it forgets it and leaves the file in the hub's cache."""
+    model = paths.default_model_file()
+    assert model is not None
+    hub = FakeHub({"test-org/SmolLM2-GGUF": {"smollm2-135m.Q8_0.gguf": HubFile(model)}}).start()
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    try:
+        headless.start()
+        _on(headless, ollama_api="token")
+        client = _client(headless)
+        name = "hf.co/test-org/SmolLM2-GGUF:Q8_0"
+        statuses = list(client.pull(name, stream=True))
+        assert statuses[0].status == "pulling manifest" and statuses[-1].status == "success"
+        progress = [s for s in statuses if s.total]
+        assert progress and progress[-1].completed == progress[-1].total == model.stat().st_size
+        assert client.pull(name).status == "success"  # again: already there
+        said = client.chat(model=name, messages=[{"role": "user", "content": "Count"}])
+        assert said.message.content == "1, 2, 3, 4, 5, 6"
+        assert "smollm2-135m.q8_0:latest" in {m.model for m in client.list().models}
+        with pytest.raises(ollama.ResponseError) as unknown:
+            client.pull("llama3.2")  # Ollama's own library is not a source here
+        assert unknown.value.status_code == 400 and "hf.co/" in unknown.value.error
+        assert client.delete(name).status == "success"
+        assert "smollm2-135m.q8_0:latest" not in {m.model for m in client.list().models}
+        assert list((tmp_path / "hf").rglob("smollm2-135m.Q8_0.gguf"))  # the file stays
+    finally:
+        hub.stop()

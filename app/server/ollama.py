@@ -282,7 +282,8 @@ async def _pulled(events: Events) -> Any:
             if kind in ("download.started", "download.progress"):
                 yield {"status": "pulling model", "total": event.get("total_bytes") or 0,
                        "completed": event.get("bytes") or 0}
-            elif kind == "download.verifying":
+            elif kind == "download.verifying":  # all there (progress is said at most so often)
+                yield {"status": "pulling model", "total": event["bytes"], "completed": event["bytes"]}
                 yield {"status": "verifying sha256 digest"}
             elif kind == "download.completed":
                 yield {"status": "writing manifest"}
