@@ -23,6 +23,7 @@ OPTIONS = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop
 # models are asked in words, since their chat template has no place for a suffix.
 FILL_IN = ("Write the text that goes between the prefix and the suffix below. Answer with that text only, "
            "without repeating the prefix or the suffix.\n\n<prefix>\n{prompt}\n</prefix>\n\n<suffix>\n{suffix}\n</suffix>")
+MAX_STOPS = 4
 QUANT = re.compile(r"(?i)(?<![A-Za-z0-9])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)(?![A-Za-z0-9])")
 
 
@@ -114,6 +115,10 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
     out = {ours: options[theirs] for theirs, ours in OPTIONS.items() if options.get(theirs) is not None}
     if isinstance(out.get("max_output_tokens"), int) and out["max_output_tokens"] < 0:
         del out["max_output_tokens"]  # -1: no limit, -2: fill the context; the context is the limit here
+    if isinstance(out.get("stop"), list):
+        # Ollama takes any number of stop sequences (editors send a dozen special tokens for a fill in
+        # the middle); the engine ends on up to four, the first ones given.
+        out["stop"] = out["stop"][:MAX_STOPS]
     return out
 
 
