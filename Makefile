@@ -27,6 +27,9 @@ APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbc
   libxcb-xinerama0 libxcb-xkb1 libegl1 libgl1 libdbus-1-3 libfontconfig1 cmake build-essential \
   desktop-file-utils appstream
 
+# The official `ollama` npm package, for tests/test_ollama_js.py: exactly the versions of its lock file.
+OLLAMA_JS := tests/ollama_js/node_modules/.installed
+
 .PHONY: run test lint bench package system-deps clean llama-server
 
 # --no-cache-dir: pip's own wheel cache does not know CMAKE_ARGS and could hand back a
@@ -62,6 +65,12 @@ system-deps:
 	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
 	fi
 
+$(OLLAMA_JS): tests/ollama_js/package.json tests/ollama_js/package-lock.json
+	@command -v npm >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -q nodejs npm; }
+	cd tests/ollama_js && npm ci --no-audit --no-fund
+	touch $@
+
 run: system-deps $(BIN)/.installed
 	$(BIN)/lmsp-tray
 
@@ -73,7 +82,7 @@ lint: $(BIN)/.installed
 
 # tests/test_wheel.py installs the app's wheel in a fresh venv, with llama.cpp from $(WHEELS);
 # the remote-endpoint tests start $(LLAMA_SERVER) as one of their upstreams.
-test: system-deps $(BIN)/.installed $(LLAMA_SERVER) lint
+test: system-deps $(BIN)/.installed $(LLAMA_SERVER) $(OLLAMA_JS) lint
 	LMSP_WHEELS=$(WHEELS) LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q
 
 bench: system-deps $(BIN)/.installed
@@ -86,4 +95,4 @@ package: system-deps $(BIN)/.installed
 llama-server: $(LLAMA_SERVER)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist *.egg-info tests/ollama_js/node_modules

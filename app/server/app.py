@@ -21,7 +21,7 @@ from app.server import ollama
 from app.server.chat import chat_completions
 from app.server.gate import Gate, cap, fair_share
 from app.server.keys import BUSY, HOSTS, IN_FLIGHT, LATENCY, SCOPES, SERVICE, TOKENLESS
-from app.server.middleware import (LOCAL_HOSTS, authorize, boundary, cors_headers, errors, keyed, ollama_switch,
+from app.server.middleware import (LOCAL_HOSTS, authorize, boundary, cors_headers, errors, keyed, ollama_surface,
                                    timing, working)
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def make_app(service: AppService, main: web.Application | None = None) -> web.Ap
     """The application on LMSP's port; or, given the `main` one, the Ollama listener's (LMSP §15):
     Ollama's routes only, a request without a token acting as the built-in client, each client's
     requests counted with those it makes on the main port."""
-    app = web.Application(middlewares=[working, timing, errors, boundary, ollama_switch, authorize, fair_share],
+    app = web.Application(middlewares=[working, timing, errors, boundary, ollama_surface, authorize, fair_share],
                           client_max_size=MAX_BODY)
     app[SERVICE] = service
     app[LATENCY] = LatencyHistogram() if main is None else main[LATENCY]

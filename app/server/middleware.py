@@ -113,11 +113,18 @@ async def boundary(request: web.Request, handler: Handler) -> web.StreamResponse
 
 
 @web.middleware
-async def ollama_switch(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Ollama's API (LMSP §15) is not there while the setting `ollama_api` is `off`."""
-    if ollama.is_ollama_path(request.path) and request.app[SERVICE].settings["ollama_api"] == "off":
+async def ollama_surface(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Ollama's API (LMSP §15): not there while the setting `ollama_api` is `off`; its refusals (a
+    token, a scope, a bad request) in Ollama's words, `{"error": "..."}`, which its clients show."""
+    if not ollama.is_ollama_path(request.path):
+        return await handler(request)
+    if request.app[SERVICE].settings["ollama_api"] == "off":
         raise web.HTTPNotFound()
-    return await handler(request)
+    try:
+        return await handler(request)
+    except LmspError as exc:
+        headers = {**exc.headers, **({"WWW-Authenticate": 'Bearer realm="lmsp"'} if exc.status == 401 else {})}
+        return web.json_response({"error": exc.message}, status=exc.status, headers=headers)
 
 
 async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:

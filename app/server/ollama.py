@@ -3,14 +3,13 @@
 Every route translates (app/server/ollama_shapes.py) and calls the same core as /v1: a chat or a
 generate is a response created and answered by `answers.respond` (a task of the calling client, on
 the dashboard, in its limits, cancelled when the client leaves), sent as NDJSON (one JSON object
-a line and a write) or as one object. Errors are Ollama's `{"error": "..."}`; one that comes
+a line and a write) or as one object. Errors are Ollama's `{"error": "..."}` (app/server/middleware.py); one that comes
 after a stream started is its last line, the status staying 200, as Ollama does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -35,17 +34,6 @@ NDJSON = "application/x-ndjson"
 # The Ollama API level these shapes follow: apps compare it with the least version they need
 # (Open WebUI and VS Code Copilot parse it as dotted numbers).
 VERSION = "0.12.0"
-
-
-def ollama_errors(handler: Handler) -> Handler:
-    """A refusal as Ollama words it, `{"error": "..."}`, with the status our error has."""
-    @functools.wraps(handler)
-    async def answering(request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except LmspError as exc:
-            return web.json_response({"error": exc.message}, status=exc.status)
-    return answering
 
 
 async def _model(request: web.Request, body: Any) -> tuple[str, str]:
@@ -295,18 +283,18 @@ async def _pulled(events: Events) -> Any:
 
 
 # Every route of Ollama's API that LMSP serves, and the scope each needs (None: open, as /health).
-ROUTES: list[tuple[str, str, Handler, str | None]] = [(method, path, ollama_errors(handler), scope) for
-    method, path, handler, scope in [
-        ("GET", "/", running, None),
-        ("HEAD", "/", running, None),
-        ("GET", "/api/version", version, None),
-        ("GET", "/api/tags", tags, "models:read"),
-        ("POST", "/api/show", show, "models:read"),
-        ("GET", "/api/ps", ps, "models:read"),
-        ("POST", "/api/chat", chat, "responses:write"),
-        ("POST", "/api/generate", generate, "responses:write"),
-        ("POST", "/api/embed", embed, "responses:write"),
-        ("POST", "/api/embeddings", embeddings, "responses:write"),
-        ("POST", "/api/pull", pull, "models:write"),
-        ("DELETE", "/api/delete", delete, "models:write"),
-    ]]
+# Their errors are Ollama's (app/server/middleware.py `ollama_surface`).
+ROUTES: list[tuple[str, str, Handler, str | None]] = [
+    ("GET", "/", running, None),
+    ("HEAD", "/", running, None),
+    ("GET", "/api/version", version, None),
+    ("GET", "/api/tags", tags, "models:read"),
+    ("POST", "/api/show", show, "models:read"),
+    ("GET", "/api/ps", ps, "models:read"),
+    ("POST", "/api/chat", chat, "responses:write"),
+    ("POST", "/api/generate", generate, "responses:write"),
+    ("POST", "/api/embed", embed, "responses:write"),
+    ("POST", "/api/embeddings", embeddings, "responses:write"),
+    ("POST", "/api/pull", pull, "models:write"),
+    ("DELETE", "/api/delete", delete, "models:write"),
+]
