@@ -14,15 +14,24 @@ from aiohttp import web
 
 from app.core.metrics import LatencyHistogram
 from app.core.service import AppService
-from app.server import admin as a
 from app.errors import Conflict
+from app.server import admin as a
 from app.server import handlers as h
 from app.server import ollama
 from app.server.chat import chat_completions
 from app.server.gate import Gate, cap, fair_share
 from app.server.keys import BUSY, HOSTS, IN_FLIGHT, LATENCY, SCOPES, SERVICE, TOKENLESS
-from app.server.middleware import (LOCAL_HOSTS, authorize, boundary, cors_headers, errors, keyed, ollama_surface,
-                                   timing, working)
+from app.server.middleware import (
+    LOCAL_HOSTS,
+    authorize,
+    boundary,
+    cors_headers,
+    errors,
+    keyed,
+    ollama_surface,
+    timing,
+    working,
+)
 
 log = logging.getLogger(__name__)
 

@@ -25,4 +25,5 @@ IN_FLIGHT = web.AppKey("in_flight", Counter)
 # What the request carries once `authorize` has let it through.
 CLIENT = web.RequestKey("client", Client)
 # On the Ollama listener (LMSP §15): the client a request without a token acts as (None: refused).
-TOKENLESS = web.AppKey("tokenless", Callable[[], Client | None])
+Tokenless = Callable[[], Client | None]
+TOKENLESS: web.AppKey[Tokenless] = web.AppKey("tokenless")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,7 +210,8 @@ async def embed(request: web.Request) -> web.Response:
     started = time.monotonic_ns()
     answer = await _vectors(request, model_id, body.get("input"), body.get("dimensions"))
     made = {"model": name, "total_duration": time.monotonic_ns() - started, "load_duration": 0,
-            "prompt_eval_count": answer["usage"]["prompt_tokens"], "embeddings": [d["embedding"] for d in answer["data"]]}
+            "prompt_eval_count": answer["usage"]["prompt_tokens"],
+            "embeddings": [d["embedding"] for d in answer["data"]]}
     return web.Response(body=await request.app[SERVICE].off_loop(_json_by_item, made, "embeddings"),
                         content_type="application/json")
 
@@ -249,9 +250,7 @@ async def pull(request: web.Request) -> web.StreamResponse:
     task = await service.downloads.create_download(request[CLIENT], {"repo": repo, "file": file})
     statuses = _pulled(follow(service.tasks, task["id"], -1))
     if not _stream(body):
-        last: dict[str, Any] = {}
-        async for last in statuses:
-            pass
+        last = [status async for status in statuses][-1]
         if "error" in last:
             raise LmspError("download_failed", last["error"], status=500)
         return web.json_response(last)
@@ -261,12 +260,14 @@ async def pull(request: web.Request) -> web.StreamResponse:
     return out
 
 
-async def _pulled(events: Events) -> Any:
+async def _pulled(events: Events) -> AsyncIterator[dict[str, Any]]:
     """A download's events as Ollama's pull statuses."""
     yield {"status": "pulling manifest"}
     async with contextlib.aclosing(events):
         async for event in events:
-            kind = event["type"] if event is not None else None
+            if event is None:
+                continue
+            kind = event["type"]
             if kind in ("download.started", "download.progress"):
                 yield {"status": "pulling model", "total": event.get("total_bytes") or 0,
                        "completed": event.get("bytes") or 0}

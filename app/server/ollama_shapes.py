@@ -22,7 +22,8 @@ OPTIONS = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop
 # A generate request with a `suffix` (fill in the middle, as editors ask for completions): chat
 # models are asked in words, since their chat template has no place for a suffix.
 FILL_IN = ("Write the text that goes between the prefix and the suffix below. Answer with that text only, "
-           "without repeating the prefix or the suffix.\n\n<prefix>\n{prompt}\n</prefix>\n\n<suffix>\n{suffix}\n</suffix>")
+           "without repeating the prefix or the suffix.\n\n"
+           "<prefix>\n{prompt}\n</prefix>\n\n<suffix>\n{suffix}\n</suffix>")
 MAX_STOPS = 4
 QUANT = re.compile(r"(?i)(?<![A-Za-z0-9])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)(?![A-Za-z0-9])")
 
@@ -220,8 +221,9 @@ def details(model: dict[str, Any], header: dict[str, Any] | None) -> dict[str, A
 def model_entry(model: dict[str, Any], header: dict[str, Any] | None) -> dict[str, Any]:
     """A model as `/api/tags` lists it."""
     name = ollama_name(model["id"])
-    return {"name": name, "model": name, "modified_at": iso(model.get("created", 0)), "size": model.get("size_bytes") or 0,
-            "digest": (model.get("digest") or "").removeprefix("sha256:"), "details": details(model, header)}
+    return {"name": name, "model": name, "modified_at": iso(model.get("created", 0)),
+            "size": model.get("size_bytes") or 0, "digest": (model.get("digest") or "").removeprefix("sha256:"),
+            "details": details(model, header)}
 
 
 def running_entry(model: dict[str, Any], header: dict[str, Any] | None, idle_ttl: int) -> dict[str, Any]:
