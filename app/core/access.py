@@ -68,12 +68,22 @@ class Access:
                     self._verified = {k: v for k, v in self._verified.items()
                                       if time.monotonic() - v[0] < VERIFIED_SECONDS}
                 self._verified[digest] = (time.monotonic(), client)
-        if client is not None and time.monotonic() - self._touched.get(client.id, -1e9) > 60:
+        if client is not None:
+            self._touch(client)
+        return client
+
+    def tokenless(self) -> Client | None:
+        """The client a request without a token acts as on the Ollama listener (LMSP §15), while open."""
+        if self.ollama is not None:
+            self._touch(self.ollama)
+        return self.ollama
+
+    def _touch(self, client: Client) -> None:
+        if time.monotonic() - self._touched.get(client.id, -1e9) > 60:
             # "Last used" for the Clients tab, written at most once a minute per client and
             # off the request's path: a request never waits for this fsync.
             self._touched[client.id] = time.monotonic()
             asyncio.create_task(self.store.write(auth.touch, client.id))
-        return client
 
     async def request_pairing(self, body: Any, requester: str = "local") -> dict[str, Any]:
         """`requester`: who asks, as far as the connection tells (app/server/peer.py)."""

@@ -102,7 +102,7 @@ def make_app(service: AppService, main: web.Application | None = None) -> web.Ap
     app[HOSTS] = set(LOCAL_HOSTS)
     app[IN_FLIGHT] = Counter() if main is None else main[IN_FLIGHT]
     if main is not None:
-        app[TOKENLESS] = lambda: service.access.ollama
+        app[TOKENLESS] = service.access.tokenless
     app.on_response_prepare.append(cors_headers)
     for method, path, handler, scope in ROUTES if main is None else ollama.ROUTES:
         app.router.add_route(method, path, handler)
@@ -204,8 +204,10 @@ class OllamaListener:
             raise self._taken(port)
 
     def _taken(self, port: int) -> Conflict:
-        return Conflict("port_in_use", f"Port {port} on 127.0.0.1 is taken, by Ollama itself perhaps: quit it, or "
-                        "choose another `ollama_port`.")
+        refused = Conflict("port_in_use", f"Port {port} on 127.0.0.1 is taken, by Ollama itself perhaps: quit it, "
+                           "or choose another `ollama_port`.")
+        refused.param = "ollama_port"  # the Settings tab shows it beside that field
+        return refused
 
     async def start(self) -> None:
         self.active = True
