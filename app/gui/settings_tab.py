@@ -36,9 +36,9 @@ ENGINE_MODES = {"auto": "Automatic (fast; safe if it crashes)", "fast": "Fast on
 OLLAMA_MODES = {"off": "Off", "token": "On LMSP's port, for apps with a token",
                 "open": "Also on Ollama's port, for apps without a token"}
 # What apps on Ollama's port may do without a token (never admin), in the person's words.
-OLLAMA_SCOPES = {"responses:write": "Generate", "models:read": "See the models", "models:write": "Add and remove models",
-                 "responses:read": "Read their answers", "tasks:read": "See their tasks",
-                 "tasks:cancel": "Cancel their tasks"}
+OLLAMA_SCOPES = {"responses:write": "Generate", "models:read": "See the models",
+                 "models:write": "Add and remove models", "responses:read": "Read their answers",
+                 "tasks:read": "See their tasks", "tasks:cancel": "Cancel their tasks"}
 RESTART_NEEDED = ("host", "port")
 GROUPS = (("Network", ("host", "port", "allowed_origins")),
           ("Tasks", ("max_concurrent_tasks", "parallel", "default_on_restart", "retention_seconds")),
