@@ -216,6 +216,8 @@ def test_the_open_listener_is_one_client_the_person_turns_off(headless: Headless
     assert headless.get("/v1/settings")[1]["ollama_api"] == "token"
     wait_until(lambda: not _accepts(port), 10, 0.05, "the listener to close")
     assert all(c["id"] != OLLAMA_ID for c in headless.get("/v1/clients")[1]["data"])
+    _on(headless, ollama_api="open")  # on again, then the service stops cleanly with it open
+    assert _accepts(port) and headless.terminate() == 0
 
 
 def _accepts(port: int) -> bool:

@@ -38,6 +38,7 @@ def ollama_url(headless: Headless) -> str:
 def test_open_webui_startup(ollama_url: str) -> None:
     status, _, text = _send(ollama_url, "GET", "/", OPEN_WEBUI)
     assert (status, text) == (200, b"Ollama is running")
+    assert _send(ollama_url, "HEAD", "/", OPEN_WEBUI)[0] == 200
     version = json.loads(_send(ollama_url, "GET", "/api/version", OPEN_WEBUI)[2])["version"]
     assert all(part.isdigit() for part in version.split("."))  # it compares the numbers
     tags = json.loads(_send(ollama_url, "GET", "/api/tags", OPEN_WEBUI)[2])

@@ -69,17 +69,6 @@ class SettingsTab(QWidget):
         self.engine_mode = QComboBox()
         for value, text in ENGINE_MODES.items():
             self.engine_mode.addItem(text, value)
-        self.ollama_api = QComboBox()
-        for value, text in OLLAMA_MODES.items():
-            self.ollama_api.addItem(text, value)
-        self.ollama_port = QSpinBox(minimum=1, maximum=65535)
-        self.ollama_port.setGroupSeparatorShown(False)
-        self.ollama_scopes = QWidget()
-        scope_boxes = QHBoxLayout(self.ollama_scopes)
-        scope_boxes.setContentsMargins(0, 0, 0, 0)
-        self.scope_boxes = {scope: QCheckBox(text) for scope, text in OLLAMA_SCOPES.items()}
-        for box in self.scope_boxes.values():
-            scope_boxes.addWidget(box)
         # param name (as the facade reports it) -> (field, label text, hint)
         self.fields: dict[str, tuple[QWidget, str, str]] = {
             "host": (self.host, "Address", "127.0.0.1 keeps the service on this computer. Takes effect after restart."),
@@ -93,10 +82,7 @@ class SettingsTab(QWidget):
             "model_idle_ttl_seconds": (self.idle, "Unload idle model after", ""),
             "engine_mode": (self.engine_mode, "Inference engine", "Safe mode turns off llama.cpp's weight "
                             "repacking and AMX kernels, which crash on some CPUs. Applies from the next task."),
-            "ollama_api": (self.ollama_api, "Ollama's API", "For Open WebUI, Continue and other apps built for "
-                           "Ollama. On Ollama's port, requests without a token are one client in the Clients tab."),
-            "ollama_port": (self.ollama_port, "Ollama's port", "11434 is Ollama's own: quit Ollama to use it."),
-            "ollama_scopes": (self.ollama_scopes, "Apps without a token may", ""),
+            **self._ollama_fields(),
         }
         self.errors: dict[str, QLabel] = {}
         groups = self._groups()
@@ -119,6 +105,25 @@ class SettingsTab(QWidget):
         self.shown: dict[str, Any] = {}
         session.bridge.settings_changed.connect(self._changed_elsewhere)
         self.load()
+
+    def _ollama_fields(self) -> dict[str, tuple[QWidget, str, str]]:
+        """LMSP §15: whether and where Ollama's API answers, and what apps without a token may do."""
+        self.ollama_api = QComboBox()
+        for value, text in OLLAMA_MODES.items():
+            self.ollama_api.addItem(text, value)
+        self.ollama_port = QSpinBox(minimum=1, maximum=65535)
+        self.ollama_port.setGroupSeparatorShown(False)
+        self.ollama_scopes = QWidget()
+        scope_boxes = QHBoxLayout(self.ollama_scopes)
+        scope_boxes.setContentsMargins(0, 0, 0, 0)
+        self.scope_boxes = {scope: QCheckBox(text) for scope, text in OLLAMA_SCOPES.items()}
+        for box in self.scope_boxes.values():
+            scope_boxes.addWidget(box)
+        return {"ollama_api": (self.ollama_api, "Ollama's API", "For Open WebUI, Continue and other apps built for "
+                               "Ollama. On Ollama's port, requests without a token are one client in the Clients "
+                               "tab."),
+                "ollama_port": (self.ollama_port, "Ollama's port", "11434 is Ollama's own: quit Ollama to use it."),
+                "ollama_scopes": (self.ollama_scopes, "Apps without a token may", "")}
 
     def _groups(self) -> QVBoxLayout:
         """The fields, labelled, in their groups."""
