@@ -41,9 +41,10 @@ def _string(value: Any, param: str) -> str:
     return value
 
 
-def _no_images(message: dict[str, Any], param: str) -> None:
+def _no_images(message: dict[str, Any], param: str | None = None) -> None:
     if message.get("images"):
-        raise InvalidRequest("Images are not supported: the models here read text.", param=f"{param}.images")
+        raise InvalidRequest("Images are not supported: the models here read text.",
+                             param=f"{param}.images" if param else "images")
 
 
 def _calls(message: dict[str, Any], i: int, unanswered: list[tuple[str, str]]) -> list[dict[str, Any]]:
@@ -145,7 +146,7 @@ def chat_request(body: dict[str, Any], model_id: str) -> dict[str, Any]:
 def generate_request(body: dict[str, Any], model_id: str) -> dict[str, Any]:
     """An Ollama generate body (`prompt`, `suffix`, `system`) as a Responses request. `raw` and
     `template` are not honoured: every prompt goes through the model's own chat template."""
-    _no_images(body, "")
+    _no_images(body)
     prompt, suffix = _string(body.get("prompt"), "prompt"), _string(body.get("suffix"), "suffix")
     text = FILL_IN.format(prompt=prompt, suffix=suffix) if suffix else prompt
     out = _common(body, model_id, [{"role": "user", "content": text}])
