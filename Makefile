@@ -34,10 +34,16 @@ APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbc
   libxcb-icccm4 libxcb-image0 libxcb-keysyms1 libxcb-randr0 libxcb-render-util0 libxcb-shape0 \
   libxcb-xinerama0 libxcb-xkb1 libegl1 libgl1 libdbus-1-3 libfontconfig1 cmake build-essential \
   desktop-file-utils appstream
-# The web-page tests (tests/test_browser.py): headless Chromium, and npm for the `openai` package
-# the pages load (tests/browser/package-lock.json; no CDN).
-APT_PACKAGES += chromium npm
+# The web-page tests (tests/test_browser.py): headless Chromium, and the `openai` package the
+# pages load (tests/browser/package-lock.json; no CDN), installed with npm (NPM, below).
+APT_PACKAGES += chromium
 BROWSER_DEPS := tests/browser/node_modules/.package-lock.json
+# npm where there is none: Debian's (a Node.js that came with its own npm stays as it is).
+NPM := command -v npm >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive \
+  apt-get install -y -q nodejs npm; }
+
+# The official `ollama` npm package, for tests/test_ollama_js.py: exactly the versions of its lock file.
+OLLAMA_JS := tests/ollama_js/node_modules/.installed
 
 .PHONY: run test lint bench package system-deps clean llama-server llama-server-portable
 
@@ -83,6 +89,11 @@ system-deps:
 	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
 	fi
 
+$(OLLAMA_JS): tests/ollama_js/package.json tests/ollama_js/package-lock.json
+	@$(NPM)
+	cd tests/ollama_js && npm ci --no-audit --no-fund
+	touch $@
+
 run: system-deps $(BIN)/.installed
 	$(BIN)/lmsp-tray
 
@@ -93,11 +104,12 @@ lint: $(BIN)/.installed
 	$(BIN)/mypy
 
 $(BROWSER_DEPS): tests/browser/package-lock.json
+	@$(NPM)
 	cd tests/browser && npm ci --no-audit --no-fund
 
 # tests/test_wheel.py installs the app's wheel in a fresh venv, with llama.cpp from $(WHEELS);
 # the remote-endpoint tests start $(LLAMA_SERVER) as one of their upstreams.
-test: system-deps $(BIN)/.installed $(LLAMA_SERVER) $(BROWSER_DEPS) lint
+test: system-deps $(BIN)/.installed $(LLAMA_SERVER) $(BROWSER_DEPS) $(OLLAMA_JS) lint
 	LMSP_WHEELS=$(WHEELS) LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q
 
 bench: system-deps $(BIN)/.installed $(LLAMA_PEER)
@@ -112,4 +124,4 @@ llama-server: $(LLAMA_SERVER)
 llama-server-portable: $(LLAMA_PEER)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist *.egg-info tests/ollama_js/node_modules

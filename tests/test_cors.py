@@ -88,7 +88,7 @@ async def test_a_page_paired_from_its_origin_uses_its_own_token_only(api, servic
 
     clients = {c["name"]: c for c in (await (await api.get("/v1/clients")).json())["data"]}
     assert clients["Notes page"]["origins"] == [PAGE] and clients["Editor"]["origins"] == []
-    again = Access(service.store, service.bus, service.access.vault)  # as the next start reads them
+    again = Access(service.store, service.bus, service.access.vault, service.settings)  # as the next start reads them
     await again.load_origins()
     assert again.origin_known(PAGE) and not again.origin_known(OTHER)
 

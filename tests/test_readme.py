@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import ROOT, Headless
+from tests.helpers import pair_sync
 
 SECTION = "## Using it from an app"
 
@@ -88,3 +89,23 @@ def test_structured_output_and_tools_example(headless: Headless) -> None:
     assert re.match(r"name='.*' country='.*'$", lines[0]), lines
     assert re.match(r"get_weather \{'city': .+\}$", lines[1]), lines
     assert len(lines) >= 3 and lines[2].strip()  # the model's answer after the call's result
+
+
+def test_ollama_example(headless: Headless) -> None:
+    """"Apps that speak Ollama's API": turned on with the owner's token, then the `ollama` package
+    with an app's token as OLLAMA_API_KEY."""
+    headless.start()
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Apps that speak Ollama's API"):].split("\n## ", 1)[0]
+    [turn_on] = re.findall(r"```sh\n(.*?)```", section, flags=re.S)
+    [code] = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    env = _env(headless)
+    on = subprocess.run(["bash", "-c", "set -euo pipefail\n" + _shell(turn_on)], env=env, capture_output=True,
+                        text=True, timeout=60, cwd=ROOT)
+    assert on.returncode == 0, on.stderr
+    _, token = pair_sync(headless.url, headless.token, ["models:read", "responses:write"], "ollama app")
+    run = subprocess.run([sys.executable, "-c", code], env={**env, "OLLAMA_API_KEY": token}, capture_output=True,
+                         text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert lines[0] == "['smollm2-135m-instruct:latest']" and lines[1].strip() and lines[-1] == "576 numbers"

@@ -10,7 +10,8 @@ import time
 from typing import Any
 
 from app.core import auth, pairing
-from app.core.auth import Client
+from app.core.auth import OLLAMA_ID, OLLAMA_NAME, Client
+from app.core.settings import Settings
 from app.errors import Conflict, Forbidden, NotFound
 from app.events import EventBus
 from app.secrets import Vault
@@ -25,10 +26,12 @@ class Access:
     """The plaintext token of an approved pairing lives only in memory, until the requester
     collects it (once); the owner's, in the vault (the OS keyring)."""
 
-    def __init__(self, store: Store, bus: EventBus, vault: Vault) -> None:
+    def __init__(self, store: Store, bus: EventBus, vault: Vault, settings: Settings) -> None:
         self.store = store
         self.bus = bus
         self.vault = vault
+        self.settings = settings
+        self.ollama: Client | None = None  # the built-in client of the Ollama listener, while it is open
         self._pairing_tokens: dict[str, tuple[str, float]] = {}  # pairing id -> (token, collect it before this time)
         self._requesters: dict[str, tuple[str, float]] = {}  # pending pairing id -> (who asked, when it expires)
         self._announced: dict[str, float] = {}  # requester -> when a notification last announced one of theirs
@@ -76,12 +79,22 @@ class Access:
                     self._verified = {k: v for k, v in self._verified.items()
                                       if time.monotonic() - v[0] < VERIFIED_SECONDS}
                 self._verified[digest] = (time.monotonic(), client)
-        if client is not None and time.monotonic() - self._touched.get(client.id, -1e9) > 60:
+        if client is not None:
+            self._touch(client)
+        return client
+
+    def tokenless(self) -> Client | None:
+        """The client a request without a token acts as on the Ollama listener (LMSP §15), while open."""
+        if self.ollama is not None:
+            self._touch(self.ollama)
+        return self.ollama
+
+    def _touch(self, client: Client) -> None:
+        if time.monotonic() - self._touched.get(client.id, -1e9) > 60:
             # "Last used" for the Clients tab, written at most once a minute per client and
             # off the request's path: a request never waits for this fsync.
             self._touched[client.id] = time.monotonic()
             asyncio.create_task(self.store.write(auth.touch, client.id))
-        return client
 
     async def request_pairing(self, body: Any, requester: str = "local", origin: str | None = None) -> dict[str, Any]:
         """`requester`: who asks, as far as the connection tells (app/server/peer.py); `origin`: the
@@ -148,9 +161,21 @@ class Access:
                  "origins": sorted(self._origins.get(r["id"], ()))}
                 for r in rows]
 
+    async def open_ollama(self) -> None:
+        """The built-in client "Apps using the Ollama API" as the settings say (LMSP §15): there,
+        with `ollama_scopes`, while `ollama_api` is `open`; revoked otherwise."""
+        scopes = list(self.settings["ollama_scopes"]) if self.settings["ollama_api"] == "open" else None
+        self.ollama = None if scopes is None else Client(OLLAMA_ID, OLLAMA_NAME, frozenset(scopes))
+        await self.store.write(auth.install_ollama, scopes)
+        self.bus.publish([{"type": "clients.changed"}])
+
     async def revoke_client(self, client_id: str) -> None:
         if client_id == auth.OWNER_ID:
             raise Conflict("cannot_revoke_owner", "The owner token cannot be revoked.")
+        if client_id == OLLAMA_ID and self.ollama is not None:
+            # One click turns the open listener off; apps with their own token keep /api/ here.
+            await self.settings.update({"ollama_api": "token"})
+            return
         if not await self.store.write(pairing.revoke, client_id):
             raise NotFound("client", client_id)
         self._origins.pop(client_id, None)  # its pages are refused from the next request

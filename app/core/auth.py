@@ -13,6 +13,8 @@ from dataclasses import dataclass
 SCOPES = ("models:read", "models:write", "responses:read", "responses:write",
           "tasks:read", "tasks:cancel", "metrics:read", "admin")
 OWNER_ID = "client_owner"
+# LMSP §15: the built-in client of the Ollama listener, for the apps that come without a token.
+OLLAMA_ID, OLLAMA_NAME = "client_ollama", "Apps using the Ollama API"
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,18 @@ def install_owner(conn: sqlite3.Connection, token: str) -> None:
         "INSERT INTO clients(id, name, token_hash, scopes, is_owner, created_at) VALUES (?, 'Owner', ?, ?, 1, ?) "
         "ON CONFLICT(id) DO UPDATE SET token_hash = excluded.token_hash, revoked_at = NULL",
         (OWNER_ID, token_hash(token), json.dumps(["admin"]), time.time()))
+
+
+def install_ollama(conn: sqlite3.Connection, scopes: list[str] | None) -> None:
+    """The built-in Ollama client with `scopes`, or revoked (None). Its token hash is of a token
+    nobody is given: it is never authenticated by a token, only by arriving on the Ollama listener."""
+    if scopes is None:
+        conn.execute("UPDATE clients SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), OLLAMA_ID))
+        return
+    conn.execute(
+        "INSERT INTO clients(id, name, token_hash, scopes, created_at) VALUES (?, ?, ?, ?, ?) "
+        "ON CONFLICT(id) DO UPDATE SET scopes = excluded.scopes, revoked_at = NULL",
+        (OLLAMA_ID, OLLAMA_NAME, token_hash(new_token()), json.dumps(scopes), time.time()))
 
 
 def owner_matches(conn: sqlite3.Connection, token: str) -> bool:

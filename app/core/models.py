@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from app import paths
-from app.core import auth
+from app.core import auth, ollama
 from app.core.auth import OWNER, Client
 from app.core.remotes import Remotes
 from app.engine.parent.engine import EngineError
@@ -82,6 +82,14 @@ class Models:
                 continue
             if models.file_status(row) == "available":
                 self._headers[row["digest"]] = await asyncio.to_thread(memory.header, row["path"])
+
+    def header(self, model: dict[str, Any]) -> dict[str, Any] | None:
+        """The GGUF metadata of a model listed or described here (None: remote, or unreadable)."""
+        return self._headers.get(model.get("digest") or "")
+
+    async def ollama_id(self, name: str) -> str | None:
+        """The id of the model an Ollama app names `name` (app/core/ollama.py), None if none."""
+        return await self.store.read(ollama.resolve, name)
 
     def memory(self, row: Any, parallel: int | None = None) -> memory.Memory:
         """What a local model takes loaded with `parallel` (default: the setting) sequences."""

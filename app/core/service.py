@@ -70,7 +70,7 @@ class AppService:
         # (a wait on the grammar worker must not hold a thread the default executor's users need).
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="lmsp-requests")
         # The features the surfaces call.
-        self.access = Access(self.store, self.bus, owner_vault(data_dir))
+        self.access = Access(self.store, self.bus, owner_vault(data_dir), self.settings)
         self.remotes = Remotes(data_dir, self.store, self.bus, self.upstreams, self.scheduler)
         self.models = Models(self.store, self.bus, self.pool, self.modes, self.remotes,
                              lambda: int(self.settings["parallel"]))
@@ -80,6 +80,7 @@ class AppService:
         self.responses = Responses(self.store, self.bus, self.settings, self.scheduler, self.tasks, self.grammars,
                                    self.off_loop)
         self.housekeeping = Housekeeping(self.store, self.bus, self.settings, self.access, self.remotes, self.pool)
+        self._changes: set[asyncio.Task[None]] = set()  # settings applied with a write, until they are done
         self.settings.on_change.append(self._apply_settings)
         self.settings.checks.append(self.models.check_parallel)
 
@@ -90,6 +91,7 @@ class AppService:
         self.service_id = await self.store.write(_service_id)
         await self.access.ensure_owner_token()
         await self.access.load_origins()
+        await self.access.open_ollama()
         await self.models.ensure_default_model()
         await self.modes.open()
         self.recovery_counts = await self.scheduler.recover()
@@ -131,6 +133,11 @@ class AppService:
             self.scheduler.wake()
         if "remote_wait_seconds" in changes:
             self.upstreams.wait_seconds = changes["remote_wait_seconds"]
+        if self.ready and {"ollama_api", "ollama_scopes"} & set(changes):
+            # Its first step (the client in memory) runs before the next request is read.
+            applying = asyncio.create_task(self.access.open_ollama())
+            self._changes.add(applying)
+            applying.add_done_callback(self._changes.discard)
 
     async def off_loop(self, read: Callable[..., T], *args: Any) -> T:
         """`read(*args)` on a request reader's thread: reading a request whose cost grows with it."""

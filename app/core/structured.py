@@ -62,6 +62,14 @@ def _format(text: Any) -> Format:
     return out
 
 
+def chat_tool(value: Any, param: str) -> dict[str, Any]:
+    """A tool (or a named tool choice) in the chat shape OpenAI's chat completions and Ollama's API
+    share, `{"type": "function", "function": {...}}`, as the Responses API writes it: flat."""
+    if not isinstance(value, dict) or not isinstance(value.get("function"), dict):
+        raise InvalidRequest("Expected {\"type\": \"function\", \"function\": {...}}.", param=param)
+    return {"type": value.get("type"), **value["function"]}
+
+
 def _tool(tool: Any, param: str) -> Tool:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         raise InvalidRequest("Only function tools (`type: function`) are supported.", param=f"{param}.type")

@@ -8,6 +8,7 @@ from typing import Any
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QHBoxLayout, QPushButton, QTableWidgetItem, QWidget
 
+from app.core.auth import OLLAMA_ID
 from app.gui.async_ui import confirm, spawn
 from app.gui.session import Session
 from app.gui.widgets import list_page, list_table
@@ -72,9 +73,16 @@ class ClientsTab(QWidget):
     def _update_buttons(self) -> None:
         client = self.selected()
         self.revoke_button.setEnabled(client is not None and not client.get("owner"))
+        built_in = client is not None and client["id"] == OLLAMA_ID
+        self.revoke_button.setText("Turn off" if built_in else "Revoke access")
 
     def revoke_selected(self) -> None:
         client = self.selected()
-        if client and confirm(self, "Revoke access", f"Stop {client['name']} from using your models? "
-                              "It will have to pair again.", "Revoke"):
+        if client and client["id"] == OLLAMA_ID:
+            question = ("Turn off Ollama's port? Apps using it without a token can no longer use your models "
+                        "(apps with a token keep Ollama's API on LMSP's port).", "Turn off")
+        else:
+            question = (f"Stop {client['name'] if client else ''} from using your models? "
+                        "It will have to pair again.", "Revoke")
+        if client and confirm(self, "Revoke access", *question):
             spawn(self.session.service.access.revoke_client(client["id"]), self, lambda _: self.load())

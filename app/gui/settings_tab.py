@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
+    QCheckBox,
     QComboBox,
     QFormLayout,
     QGroupBox,
@@ -32,10 +33,17 @@ ON_RESTART = {"fail": "Mark it failed (the app may resubmit)", "retry": "Run it 
               "resume": "Continue where it stopped"}
 ENGINE_MODES = {"auto": "Automatic (fast; safe if it crashes)", "fast": "Fast only",
                 "safe": "Safe (slower, avoids CPU-specific crashes)"}
+OLLAMA_MODES = {"off": "Off", "token": "On LMSP's port, for apps with a token",
+                "open": "Also on Ollama's port, for apps without a token"}
+# What apps on Ollama's port may do without a token (never admin), in the person's words.
+OLLAMA_SCOPES = {"responses:write": "Generate", "models:read": "See the models",
+                 "models:write": "Add and remove models", "responses:read": "Read their answers",
+                 "tasks:read": "See their tasks", "tasks:cancel": "Cancel their tasks"}
 RESTART_NEEDED = ("host", "port")
 GROUPS = (("Network", ("host", "port", "allowed_origins")),
           ("Tasks", ("max_concurrent_tasks", "parallel", "default_on_restart", "retention_seconds")),
-          ("Models", ("model_idle_ttl_seconds", "engine_mode")))
+          ("Models", ("model_idle_ttl_seconds", "engine_mode")),
+          ("Apps that speak Ollama's API", ("ollama_api", "ollama_port", "ollama_scopes")))
 LONGEST_LABEL = "Unfinished task after a restart:"  # the groups' label columns line up at this width
 
 
@@ -74,6 +82,7 @@ class SettingsTab(QWidget):
             "model_idle_ttl_seconds": (self.idle, "Unload idle model after", ""),
             "engine_mode": (self.engine_mode, "Inference engine", "Safe mode turns off llama.cpp's weight "
                             "repacking and AMX kernels, which crash on some CPUs. Applies from the next task."),
+            **self._ollama_fields(),
         }
         self.errors: dict[str, QLabel] = {}
         groups = self._groups()
@@ -96,6 +105,25 @@ class SettingsTab(QWidget):
         self.shown: dict[str, Any] = {}
         session.bridge.settings_changed.connect(self._changed_elsewhere)
         self.load()
+
+    def _ollama_fields(self) -> dict[str, tuple[QWidget, str, str]]:
+        """LMSP §15: whether and where Ollama's API answers, and what apps without a token may do."""
+        self.ollama_api = QComboBox()
+        for value, text in OLLAMA_MODES.items():
+            self.ollama_api.addItem(text, value)
+        self.ollama_port = QSpinBox(minimum=1, maximum=65535)
+        self.ollama_port.setGroupSeparatorShown(False)
+        self.ollama_scopes = QWidget()
+        scope_boxes = QHBoxLayout(self.ollama_scopes)
+        scope_boxes.setContentsMargins(0, 0, 0, 0)
+        self.scope_boxes = {scope: QCheckBox(text) for scope, text in OLLAMA_SCOPES.items()}
+        for box in self.scope_boxes.values():
+            scope_boxes.addWidget(box)
+        return {"ollama_api": (self.ollama_api, "Ollama's API", "For Open WebUI, Continue and other apps built for "
+                               "Ollama. On Ollama's port, requests without a token are one client in the Clients "
+                               "tab."),
+                "ollama_port": (self.ollama_port, "Ollama's port", "11434 is Ollama's own: quit Ollama to use it."),
+                "ollama_scopes": (self.ollama_scopes, "Apps without a token may", "")}
 
     def _groups(self) -> QVBoxLayout:
         """The fields, labelled, in their groups."""
@@ -120,7 +148,7 @@ class SettingsTab(QWidget):
         column = QVBoxLayout(row)
         column.setContentsMargins(0, 0, 0, 0)
         column.setSpacing(2)
-        if field is self.origins:
+        if field in (self.origins, self.ollama_scopes):
             column.addWidget(field)
         else:
             line = QHBoxLayout()
@@ -148,6 +176,10 @@ class SettingsTab(QWidget):
         self.origins.setPlainText("\n".join(s["allowed_origins"]))
         self.idle.setValue(round(s["model_idle_ttl_seconds"] / MINUTE))
         self.engine_mode.setCurrentIndex(max(0, self.engine_mode.findData(s["engine_mode"])))
+        self.ollama_api.setCurrentIndex(max(0, self.ollama_api.findData(s["ollama_api"])))
+        self.ollama_port.setValue(s["ollama_port"])
+        for scope, box in self.scope_boxes.items():
+            box.setChecked(scope in s["ollama_scopes"])
         self.shown = self.values()  # what the form said before any edit (days/minutes are rounded)
         now = urlsplit(self.session.url)
         differs = self.session.url and (now.hostname, now.port) != (s["host"].strip("[]"), s["port"])
@@ -167,7 +199,9 @@ class SettingsTab(QWidget):
                 "parallel": self.parallel.value(),
                 "allowed_origins": [o.strip() for o in self.origins.toPlainText().splitlines() if o.strip()],
                 "model_idle_ttl_seconds": self.idle.value() * MINUTE,
-                "engine_mode": self.engine_mode.currentData()}
+                "engine_mode": self.engine_mode.currentData(),
+                "ollama_api": self.ollama_api.currentData(), "ollama_port": self.ollama_port.value(),
+                "ollama_scopes": [scope for scope, box in self.scope_boxes.items() if box.isChecked()]}
 
     def changes(self) -> dict[str, Any]:
         return {k: v for k, v in self.values().items() if v != self.shown.get(k)}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import os
 import socket
 from collections import Counter
@@ -12,12 +14,26 @@ from aiohttp import web
 
 from app.core.metrics import LatencyHistogram
 from app.core.service import AppService
+from app.errors import Conflict
 from app.server import admin as a
 from app.server import handlers as h
+from app.server import ollama
 from app.server.chat import chat_completions
 from app.server.gate import Gate, cap, fair_share
-from app.server.keys import BUSY, HOSTS, IN_FLIGHT, LATENCY, SCOPES, SERVICE
-from app.server.middleware import LOCAL_HOSTS, authorize, boundary, cors_headers, errors, keyed, timing, working
+from app.server.keys import BUSY, HOSTS, IN_FLIGHT, LATENCY, SCOPES, SERVICE, TOKENLESS
+from app.server.middleware import (
+    LOCAL_HOSTS,
+    authorize,
+    boundary,
+    cors_headers,
+    errors,
+    keyed,
+    ollama_surface,
+    timing,
+    working,
+)
+
+log = logging.getLogger(__name__)
 
 MAX_BODY = 8 * 1024 * 1024
 # asyncio accepts up to `backlog` connections at each wake-up, a descriptor each at once, and asks
@@ -69,20 +85,26 @@ ROUTES: list[tuple[str, str, Handler, str | None]] = [
     ("PATCH", "/v1/settings", a.patch_settings, "admin"),
     ("GET", "/metrics", a.get_metrics, "metrics:read"),
     ("GET", "/openapi.json", h.openapi, None),
+    *ollama.ROUTES,  # LMSP §15: off unless the setting ollama_api says otherwise
 ]
 
 
-def make_app(service: AppService) -> web.Application:
-    app = web.Application(middlewares=[working, timing, errors, boundary, authorize, fair_share],
+def make_app(service: AppService, main: web.Application | None = None) -> web.Application:
+    """The application on LMSP's port; or, given the `main` one, the Ollama listener's (LMSP §15):
+    Ollama's routes only, a request without a token acting as the built-in client, each client's
+    requests counted with those it makes on the main port."""
+    app = web.Application(middlewares=[working, timing, errors, boundary, ollama_surface, authorize, fair_share],
                           client_max_size=MAX_BODY)
     app[SERVICE] = service
-    app[LATENCY] = LatencyHistogram()
+    app[LATENCY] = LatencyHistogram() if main is None else main[LATENCY]
     app[SCOPES] = {}
     app[BUSY] = set()
     app[HOSTS] = set(LOCAL_HOSTS)
-    app[IN_FLIGHT] = Counter()
+    app[IN_FLIGHT] = Counter() if main is None else main[IN_FLIGHT]
+    if main is not None:
+        app[TOKENLESS] = service.access.tokenless
     app.on_response_prepare.append(cors_headers)
-    for method, path, handler, scope in ROUTES:
+    for method, path, handler, scope in ROUTES if main is None else ollama.ROUTES:
         app.router.add_route(method, path, handler)
         app[SCOPES][(method, path)] = scope
     return app
@@ -106,14 +128,16 @@ def _lengthen_queue(fd: int) -> None:
 
 
 class Server:
-    """The app on a TCP port, embedded in whatever loop runs (asyncio or Qt's via qasync)."""
+    """The app on a TCP port, embedded in whatever loop runs (asyncio or Qt's via qasync), and
+    the Ollama listener beside it when the settings want one."""
 
-    def __init__(self, service: AppService) -> None:
+    def __init__(self, service: AppService, app: web.Application | None = None) -> None:
         self.service = service
-        self.app = make_app(service)
+        self.app = app or make_app(service)
         self.runner = web.AppRunner(self.app, shutdown_timeout=2.0)
         self.listener: asyncio.AbstractServer | None = None
         self.url = ""
+        self.ollama = OllamaListener(service, self.app) if app is None else None
 
     async def start(self, host: str, port: int) -> str:
         await self.runner.setup()
@@ -126,11 +150,99 @@ class Server:
         shown = advertised(host)
         self.app[HOSTS].add(shown.lower())  # a request to the URL in service.json is answered
         self.url = f"http://{shown}:{bound}"
+        if self.ollama is not None:
+            await self.ollama.start()
         return self.url
 
     async def stop_accepting(self) -> None:
         if self.listener is not None:
             self.listener.close()
+        if self.ollama is not None:
+            await self.ollama.stop_accepting()
 
     async def stop(self) -> None:
         await self.runner.cleanup()
+        if self.ollama is not None:
+            await self.ollama.stop()
+
+
+def port_free(port: int) -> bool:
+    """Whether a listener could open 127.0.0.1:`port` now (asyncio's own options: SO_REUSEADDR)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class OllamaListener:
+    """127.0.0.1:`ollama_port` while `ollama_api` is `open` (LMSP §15). Once the main server runs,
+    a settings change opens or closes it before it is saved: a port already taken (Ollama itself
+    running) refuses the change with 409 `port_in_use`, and an app may connect as soon as the
+    change is answered. At start, a taken port is said in the log and the service runs without it."""
+
+    def __init__(self, service: AppService, main: web.Application) -> None:
+        self.service, self.main = service, main
+        self.server: Server | None = None
+        self.port: int | None = None
+        self.active = False  # the main server runs: settings changes apply
+        self._closing: set[asyncio.Task[None]] = set()
+        service.settings.checks.append(self.check)
+
+    def wanted(self, changes: dict[str, object]) -> int | None:
+        settings = {**self.service.settings, **changes}
+        return int(str(settings["ollama_port"])) if settings["ollama_api"] == "open" else None
+
+    async def check(self, changes: dict[str, object]) -> None:
+        """A settings check that acts: the listener as the change wants it, or the change refused."""
+        port = self.wanted(changes)
+        if self.active:
+            await self.apply(port)
+        elif port is not None and not port_free(port):
+            raise self._taken(port)
+
+    def _taken(self, port: int) -> Conflict:
+        refused = Conflict("port_in_use", f"Port {port} on 127.0.0.1 is taken, by Ollama itself perhaps: quit it, "
+                           "or choose another `ollama_port`.")
+        refused.param = "ollama_port"  # the Settings tab shows it beside that field
+        return refused
+
+    async def start(self) -> None:
+        self.active = True
+        try:
+            await self.apply(self.wanted({}))
+        except Conflict as exc:
+            log.warning("the Ollama API listener is not open: %s", exc.message)
+
+    async def apply(self, port: int | None) -> None:
+        if port == self.port:
+            return
+        old, self.server, self.port = self.server, None, None
+        if old is not None:  # closed now; its streams end in the background
+            await old.stop_accepting()
+            closing = asyncio.create_task(old.stop())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+        if port is None:
+            return
+        server = Server(self.service, make_app(self.service, self.main))
+        try:
+            await server.start("127.0.0.1", port)
+        except OSError as exc:
+            await server.stop()
+            raise self._taken(port) if exc.errno == errno.EADDRINUSE else Conflict(
+                "cannot_listen", f"Cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}.") from None
+        self.server, self.port = server, port
+        log.info("serving Ollama's API on %s", server.url)
+
+    async def stop_accepting(self) -> None:
+        if self.server is not None:
+            await self.server.stop_accepting()
+
+    async def stop(self) -> None:
+        server, self.server, self.port = self.server, None, None
+        if server is not None:
+            await server.stop()
+        await asyncio.gather(*self._closing)

@@ -14,6 +14,7 @@ from aiohttp import web
 from app.core.answers import Ask
 from app.core.follow import Events
 from app.core.requests import text_of
+from app.core.structured import chat_tool
 from app.core.tasks import TERMINAL_EVENTS
 from app.errors import Failed, InvalidRequest, LmspError
 from app.server import sse
@@ -38,14 +39,8 @@ def _text_format(value: Any) -> dict[str, Any]:
     return {"format": {"type": "json_schema", **spec}}
 
 
-def _function(value: Any, param: str) -> dict[str, Any]:
-    if not isinstance(value, dict) or not isinstance(value.get("function"), dict):
-        raise InvalidRequest("Expected {\"type\": \"function\", \"function\": {...}}.", param=param)
-    return {"type": value.get("type"), **value["function"]}
-
-
 def _tool_choice(value: Any) -> Any:
-    return _function(value, "tool_choice") if isinstance(value, dict) else value
+    return chat_tool(value, "tool_choice") if isinstance(value, dict) else value
 
 
 def _string(msg: dict[str, Any], field: str, param: str) -> str:
@@ -55,7 +50,7 @@ def _string(msg: dict[str, Any], field: str, param: str) -> str:
 
 
 def _call(call: Any, param: str) -> dict[str, Any]:
-    fn = _function(call, param)
+    fn = chat_tool(call, param)
     return {"type": "function_call", "call_id": _string(call, "id", param),
             "name": _string(fn, "name", f"{param}.function"),
             "arguments": _string(fn, "arguments", f"{param}.function")}
@@ -138,7 +133,7 @@ def as_response_request(body: Any) -> tuple[dict[str, Any], ChatNames]:
         out["text"] = _text_format(body["response_format"])
     if body.get("tools") is not None:
         tools = body["tools"]
-        out["tools"] = [_function(t, f"tools[{i}]") for i, t in enumerate(tools)] if isinstance(tools, list) else tools
+        out["tools"] = [chat_tool(t, f"tools[{i}]") for i, t in enumerate(tools)] if isinstance(tools, list) else tools
     if body.get("tool_choice") is not None:
         out["tool_choice"] = _tool_choice(body["tool_choice"])
     for src, dst in (("model", "model"), ("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -23,3 +24,6 @@ HOSTS = web.AppKey("hosts", set)
 IN_FLIGHT = web.AppKey("in_flight", Counter)
 # What the request carries once `authorize` has let it through.
 CLIENT = web.RequestKey("client", Client)
+# On the Ollama listener (LMSP §15): the client a request without a token acts as (None: refused).
+Tokenless = Callable[[], Client | None]
+TOKENLESS: web.AppKey[Tokenless] = web.AppKey("tokenless")

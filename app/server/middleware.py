@@ -13,10 +13,10 @@ from typing import Any
 
 from aiohttp import web
 
-from app.core import answers
+from app.core import answers, ollama
 from app.core.idempotency import Stored
 from app.errors import Forbidden, LmspError, Unauthorized
-from app.server.keys import BUSY, CLIENT, HOSTS, LATENCY, SCOPES, SERVICE
+from app.server.keys import BUSY, CLIENT, HOSTS, LATENCY, SCOPES, SERVICE, TOKENLESS
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -126,8 +126,9 @@ async def boundary(request: web.Request, handler: Handler) -> web.StreamResponse
 
 
 def _allowed_everywhere(request: web.Request, origin: str) -> bool:
-    """Pages of `origin` may use any token (the owner listed it), not only their own client's."""
-    return origin in request.app[SERVICE].settings["allowed_origins"]
+    """Pages of `origin` may use any token (the owner listed it, or it is one of the origins Ollama
+    allows, on Ollama's paths), not only their own client's."""
+    return origin in request.app[SERVICE].settings["allowed_origins"] or ollama.default_origin(request.path, origin)
 
 
 def _preflight(request: web.Request) -> web.Response:
@@ -137,6 +138,21 @@ def _preflight(request: web.Request) -> web.Response:
     return web.Response(status=204, headers={"Access-Control-Allow-Methods": "GET, POST, PATCH, DELETE, OPTIONS",
                                              "Access-Control-Allow-Headers": ", ".join(headers),
                                              "Access-Control-Max-Age": CORS_MAX_AGE})
+
+
+@web.middleware
+async def ollama_surface(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Ollama's API (LMSP §15): not there while the setting `ollama_api` is `off`; its refusals (a
+    token, a scope, a bad request) in Ollama's words, `{"error": "..."}`, which its clients show."""
+    if not ollama.is_ollama_path(request.path):
+        return await handler(request)
+    if request.app[SERVICE].settings["ollama_api"] == "off":
+        raise web.HTTPNotFound()
+    try:
+        return await handler(request)
+    except LmspError as exc:
+        headers = {**exc.headers, **({"WWW-Authenticate": 'Bearer realm="lmsp"'} if exc.status == 401 else {})}
+        return web.json_response({"error": exc.message}, status=exc.status, headers=headers)
 
 
 async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -163,8 +179,12 @@ async def authorize(request: web.Request, handler: Handler) -> web.StreamRespons
         return await handler(request)
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():  # the scheme is case-insensitive (RFC 9110)
-        raise Unauthorized()
-    client = await request.app[SERVICE].access.authenticate(token.strip())
+        tokenless = request.app.get(TOKENLESS)  # on the Ollama listener: its built-in client
+        client = tokenless() if tokenless is not None else None
+        if client is None:
+            raise Unauthorized()
+    else:
+        client = await request.app[SERVICE].access.authenticate(token.strip())
     if client is None:
         raise Unauthorized("The token is not valid (unknown or revoked).")
     if not client.allows(scope):

@@ -40,6 +40,11 @@ DEFAULTS: dict[str, Any] = {
     # §11 remote endpoints: how long a task waits for one to answer; tasks on them at once.
     "remote_wait_seconds": 300,
     "max_concurrent_remote_tasks": 8,
+    # §15 Ollama's API: off; `token` (/api/* on this port, a paired token); `open` (also a listener
+    # on 127.0.0.1:ollama_port where a request without a token acts as one built-in client).
+    "ollama_api": "off",
+    "ollama_port": 11434,
+    "ollama_scopes": ["models:read", "responses:write"],
 }
 
 
@@ -80,8 +85,18 @@ def _host(v: Any) -> bool:
     return True
 
 
+def _ollama_scopes(v: Any) -> bool:
+    """Scopes for apps that come without a token: any but `admin`, which no unknown app gets."""
+    return isinstance(v, list) and all(s in OLLAMA_SCOPES for s in v) and len(set(v)) == len(v)
+
+
+OLLAMA_SCOPES = ("models:read", "models:write", "responses:read", "responses:write", "tasks:read", "tasks:cancel",
+                 "metrics:read")
+
+
 # Said with the error, for values whose rule the key's name does not tell.
-HINTS = {"host": " Use 'localhost' or an IP address of this computer, such as 127.0.0.1 or 0.0.0.0."}
+HINTS = {"host": " Use 'localhost' or an IP address of this computer, such as 127.0.0.1 or 0.0.0.0.",
+         "ollama_scopes": f" Choose among {', '.join(OLLAMA_SCOPES)} (never admin)."}
 
 VALIDATORS: dict[str, Any] = {
     "host": lambda v: isinstance(v, str) and _host(v),
@@ -102,6 +117,9 @@ VALIDATORS: dict[str, Any] = {
     "max_request_bytes": _int_in(MIB, 1 << 40),
     "remote_wait_seconds": _int_in(0, 7 * 86400),
     "max_concurrent_remote_tasks": _int_in(1, 256),
+    "ollama_api": lambda v: v in ("off", "token", "open"),
+    "ollama_port": _int_in(1, 65535),
+    "ollama_scopes": _ollama_scopes,
 }
 
 

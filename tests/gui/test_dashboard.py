@@ -10,7 +10,7 @@ from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QProgressDialog
 
 from app import paths
-from app.core.auth import Client
+from app.core.auth import OLLAMA_NAME, Client
 from app.gui import clients_tab, models_tab
 from app.gui.dashboard import Dashboard
 from app.gui.session import Session
@@ -128,6 +128,21 @@ async def test_clients_tab_revokes_a_paired_app(session: Session, until: Until,
     tab.revoke_button.click()
     await until(lambda: tab.table.rowCount() == 1, 10, "client revoked")
     assert [c["name"] for c in await session.service.access.list_clients()] == ["Owner"]
+
+
+async def test_the_ollama_apps_client_is_listed_and_turned_off_in_one_click(session: Session, until: Until,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    await session.service.settings.update({"ollama_api": "open"})  # no server here: nothing listens
+    dash = Dashboard(session)
+    tab = dash.clients
+    await until(lambda: tab.table.rowCount() == 2, 10, "the built-in client listed")
+    row = next(i for i in range(2) if tab.table.item(i, 0).text() == OLLAMA_NAME)
+    tab.table.selectRow(row)
+    assert tab.revoke_button.text() == "Turn off" and tab.revoke_button.isEnabled()
+    monkeypatch.setattr(clients_tab, "confirm", lambda *args: True)
+    tab.revoke_button.click()
+    await until(lambda: tab.table.rowCount() == 1, 10, "turned off")
+    assert session.service.settings["ollama_api"] == "token" and session.service.access.tokenless() is None
 
 
 async def test_show_task_reveals_it_whatever_the_filter(session: Session, owner: Client, until: Until) -> None:

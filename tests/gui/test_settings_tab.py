@@ -82,3 +82,29 @@ async def test_a_parallel_that_would_not_fit_is_explained_next_to_its_field(
     tab.save_button.click()
     await until(lambda: tab.status.text().startswith("Saved"), 10, "saved")
     assert not error.isVisible() and (await stored(session))["parallel"] == 2
+
+
+async def test_ollama_api_is_turned_on_with_its_scopes_and_a_taken_port_is_explained(session: Session,
+                                                                                     until: Until) -> None:
+    import socket
+
+    from app.server.app import Server
+
+    Server(session.service)  # as the desktop app has: it checks the Ollama port (not started here)
+    tab = SettingsTab(session)
+    tab.show()
+    assert tab.ollama_api.currentData() == "off" and tab.ollama_port.value() == 11434
+    assert {s for s, box in tab.scope_boxes.items() if box.isChecked()} == {"models:read", "responses:write"}
+    with socket.socket() as taken:  # as Ollama itself would hold it
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        tab.ollama_api.setCurrentIndex(tab.ollama_api.findData("open"))
+        tab.ollama_port.setValue(taken.getsockname()[1])
+        tab.save_button.click()
+        await until(lambda: tab.errors["ollama_port"].isVisible(), 10, "the port error shown")
+    assert "taken" in tab.errors["ollama_port"].text() and session.service.settings["ollama_api"] == "off"
+    tab.ollama_api.setCurrentIndex(tab.ollama_api.findData("token"))
+    tab.scope_boxes["tasks:read"].setChecked(True)
+    tab.save_button.click()
+    await until(lambda: session.service.settings["ollama_api"] == "token", 10, "saved")
+    assert session.service.settings["ollama_scopes"] == ["responses:write", "models:read", "tasks:read"]

@@ -1,0 +1,248 @@
+"""Ollama's request and answer shapes (LMSP §15), translated to and from ours: a chat or generate
+body becomes a Responses request (the one the core runs for every surface), a finished response
+becomes Ollama's message, a model object Ollama's model. No HTTP here (app/server/ollama.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from app.core.ollama import ollama_name
+from app.core.requests import text_of
+from app.core.structured import chat_tool
+from app.errors import InvalidRequest, LmspError
+
+# Ollama `options` that have a Responses field; the others (top_k, num_ctx, repeat_penalty...) are
+# the service's to choose, and are ignored as Ollama ignores options a model does not use.
+OPTIONS = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
+           "num_predict": "max_output_tokens"}
+# A generate request with a `suffix` (fill in the middle, as editors ask for completions): chat
+# models are asked in words, since their chat template has no place for a suffix.
+FILL_IN = ("Write the text that goes between the prefix and the suffix below. Answer with that text only, "
+           "without repeating the prefix or the suffix.\n\n"
+           "<prefix>\n{prompt}\n</prefix>\n\n<suffix>\n{suffix}\n</suffix>")
+MAX_STOPS = 4
+QUANT = re.compile(r"(?i)(?<![A-Za-z0-9])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)(?![A-Za-z0-9])")
+
+
+def iso(seconds: float) -> str:
+    """A time as Ollama writes it: RFC 3339 in UTC."""
+    return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _string(value: Any, param: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise InvalidRequest(f"`{param}` must be a string.", param=param)
+    return value
+
+
+def _no_images(message: dict[str, Any], param: str | None = None) -> None:
+    if message.get("images"):
+        raise InvalidRequest("Images are not supported: the models here read text.",
+                             param=f"{param}.images" if param else "images")
+
+
+def _calls(message: dict[str, Any], i: int, unanswered: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` as function_call items. Ollama's calls have no ids (its
+    tool messages name the function instead): each gets one, and is remembered as unanswered."""
+    calls = message["tool_calls"]
+    if not isinstance(calls, list):
+        raise InvalidRequest("`tool_calls` must be a list.", param=f"messages[{i}].tool_calls")
+    items = []
+    for j, call in enumerate(calls):
+        param = f"messages[{i}].tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequest("A tool call is {\"function\": {\"name\", \"arguments\"}}.", param=param)
+        arguments = fn.get("arguments") or {}
+        call_id = call.get("id") if isinstance(call.get("id"), str) else f"call_{i}_{j}"
+        items.append({"type": "function_call", "call_id": call_id, "name": fn["name"],
+                      "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)})
+        unanswered.append((call_id, fn["name"]))
+    return items
+
+
+def _answer(message: dict[str, Any], i: int, unanswered: list[tuple[str, str]]) -> dict[str, Any]:
+    """A tool message as the output of the earliest unanswered call of its function (`tool_name`),
+    or of the earliest unanswered call when it names none."""
+    name = message.get("tool_name") or message.get("name")
+    found = next((k for k, (_, called) in enumerate(unanswered) if name in (None, called)), None)
+    if found is None:
+        raise InvalidRequest("A tool message must answer a tool call of an earlier assistant message.",
+                             param=f"messages[{i}]")
+    call_id, _ = unanswered.pop(found)
+    return {"type": "function_call_output", "call_id": call_id,
+            "output": text_of(message.get("content") or "", f"messages[{i}].content")}
+
+
+def _input(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list):
+        raise InvalidRequest("`messages` must be a list of messages.", param="messages")
+    items: list[dict[str, Any]] = []
+    unanswered: list[tuple[str, str]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequest("A message is an object with `role` and `content`.", param=f"messages[{i}]")
+        _no_images(message, f"messages[{i}]")
+        if message.get("role") == "tool":
+            items.append(_answer(message, i, unanswered))
+            continue
+        content = _string(message.get("content"), f"messages[{i}].content")
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            items += ([{"role": "assistant", "content": content}] if content else []) + _calls(message, i, unanswered)
+        else:
+            items.append({"role": message.get("role"), "content": content})
+    return items
+
+
+def _format(value: Any) -> dict[str, Any] | None:
+    if value in (None, ""):
+        return None
+    if value == "json":
+        return {"format": {"type": "json_object"}}
+    if isinstance(value, dict):
+        return {"format": {"type": "json_schema", "name": "ollama", "schema": value, "strict": True}}
+    raise InvalidRequest("`format` must be \"json\" or a JSON schema.", param="format")
+
+
+def _options(body: dict[str, Any]) -> dict[str, Any]:
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("`options` must be an object.", param="options")
+    out = {ours: options[theirs] for theirs, ours in OPTIONS.items() if options.get(theirs) is not None}
+    if isinstance(out.get("max_output_tokens"), int) and out["max_output_tokens"] < 0:
+        del out["max_output_tokens"]  # -1: no limit, -2: fill the context; the context is the limit here
+    if isinstance(out.get("stop"), list):
+        # Ollama takes any number of stop sequences (editors send a dozen special tokens for a fill in
+        # the middle); the engine ends on up to four, the first ones given.
+        out["stop"] = out["stop"][:MAX_STOPS]
+    return out
+
+
+def _common(body: dict[str, Any], model_id: str, items: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": model_id, "input": items, "stream": False, "background": False,
+                           **_options(body)}
+    text = _format(body.get("format"))
+    if text is not None:
+        out["text"] = text
+    tools = body.get("tools")
+    if tools:
+        if not isinstance(tools, list):
+            raise InvalidRequest("`tools` must be a list.", param="tools")
+        out["tools"] = [chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    return out
+
+
+def chat_request(body: dict[str, Any], model_id: str) -> dict[str, Any]:
+    """An Ollama chat body as a Responses request for the model `model_id`."""
+    return _common(body, model_id, _input(body.get("messages")))
+
+
+def generate_request(body: dict[str, Any], model_id: str) -> dict[str, Any]:
+    """An Ollama generate body (`prompt`, `suffix`, `system`) as a Responses request. `raw` and
+    `template` are not honoured: every prompt goes through the model's own chat template."""
+    _no_images(body)
+    prompt, suffix = _string(body.get("prompt"), "prompt"), _string(body.get("suffix"), "suffix")
+    text = FILL_IN.format(prompt=prompt, suffix=suffix) if suffix else prompt
+    out = _common(body, model_id, [{"role": "user", "content": text}])
+    system = _string(body.get("system"), "system")
+    if system:
+        out["instructions"] = system
+    return out
+
+
+class OllamaNames:
+    """An error about the translated request, in the terms of the Ollama body the client sent."""
+    RENAMES = {"max_output_tokens": "options.num_predict", "temperature": "options.temperature",
+               "top_p": "options.top_p", "seed": "options.seed", "stop": "options.stop", "instructions": "system"}
+
+    def __init__(self, messages: str) -> None:
+        self.messages = messages  # what the input came from: `messages` or `prompt`
+
+    def name(self, field: str) -> str:
+        if field.startswith("text.format"):
+            return "format"
+        if field.startswith("input"):
+            return self.messages + field[len("input"):] if self.messages == "messages" else "prompt"
+        return self.RENAMES.get(field, field)
+
+    def __call__(self, exc: LmspError) -> None:
+        exc.param = None if exc.param is None else self.name(exc.param)
+        exc.message = re.sub(r"`([\w.\[\]]+)`", lambda m: f"`{self.name(m[1])}`", exc.message)
+
+
+# -- answers --------------------------------------------------------------------------------------
+
+def calls(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The function calls of a response's output, as Ollama's `tool_calls` (arguments as an object)."""
+    return [tool_call(item) for item in output if item["type"] == "function_call"]
+
+
+def tool_call(item: dict[str, Any]) -> dict[str, Any]:
+    try:
+        arguments = json.loads(item["arguments"])
+    except ValueError:
+        arguments = {}
+    return {"function": {"name": item["name"], "arguments": arguments}}
+
+
+def done_reason(final: dict[str, Any]) -> str:
+    return "length" if final["status"] == "incomplete" else "stop"
+
+
+def counts(usage: dict[str, Any] | None, started_ns: int, first_ns: int | None) -> dict[str, int]:
+    """Ollama's counts and durations (nanoseconds). The prompt is read until the first token came
+    (when it was seen: a stream), then the answer is written until now."""
+    now = time.monotonic_ns()
+    first = first_ns or started_ns
+    usage = usage or {}
+    return {"total_duration": now - started_ns, "load_duration": 0,
+            "prompt_eval_count": usage.get("input_tokens", 0), "prompt_eval_duration": first - started_ns,
+            "eval_count": usage.get("output_tokens", 0), "eval_duration": now - first}
+
+
+def _quantization(model: dict[str, Any]) -> str:
+    found = QUANT.findall((model.get("path") or "").rsplit("/", 1)[-1])
+    return found[-1].upper() if found else ""
+
+
+def details(model: dict[str, Any], header: dict[str, Any] | None) -> dict[str, Any]:
+    family = model.get("architecture") or ""
+    return {"parent_model": "", "format": model.get("format", "gguf"), "family": family,
+            "families": [family] if family else None,
+            "parameter_size": str((header or {}).get("general.size_label") or ""),
+            "quantization_level": _quantization(model)}
+
+
+def model_entry(model: dict[str, Any], header: dict[str, Any] | None) -> dict[str, Any]:
+    """A model as `/api/tags` lists it."""
+    name = ollama_name(model["id"])
+    return {"name": name, "model": name, "modified_at": iso(model.get("created", 0)),
+            "size": model.get("size_bytes") or 0, "digest": (model.get("digest") or "").removeprefix("sha256:"),
+            "details": details(model, header)}
+
+
+def running_entry(model: dict[str, Any], header: dict[str, Any] | None, idle_ttl: int) -> dict[str, Any]:
+    """A loaded model as `/api/ps` lists it; it stays until unloaded when no idle time is set."""
+    until = datetime.now(UTC) + (timedelta(seconds=idle_ttl) if idle_ttl else timedelta(days=365 * 100))
+    size = (model.get("memory") or {}).get("total_bytes") or model.get("size_bytes") or 0
+    return {**model_entry(model, header), "size": size, "size_vram": 0,
+            "expires_at": until.isoformat().replace("+00:00", "Z"), "context_length": model.get("context_length")}
+
+
+def show(model: dict[str, Any], header: dict[str, Any] | None) -> dict[str, Any]:
+    """`/api/show`: what Open WebUI, Continue and Copilot read of a model."""
+    arch = model.get("architecture") or "llama"
+    context = model.get("context_length") or 0
+    return {"license": str((header or {}).get("general.license") or ""),
+            "modelfile": f"FROM {model.get('path') or model['id']}\n", "parameters": f"num_ctx {context}",
+            "template": str((header or {}).get("tokenizer.chat_template") or ""),
+            "details": details(model, header), "modified_at": iso(model.get("created", 0)),
+            "model_info": {"general.architecture": arch, f"{arch}.context_length": context,
+                           "general.parameter_count": (header or {}).get("general.parameter_count")},
+            "capabilities": ["completion", "tools", "insert", "embedding"]}
