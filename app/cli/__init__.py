@@ -1,109 +1,125 @@
-"""`lmsp-tray status|models|tasks|pairings|token|pull|hub-token`: scripting the running service.
+"""The command line's commands, scripting the running service as `ollama` and `lms` do:
+run, ps, ls/models, pull, rm, load, unload/stop, tasks, cancel, logs, usage, status, pairings,
+token, hub-token.
 
-Each command finds the service through `service.json` in the data folder and speaks to it
-over HTTP with the owner token, exactly as any other local app would.
-"""
+argparse's subcommands (the standard library: nothing to install or to freeze into the desktop
+app, and `lmsp-tray --headless` already parses with it): each command has its own options, a
+`--help`, and the usage errors argparse says with exit status 2. Every other failure is one line
+on stderr and exit status 1 (the service not running among them)."""
 
 from __future__ import annotations
 
+import argparse
 import getpass
-import json
 import sys
-import urllib.error
-import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from keyring.errors import KeyringError
 
-from app import paths
-from app.core.pairing import shown
-from app.display import human_size, is_remote
-from app.pull import pull
+from app.cli import chat, listings
+from app.cli import logs as log_commands
+from app.cli.client import Client, CliError
+from app.cli.pull import pull
 from app.secrets import owner_vault, set_hub_token
 
-COMMANDS = ("status", "models", "tasks", "pairings", "token", "pull", "hub-token")
+Command = Callable[[Client, argparse.Namespace], int]
 
 
-class CliError(Exception):
-    pass
+# long: one declaration per command, read as the command line's table of contents
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser],
+                 parents: list[argparse.ArgumentParser]) -> None:
+    """The commands, on the subparsers of `lmsp-tray`; each takes `parents`' options (--data-dir)."""
+    listed = argparse.ArgumentParser(add_help=False, parents=parents)
+    listed.add_argument("--json", action="store_true", help="the API's objects as JSON, for a script")
+
+    def add(name: str, about: str, func: Command | None, *, aliases: tuple[str, ...] = (),
+            listing: bool = False) -> argparse.ArgumentParser:
+        parser = commands.add_parser(name, aliases=list(aliases), help=about, description=about,
+                                     parents=[listed] if listing else parents)
+        parser.set_defaults(func=func)
+        return parser
+
+    run = add("run", "talk to a model: a chat, or one answer to PROMPT", chat.run)
+    run.add_argument("model", metavar="MODEL")
+    run.add_argument("prompt", metavar="PROMPT", nargs="*", help="answer this and exit (default: a chat)")
+    run.add_argument("--verbose", action="store_true", help="timings after each answer")
+    run.add_argument("--background", action="store_true", help="start the task, print its id and return")
+    add("ps", "the loaded models", listings.ps, listing=True)
+    add("ls", "the models LMSP Tray knows", listings.models, aliases=("models", "list"), listing=True)
+    pull_it = add("pull", "download a model from the Hugging Face hub, with a progress bar", _pull)
+    pull_it.add_argument("repo", metavar="OWNER/NAME")
+    pull_it.add_argument("file", metavar="FILE.gguf")
+    pull_it.add_argument("revision", nargs="?", metavar="REVISION")
+    for name, about, func in (("rm", "remove a model from LMSP Tray", _remove),
+                              ("load", "load a model now", _load),
+                              ("unload", "unload a model", _unload)):
+        add(name, about, func, aliases=("stop",) if name == "unload" else ()).add_argument("model", metavar="MODEL")
+    add("tasks", "the latest tasks: queued, running and done", listings.tasks, listing=True)
+    add("cancel", "cancel a task", _cancel).add_argument("task", metavar="TASK")
+    logs = add("logs", "a task's events, or the service's log", None, listing=True)
+    logs.add_argument("task", metavar="TASK", nargs="?", help="this task's events (default: the service's log)")
+    logs.add_argument("-f", "--follow", action="store_true", help="go on with what comes next, as it comes")
+    logs.add_argument("-n", "--lines", type=int, default=50, help="the service log's last lines (default 50)")
+    add("usage", "what each app has used", listings.usage, listing=True)
+    add("status", "whether the service runs, and what it does", listings.status, listing=True)
+    pairings = add("pairings", "pairing requests waiting, or approve or deny one", listings.pairings, listing=True)
+    pairings.add_argument("action", nargs="?", choices=("approve", "deny"))
+    pairings.add_argument("id", nargs="?", metavar="ID")
+    add("token", "print the owner token", None)  # these three may run without the service
+    add("hub-token", "keep a Hugging Face token in the keyring", None)
 
 
-class Client:
-    def __init__(self, data_dir: Path) -> None:
-        try:
-            self.url = json.loads((data_dir / paths.SERVICE_FILE).read_text())["url"]
-        except (OSError, ValueError, KeyError):
-            raise CliError(f"LMSP Tray is not running (no {paths.SERVICE_FILE} in {data_dir}).") from None
-        self.token = owner_vault(data_dir).get()
-
-    def call(self, method: str, path: str, body: Any = None) -> Any:
-        data = json.dumps(body if body is not None else {}).encode() if method == "POST" else None
-        req = urllib.request.Request(self.url + path, method=method, data=data,
-                                     headers={"Authorization": f"Bearer {self.token}",
-                                              "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as err:
-            body = json.loads(err.read() or b"{}")
-            raise CliError(body.get("error", {}).get("message", f"HTTP {err.code}")) from None
-        except urllib.error.URLError as err:
-            raise CliError(f"LMSP Tray at {self.url} does not answer ({err.reason}).") from None
-
-
-def _table(rows: list[list[str]]) -> str:
-    """Aligned columns; a cell's control characters are shown escaped, never sent to the terminal."""
-    if not rows:
-        return ""
-    rows = [[shown(cell) for cell in row] for row in rows]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
-
-
-def run(command: str, args: list[str], data_dir: Path) -> int:
+def run(args: argparse.Namespace, data_dir: Path, explicit_data_dir: bool) -> int:
     try:
-        if command == "token":
-            token = owner_vault(data_dir).get()
-            if token is None:
-                raise CliError("No owner token yet: start LMSP Tray once to create it.")
-            print(token)
-            return 0
-        if command == "hub-token":
+        if args.func is not None:
+            return int(args.func(Client(data_dir), args))
+        if args.command == "token":
+            return _token(data_dir)
+        if args.command == "hub-token":
             return _hub_token()
-        client = Client(data_dir)
-        if command == "pull":
-            return pull(client.call, args)
-        if command == "status":
-            info = client.call("GET", "/lmsp")
-            tasks = client.call("GET", "/v1/tasks?limit=100")["data"]
-            active = [t for t in tasks if t["status"] in ("queued", "loading", "running", "cancelling")]
-            print(f"LMSP Tray serving on {client.url} (service {info['service']['id']})")
-            print(f"{sum(t['status'] == 'running' for t in active)} running, "
-                  f"{sum(t['status'] == 'queued' for t in active)} queued")
-            if info.get("recovered_from_corruption"):
-                print(f"note: a corrupt database was moved aside to {info['recovered_from_corruption']}")
-        elif command == "models":
-            models = client.call("GET", "/v1/models")["data"]
-            print(_table([["ID", "STATUS", "SIZE", "DIGEST"]] + [
-                [m["id"], m["status"], "remote" if is_remote(m) else human_size(m["size_bytes"]),
-                 (m.get("digest") or "")[:19]] for m in models]))
-        elif command == "tasks":
-            tasks = client.call("GET", "/v1/tasks?limit=50")["data"]
-            print(_table([["ID", "STATUS", "MODEL", "PROGRESS", "POLICY"]] + [
-                [t["id"], t["status"], t["model"], _progress(t["progress"]), t["on_restart"]] for t in tasks]))
-        elif command == "pairings":
-            return _pairings(client, args)
-        return 0
+        if args.task is not None:  # logs TASK
+            return log_commands.task_log(Client(data_dir), args)
+        return log_commands.service_log(data_dir, explicit_data_dir, args)
     except CliError as exc:
         print(f"lmsp-tray: {exc}", file=sys.stderr)
-        return 1
+        return exc.code
 
 
-def _progress(progress: dict[str, Any]) -> str:
-    if "bytes" in progress:  # a download
-        return f"{progress['bytes'] / 1e6:,.0f}/{progress['total_bytes'] / 1e6:,.0f} MB"
-    return f"{progress['output_tokens']} tokens"
+def _pull(client: Client, args: argparse.Namespace) -> int:
+    return pull(client.call, args.repo, args.file, args.revision)
+
+
+def _remove(client: Client, args: argparse.Namespace) -> int:
+    client.call("DELETE", f"/v1/models/{args.model}")
+    print(f"Removed {args.model} from LMSP Tray (its file stays on disk).")
+    return 0
+
+
+def _load(client: Client, args: argparse.Namespace) -> int:
+    model = client.call("POST", f"/v1/models/{args.model}/load")
+    print(f"{model['id']}: {model['status']}")
+    return 0
+
+
+def _unload(client: Client, args: argparse.Namespace) -> int:
+    model = client.call("POST", f"/v1/models/{args.model}/unload")
+    print(f"{model['id']}: {model['status']}")
+    return 0
+
+
+def _cancel(client: Client, args: argparse.Namespace) -> int:
+    task = client.call("POST", f"/v1/tasks/{args.task}/cancel")
+    print(f"{task['id']}: {task['status']}")
+    return 0
+
+
+def _token(data_dir: Path) -> int:
+    token = owner_vault(data_dir).get()
+    if token is None:
+        raise CliError("No owner token yet: start LMSP Tray once to create it.")
+    print(token)
+    return 0
 
 
 def _hub_token() -> int:
@@ -115,21 +131,4 @@ def _hub_token() -> int:
     except (KeyringError, RuntimeError) as exc:
         raise CliError(f"No keyring to keep it in ({type(exc).__name__}); set HF_TOKEN instead.") from None
     print("Saved in the keyring." if token.strip() else "Forgotten.")
-    return 0
-
-
-def _pairings(client: Client, args: list[str]) -> int:
-    if len(args) == 2 and args[0] in ("approve", "deny"):
-        done = client.call("POST", f"/v1/pairings/{args[1]}/{args[0]}")
-        print(f"{shown(done['client_name'])}: {done['status']}")
-        return 0
-    if args:
-        raise CliError("usage: lmsp-tray pairings [approve ID | deny ID]")
-    waiting = client.call("GET", "/v1/pairings")["data"]
-    if not waiting:
-        print("No pairing requests are waiting.")
-    else:
-        # The name last: whatever it holds, it cannot push the real code and scopes off the row.
-        print(_table([["ID", "CODE", "SCOPES", "APP"]] + [
-            [p["id"], p["code"], ",".join(p["scopes"]), p["client_name"]] for p in waiting]))
     return 0
