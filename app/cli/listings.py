@@ -62,8 +62,13 @@ def tasks(client: Client, args: argparse.Namespace) -> int:
     data = client.call("GET", "/v1/tasks?limit=50")["data"]
     listing(args.json, data, ["ID", "STATUS", "MODEL", "PROGRESS", "QUEUE", "SLOT", "POLICY"], [
         [t["id"], t["status"], t["model"], _progress(t["progress"]), cell(t.get("queue_position")),
-         cell(t.get("slot")), t["on_restart"]] for t in data])
+         _slot(t.get("slot")), t["on_restart"]] for t in data])
     return 0
+
+
+def _slot(slot: dict[str, Any] | None) -> str:
+    """A running task's seat among those its model decodes together: 2/4."""
+    return "-" if slot is None else f"{slot['index'] + 1}/{slot['of']}"
 
 
 def _progress(progress: dict[str, Any]) -> str:
