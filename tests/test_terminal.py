@@ -211,7 +211,7 @@ def test_no_service_is_said_clearly_and_serve_starts_one(tmp_path: Path, procs: 
 
 @pytest.mark.llama
 def test_run_answers_with_llama_cpp(headless: Headless, terminal: Any) -> None:
-    once = terminal("run", "--verbose", MODEL, "Say hello in French.")
+    once = terminal("run", "--verbose", "--max-tokens", "40", MODEL, "Say hello in French.")
     once.expect(r"eval rate:\s+[\d.]+ tokens/s", timeout=120)
     once.expect(pexpect.EOF)
     once.close()

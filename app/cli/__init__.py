@@ -14,6 +14,7 @@ import getpass
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import quote
 
 from keyring.errors import KeyringError
 
@@ -45,6 +46,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser],
     run.add_argument("prompt", metavar="PROMPT", nargs="*", help="answer this and exit (default: a chat)")
     run.add_argument("--verbose", action="store_true", help="timings after each answer")
     run.add_argument("--background", action="store_true", help="start the task, print its id and return")
+    run.add_argument("--max-tokens", type=int, metavar="N", help="an answer's length at most, in tokens")
     add("ps", "the loaded models", listings.ps, listing=True)
     add("ls", "the models LMSP Tray knows", listings.models, aliases=("models", "list"), listing=True)
     pull_it = add("pull", "download a model from the Hugging Face hub, with a progress bar", _pull)
@@ -52,11 +54,11 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser],
     pull_it.add_argument("file", metavar="FILE.gguf")
     pull_it.add_argument("revision", nargs="?", metavar="REVISION")
     for name, about, func in (("rm", "remove a model from LMSP Tray", _remove),
-                              ("load", "load a model now", _load),
-                              ("unload", "unload a model", _unload)):
+                              ("load", "load a model now", _act("/v1/models/{model}/load")),
+                              ("unload", "unload a model", _act("/v1/models/{model}/unload"))):
         add(name, about, func, aliases=("stop",) if name == "unload" else ()).add_argument("model", metavar="MODEL")
     add("tasks", "the latest tasks: queued, running and done", listings.tasks, listing=True)
-    add("cancel", "cancel a task", _cancel).add_argument("task", metavar="TASK")
+    add("cancel", "cancel a task", _act("/v1/tasks/{task}/cancel")).add_argument("task", metavar="TASK")
     logs = add("logs", "a task's events, or the service's log", None, listing=True)
     logs.add_argument("task", metavar="TASK", nargs="?", help="this task's events (default: the service's log)")
     logs.add_argument("-f", "--follow", action="store_true", help="go on with what comes next, as it comes")
@@ -91,27 +93,20 @@ def _pull(client: Client, args: argparse.Namespace) -> int:
 
 
 def _remove(client: Client, args: argparse.Namespace) -> int:
-    client.call("DELETE", f"/v1/models/{args.model}")
+    client.call("DELETE", f"/v1/models/{quote(args.model, safe='')}")
     print(f"Removed {args.model} from LMSP Tray (its file stays on disk).")
     return 0
 
 
-def _load(client: Client, args: argparse.Namespace) -> int:
-    model = client.call("POST", f"/v1/models/{args.model}/load")
-    print(f"{model['id']}: {model['status']}")
-    return 0
-
-
-def _unload(client: Client, args: argparse.Namespace) -> int:
-    model = client.call("POST", f"/v1/models/{args.model}/unload")
-    print(f"{model['id']}: {model['status']}")
-    return 0
-
-
-def _cancel(client: Client, args: argparse.Namespace) -> int:
-    task = client.call("POST", f"/v1/tasks/{args.task}/cancel")
-    print(f"{task['id']}: {task['status']}")
-    return 0
+def _act(path: str) -> Command:
+    """A command that POSTs to `path` (filled in from its arguments) and prints where its model or
+    task now stands: "ID: status"."""
+    def act(client: Client, args: argparse.Namespace) -> int:
+        filled = path.format(**{name: quote(str(value), safe="") for name, value in vars(args).items()})
+        done = client.call("POST", filled)
+        print(f"{done['id']}: {done['status']}")
+        return 0
+    return act
 
 
 def _token(data_dir: Path) -> int:

@@ -12,6 +12,7 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 from app.cli.client import Client, CliError
 from app.core.pairing import shown, unsafe
@@ -28,23 +29,25 @@ def run(client: Client, args: argparse.Namespace) -> int:
     prompt = " ".join(args.prompt)
     if not prompt and not sys.stdin.isatty():  # `echo "..." | lmsp-tray run MODEL`
         prompt = sys.stdin.read()
+    base = {"model": args.model, **({"max_output_tokens": args.max_tokens} if args.max_tokens else {})}
     if args.background:
         if not prompt.strip():
             raise CliError("--background needs a prompt.", code=2)
-        created = client.call("POST", "/v1/responses", {"model": args.model, "input": prompt, "background": True})
+        created = client.call("POST", "/v1/responses", {**base, "input": prompt, "background": True})
         print(created["task"]["id"])
         return 0
     if prompt.strip():
         try:
-            answer(client, {"model": args.model, "input": prompt}, args.verbose)
+            answer(client, {**base, "input": prompt}, args.verbose)
         except Cancelled:
             return 130
         return 0
-    client.call("GET", f"/v1/models/{args.model}")  # a model that does not exist is said before the first prompt
-    return chat(client, args.model, args.verbose)
+    # A model that does not exist is said before the first prompt.
+    client.call("GET", f"/v1/models/{quote(args.model, safe='')}")
+    return chat(client, base, args.verbose)
 
 
-def chat(client: Client, model: str, verbose: bool) -> int:
+def chat(client: Client, base: dict[str, Any], verbose: bool) -> int:
     try:
         import readline  # noqa: F401  (line editing and history for input(), where Python has it)
     except ImportError:
@@ -67,7 +70,7 @@ def chat(client: Client, model: str, verbose: bool) -> int:
             previous = None
             print("A new conversation.")
         elif text:
-            body = {"model": model, "input": text, **({"previous_response_id": previous} if previous else {})}
+            body = {**base, "input": text, **({"previous_response_id": previous} if previous else {})}
             try:
                 previous = answer(client, body, verbose)["id"]
             except Cancelled:
