@@ -28,6 +28,7 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # The HTTP client of remote endpoints and downloads: at INFO it logs every URL it fetches, the
 # hub's signed CDN links among them, and each endpoint probe every 30 s.
 QUIET = ("httpx2", "httpcore2")
+LOG_FILE = "lmsp-tray.log"  # in the log folder (log_dir); `lmsp-tray logs` reads it
 
 
 def redact(text: str) -> str:
@@ -161,7 +162,7 @@ def log_dir(data_dir: Path, explicit_data_dir: bool) -> Path:
 
 def setup(folder: Path) -> Path:
     make_private(folder)
-    file = folder / "lmsp-tray.log"
+    file = folder / LOG_FILE
     # One thread each: a stderr nobody reads must not hold up the file.
     handlers: list[logging.Handler] = [
         Detached(logging.handlers.RotatingFileHandler(file, maxBytes=2_000_000, backupCount=5, encoding="utf-8")),

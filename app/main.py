@@ -1,8 +1,9 @@
 """Startup and shutdown, in order, and the command line.
 
     lmsp-tray                      the desktop app (tray, dashboard, service)
-    lmsp-tray --headless           the service alone
-    lmsp-tray token|status|models|tasks|pairings|pull|hub-token   scripting the running service (app/cli.py)
+    lmsp-tray --headless           the service alone (also: lmsp-tray serve)
+    lmsp-tray run|ps|ls|pull|rm|load|unload|tasks|cancel|logs|usage|status|...   scripting the
+                                   running service (app/cli/)
 """
 
 from __future__ import annotations
@@ -29,18 +30,31 @@ log = logging.getLogger("app")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="lmsp-tray", description="Local language models for your apps (LMSP 1.0).")
-    parser.add_argument("--data-dir", help="per-user state folder (default: $LMSP_DATA_DIR or the platform's)")
-    parser.add_argument("--host", help="address to bind for this run (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port for this run (default 11535; 0 = any free port)")
+    # The options a command may also take after its name (`lmsp-tray ps --data-dir X`): SUPPRESS
+    # as their default, so that a subcommand's parser leaves a value given before it alone.
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--data-dir", default=argparse.SUPPRESS,
+                       help="per-user state folder (default: $LMSP_DATA_DIR or the platform's)")
+    listen = argparse.ArgumentParser(add_help=False)
+    listen.add_argument("--host", default=argparse.SUPPRESS, help="address to bind for this run (default 127.0.0.1)")
+    listen.add_argument("--port", type=int, default=argparse.SUPPRESS,
+                        help="port for this run (default 11535; 0 = any free port)")
+    parser = argparse.ArgumentParser(prog="lmsp-tray", description="Local language models for your apps (LMSP 1.0).",
+                                     parents=[where, listen])
     parser.add_argument("--headless", action="store_true", help="run the service with no window")
     parser.add_argument("--version", action="version", version=f"lmsp-tray {__version__}")
-    parser.add_argument("command", nargs="?", choices=cli.COMMANDS,
-                        help="token: print the owner token; status, models, tasks: what the service is doing; "
-                             "pairings [approve|deny ID]: pairing requests; pull owner/name file.gguf: download a "
-                             "model from the Hugging Face hub; hub-token: keep a hub token in the keyring")
-    parser.add_argument("args", nargs="*", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                     title="commands (each has --help; they script the running service)")
+    commands.add_parser("serve", parents=[where, listen], help="the service alone, with no window (as --headless)")
+    cli.add_commands(commands, [where])
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "run" and not any(word.startswith("-") for word in extra):
+        args.prompt += extra  # a prompt's words after an option: `run MODEL --verbose why is the sky blue`
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    for name in ("data_dir", "host", "port"):
+        setattr(args, name, getattr(args, name, None))
+    return args
 
 
 class Lifecycle:
@@ -107,6 +121,7 @@ class Lifecycle:
 
     def _write_service_file(self, url: str) -> None:
         info = {"url": url, "pid": os.getpid(), "version": __version__,
+                "log_file": str(self.log_file) if self.log_file else None,  # for `lmsp-tray logs`
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         target = self.data_dir / paths.SERVICE_FILE
         tmp = target.with_suffix(".tmp")
@@ -176,16 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     multiprocessing.freeze_support()
     args = parse_args(argv)
     data_dir = paths.data_dir(args.data_dir)
-    if args.command:
-        return cli.run(args.command, args.args, data_dir)
+    explicit_data_dir = bool(args.data_dir or os.environ.get("LMSP_DATA_DIR"))
+    if args.command not in (None, "serve"):
+        return cli.run(args, data_dir, explicit_data_dir)
     fill_standard_streams()
     os.umask(0o077)  # whatever this process writes (database, WAL, logs, backups, lock) is private to the user
-    log_file = logs.setup(logs.log_dir(data_dir, bool(args.data_dir or os.environ.get("LMSP_DATA_DIR"))))
+    log_file = logs.setup(logs.log_dir(data_dir, explicit_data_dir))
     life = Lifecycle(data_dir, args.host, args.port)
     life.log_file = log_file
     try:
-        if args.headless or not has_screen():
-            if not args.headless:
+        headless = args.headless or args.command == "serve"
+        if headless or not has_screen():
+            if not headless:
                 log.warning("no screen to show a tray icon on: running the service without a window")
             return asyncio.run(run_headless(life))
         from app.gui.desktop import run_desktop  # Qt is imported only for the desktop app

@@ -1,4 +1,5 @@
-"""Every example in README.md's "Using it from an app" runs, as written, against a real service."""
+"""Every example in README.md's "Using it from an app" and "From a terminal" runs, as written, against a
+real service."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from tests.helpers import pair_sync
 SECTION = "## Using it from an app"
 
 
-def _examples() -> list[tuple[str, str]]:
+def _examples(title: str = SECTION) -> list[tuple[str, str]]:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text[text.index(SECTION):].split("\n## ", 1)[0]
+    section = text[text.index(title):].split("\n## ", 1)[0]
     return re.findall(r"```(python|sh)\n(.*?)```", section, flags=re.S)
 
 
@@ -109,3 +110,24 @@ def test_ollama_example(headless: Headless) -> None:
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
     assert lines[0] == "['smollm2-135m-instruct:latest']" and lines[1].strip() and lines[-1] == "576 numbers"
+
+
+def test_terminal_examples_run_in_order(headless: Headless) -> None:
+    headless.start()
+    examples = _examples("## From a terminal")
+    assert [kind for kind, _ in examples] == ["sh", "sh"]
+    script = "set -euo pipefail\n" + "\n".join(_shell(body) for _, body in examples)
+    run = subprocess.run(["bash", "-c", script], env=_env(headless), capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    for timing in ("total duration:", "load duration:", "prompt eval rate:", "eval count:", "eval rate:"):
+        assert timing in run.stderr, run.stderr  # run --verbose
+    assert re.search(r"^NAME +ID +SIZE +PROCESSOR +CONTEXT +PARALLEL +UNTIL\n"
+                     r"smollm2-135m-instruct +\w{12} .* CPU ", out, flags=re.M), out     # ps, the model loaded
+    assert re.search(r"^ID +STATUS +SIZE +DIGEST$", out, flags=re.M), out                 # ls
+    assert re.search(r"^ID +STATUS +MODEL +PROGRESS +QUEUE +SLOT +POLICY$", out, flags=re.M), out  # tasks
+    assert re.search(r"response\.cancelled|cancelled$", out, flags=re.M), out           # logs -f, to the end
+    assert re.search(r"^cancelled$", out, flags=re.M), out                              # tasks --json
+    assert re.search(r"^Owner +client_owner", out, flags=re.M), out                     # usage
+    assert out.rstrip().endswith("smollm2-135m-instruct: available"), out             # stop

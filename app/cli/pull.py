@@ -18,17 +18,21 @@ def bar(progress: dict[str, Any]) -> str:
     share = done / total if total else 0.0
     filled = int(share * BAR)
     rate = progress.get("bytes_per_second")
-    speed = f"  {rate / 1e6:6.1f} MB/s" if rate else ""
+    speed = f"  {rate / 1e6:6.1f} MB/s  {eta((total - done) / rate)}" if rate and total else ""
     return f"[{'#' * filled}{'.' * (BAR - filled)}] {share:4.0%}  {done / 1e6:,.1f}/{total / 1e6:,.1f} MB{speed}"
 
 
-def pull(call: Callable[..., Any], args: list[str], out: TextIO = sys.stdout) -> int:
-    if len(args) not in (2, 3):
-        print("usage: lmsp-tray pull owner/name file.gguf [revision]", file=sys.stderr)
-        return 2
-    body = {"repo": args[0], "file": args[1], **({"revision": args[2]} if len(args) == 3 else {})}
+def eta(seconds: float) -> str:
+    """Time left as `ollama pull` says it: 1h2m, 4m5s, 12s."""
+    minutes, secs = divmod(max(int(seconds), 0), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes}m" if hours else f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+def pull(call: Callable[..., Any], repo: str, file: str, revision: str | None = None, out: TextIO = sys.stdout) -> int:
+    body = {"repo": repo, "file": file, **({"revision": revision} if revision else {})}
     task = call("POST", "/v1/models/downloads", body)
-    print(f"{args[0]}/{args[1]}: task {task['id']}", file=out)
+    print(f"{repo}/{file}: task {task['id']}", file=out)
     live = out.isatty()
     shown = ""
 
