@@ -53,6 +53,12 @@ class Stream:
 
 
 def disk_commits(directory: Path, count: int = 300, pace: float = 0.012) -> str:
+    took, cpu = disk_commit_times(directory, count, pace)
+    return (f"p50 {ms(pct(took, 0.5))}, p99 {ms(pct(took, 0.99))}, max {ms(max(took))}, "
+            f"CPU {cpu / count * 1000:.2f} ms each")
+
+
+def disk_commit_times(directory: Path, count: int = 300, pace: float = 0.012) -> tuple[list[float], float]:
     """The disk's own share of a delta's wait: bare SQLite commits (WAL, synchronous=FULL, one
     small row each, at about the pace of tokens) in the service's data directory. Every delta
     waits for one before anyone sees it, so the service's gap tail cannot beat this one's. Their
@@ -77,14 +83,13 @@ def disk_commits(directory: Path, count: int = 300, pace: float = 0.012) -> str:
         conn.close()
         for leftover in directory.glob("bench-commits.sqlite3*"):
             leftover.unlink()
-    return (f"p50 {ms(pct(took, 0.5))}, p99 {ms(pct(took, 0.99))}, max {ms(max(took))}, "
-            f"CPU {cpu / count * 1000:.2f} ms each")
+    return took, cpu
 
 
-def bare_stream(llm: Any, tokens: int = TOKENS) -> Stream:
+def bare_stream(llm: Any, tokens: int = TOKENS, prompt: str = PROMPT) -> Stream:
     start = time.perf_counter()
     arrivals = []
-    for chunk in llm.create_chat_completion([{"role": "user", "content": PROMPT}], max_tokens=tokens,
+    for chunk in llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=tokens,
                                             temperature=0, stream=True):
         if chunk["choices"][0]["delta"].get("content"):
             arrivals.append(time.perf_counter())
@@ -268,8 +273,9 @@ def accept(svc: Headless) -> float:
     return time.perf_counter() - start
 
 
-def burst(svc: Headless, label: str) -> None:
-    """20 clients x 10 requests at once: accepted/s, latency percentiles, commits per request."""
+def burst(svc: Headless, label: str) -> tuple[float, float | None]:
+    """20 clients x 10 requests at once: accepted/s, latency percentiles, commits per request.
+    The p99 latency and the commits per request."""
     latencies: list[float] = []
     lock = threading.Lock()
 
@@ -288,10 +294,11 @@ def burst(svc: Headless, label: str) -> None:
         t.join()
     wall = time.perf_counter() - start
     after = metric(svc, "lmsp_store_commits_total")
-    fsyncs = f"{(after - commits) / len(latencies):.2f}" if after is not None and commits is not None else "n/a"
+    fsyncs = (after - commits) / len(latencies) if after is not None and commits is not None else None
     print(f"[bench] request -> 202, 20 concurrent clients x 10, {label}: {len(latencies) / wall:.0f} accepted/s, "
           f"p50 {ms(pct(latencies, 0.5))}, p99 {ms(pct(latencies, 0.99))}, commits (fsyncs) per accepted "
-          f"request {fsyncs}")
+          f"request {'n/a' if fsyncs is None else f'{fsyncs:.2f}'}")
+    return pct(latencies, 0.99), fsyncs
 
 
 def clear_queue(svc: Headless) -> None:
