@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from app.core.auth import OWNER_ID
+from app.core.auth import OLLAMA_ID, OLLAMA_NAME, OWNER_ID
 from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.store import db
 from app.tasks import usage
@@ -265,3 +265,13 @@ async def test_a_download_counts_its_bytes_under_its_file(api: Any) -> None:
         "client_id": OWNER_ID, "client_name": "Owner", "model": f"{REPO}/{MODEL.name}", "requests": 1,
         "tasks_completed": 1, "tasks_failed": 0, "tasks_cancelled": 0, "input_tokens": 0, "output_tokens": 0,
         "generation_seconds": 0, "downloaded_bytes": done["progress"]["total_bytes"]}]
+
+
+async def test_the_apps_using_ollamas_port_are_counted_as_their_built_in_client(api: Any, service: Any) -> None:
+    await service.settings.update({"ollama_api": "open"})  # no listener here: the client is what matters
+    ollama = await poll(service.access.tokenless, timeout=10, what="the built-in client")
+    created = await service.responses.create_response(ollama, {"input": "Count.", "max_output_tokens": 3,
+                                                               "background": True})
+    done = await service.tasks.wait(getattr(created, "body", created)["task"]["id"])
+    assert [(r["client_id"], r["client_name"], r["requests"], r["tasks_completed"], r["output_tokens"])
+            for r in await _usage(api)] == [(OLLAMA_ID, OLLAMA_NAME, 1, 1, done["output_tokens"])]
