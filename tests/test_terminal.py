@@ -174,9 +174,12 @@ def test_logs_usage_status_and_rm(headless: Headless, terminal: Any) -> None:
     follow.sendintr()
     follow.expect(pexpect.EOF)
 
-    usage = output(data_dir, "usage")
-    assert "not available from this service yet" in usage and "client_owner" in usage, usage
-    assert [c["id"] for c in json.loads(output(data_dir, "usage", "--json"))] == ["client_owner"]
+    usage = output(data_dir, "usage").splitlines()
+    asked = len(headless.get("/v1/tasks?limit=100")[1]["data"])
+    assert usage[0].split() == ["APP", "ID", "REQUESTS", "COMPLETED", "FAILED", "INPUT", "TOKENS", "OUTPUT",
+                                "TOKENS"] and usage[1].split()[:3] == ["Owner", "client_owner", str(asked)], usage
+    assert [(c["client_id"], c["requests"]) for c in json.loads(output(data_dir, "usage", "--json", "--days", "1"))
+            ] == [("client_owner", asked)]
 
     status = output(data_dir, "status")
     assert f"serving on {headless.url}" in status and "0 running, 0 queued" in status, status

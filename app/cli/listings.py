@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from app.cli.client import Client, CliError, NotFound, cell, listing
+from app.cli.client import Client, CliError, cell, listing
 from app.core.pairing import shown
 from app.display import human_size, is_remote, short_digest
 
@@ -78,28 +78,16 @@ def _progress(progress: dict[str, Any]) -> str:
 
 
 def usage(client: Client, args: argparse.Namespace) -> int:
-    """What each app has used. GET /v1/usage (issue 40) says it; a service without it has only
-    the paired apps and when each was last used, and the command says so."""
-    try:
-        data = client.call("GET", "/v1/usage")["data"]
-    except NotFound:
-        data = None
-    if data is not None:
-        listing(args.json, data, ["APP", "ID", "REQUESTS", "INPUT TOKENS", "OUTPUT TOKENS"], [
-            [u.get("client_name", ""), u.get("client_id", ""), cell(u.get("requests")), cell(u.get("input_tokens")),
-             cell(u.get("output_tokens"))] for u in data])
-        return 0
-    clients = client.call("GET", "/v1/clients?limit=100")["data"]
-    if not args.json:
-        print("Usage per app (requests, tokens) is not available from this service yet: "
-              "these are the apps paired with it.")
-    listing(args.json, clients, ["APP", "ID", "SCOPES", "LAST USED"], [
-        [c["name"], c["id"], ",".join(c["scopes"]), _when(c.get("last_used_at"))] for c in clients])
+    """What each app has used (GET /v1/usage): in all, or over the last `--days` UTC days."""
+    if args.days is not None and args.days < 1:
+        raise CliError("usage: lmsp-tray usage [--days N], N at least 1", code=2)
+    first = None if args.days is None else time.gmtime(time.time() - (args.days - 1) * 86400)
+    since = "" if first is None else time.strftime("&from=%Y-%m-%d", first)
+    data = client.call("GET", f"/v1/usage?group_by=client{since}")["data"]
+    listing(args.json, data, ["APP", "ID", "REQUESTS", "COMPLETED", "FAILED", "INPUT TOKENS", "OUTPUT TOKENS"], [
+        [u["client_name"], u["client_id"], str(u["requests"]), str(u["tasks_completed"]), str(u["tasks_failed"]),
+         str(u["input_tokens"]), str(u["output_tokens"])] for u in data])
     return 0
-
-
-def _when(stamp: float | None) -> str:
-    return "-" if stamp is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp))
 
 
 def pairings(client: Client, args: argparse.Namespace) -> int:

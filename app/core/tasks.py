@@ -10,7 +10,7 @@ from app.core.auth import Client
 from app.errors import Conflict, InvalidRequest, NotFound
 from app.events import EventBus, Feed
 from app.store.store import Store
-from app.tasks import kinds, machine, records
+from app.tasks import kinds, machine, records, usage
 from app.tasks.kinds.generation import Generations
 from app.tasks.scheduler import Scheduler
 from app.tasks.states import TERMINAL
@@ -96,6 +96,12 @@ class Tasks:
         """Newest first; `after` is the id of the last task of the previous page."""
         rows = await self.store.read(_list_tasks, None if client.is_admin else client.id, status, limit + 1, after)
         return await self._placed([records.task_object(r) for r in rows[:limit]]), len(rows) > limit
+
+    async def usage(self, client: Client, start: str | None = None, end: str | None = None,
+                    group_by: str | None = None) -> list[dict[str, Any]]:
+        """What the clients used (LMSP §17): an admin sees every client's, any other its own."""
+        query = usage.parse(start, end, group_by)
+        return await self.store.read(usage.report, query, None if client.is_admin else client.id)
 
     def set_paused(self, paused: bool) -> None:
         self.scheduler.set_paused(paused)

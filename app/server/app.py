@@ -60,6 +60,7 @@ ROUTES: list[tuple[str, str, Handler, str | None]] = [
     ("GET", "/v1/tasks/{task_id}/events", h.task_events, "tasks:read"),
     ("POST", "/v1/tasks/{task_id}/cancel", keyed(h.cancel_task), "tasks:cancel"),
     ("GET", "/v1/tasks", h.list_tasks, "tasks:read"),
+    ("GET", "/v1/usage", h.usage, "tasks:read"),
     ("DELETE", "/v1/responses/{response_id}", h.delete_response, "responses:write"),
     ("POST", "/v1/chat/completions", chat_completions, "responses:write"),
     ("POST", "/v1/embeddings", keyed(h.embeddings, kept=False), "responses:write"),

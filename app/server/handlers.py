@@ -169,6 +169,13 @@ async def list_tasks(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": tasks, "has_more": more})
 
 
+async def usage(request: web.Request) -> web.Response:
+    query = request.query
+    data = await request.app[SERVICE].tasks.usage(_client(request), query.get("from"), query.get("to"),
+                                                  query.get("group_by"))
+    return web.json_response({"object": "list", "data": data})
+
+
 def _limit(request: web.Request) -> int:
     try:
         limit = int(request.query.get("limit", "20"))
