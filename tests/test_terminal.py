@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -171,7 +172,9 @@ def test_logs_usage_status_and_rm(headless: Headless, terminal: Any) -> None:
     time.sleep(0.5)
     created = headless.post("/v1/responses", {"model": MODEL, "input": "x", "max_output_tokens": 2, "background": True})
     follow.expect_exact(f"task {created[1]['task']['id']}: starting")  # written after the command started
-    follow.sendintr()
+    # Ctrl-C as the terminal sends it to the process (the ^C character through the pseudo-terminal
+    # was lost once in a while under load, before the command read anything).
+    follow.kill(signal.SIGINT)
     follow.expect(pexpect.EOF)
 
     usage = output(data_dir, "usage").splitlines()
