@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any
 
 from PySide6.QtCore import QItemSelection, Qt, QTimer
+from PySide6.QtGui import QHideEvent, QShowEvent
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QComboBox,
@@ -100,14 +101,24 @@ class TasksTab(QWidget):
         layout.addLayout(bar)
         layout.addWidget(split, 1)
 
+        # Elapsed time moves between events; ticking only while on screen: hidden, it would cost
+        # the idle app a look at every row a second (10 000 finished tasks: 2 ms each time).
         self._clock = QTimer(self, interval=1000)
-        self._clock.timeout.connect(self.model.tick)  # elapsed time moves between events
-        self._clock.start()
+        self._clock.timeout.connect(self.model.tick)
         session.bridge.task_event.connect(self.on_event)
         session.bridge.clients_changed.connect(self.load_client_names)
         session.bridge.pairing_resolved.connect(lambda *_: self.load_client_names())
         self.model.rowsInserted.connect(self._update_summary)
         self.model.modelReset.connect(self._update_summary)
+
+    def showEvent(self, event: QShowEvent) -> None:  # noqa: N802 (Qt's name)
+        super().showEvent(event)
+        self.model.tick()
+        self._clock.start()
+
+    def hideEvent(self, event: QHideEvent) -> None:  # noqa: N802 (Qt's name)
+        super().hideEvent(event)
+        self._clock.stop()
 
     # -- loading ----------------------------------------------------------------------------
 
