@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
+from shiboken6 import isValid
 
 from app.core.activity import TokenMeter
 from app.gui.async_ui import spawn
@@ -82,7 +83,7 @@ class Recorder(QObject):
         super().__init__(parent)
         self.session = session
         self.rings = {"10 min": Ring(*SHORT), "24 h": Ring(*LONG)}
-        self.watchers = 0  # charts on screen
+        self.watchers: set[QObject] = set()  # charts on screen
         self._meter = TokenMeter(session.service.tasks)
         self._total: int | None = None
         self._by_model: dict[str, int] = {}
@@ -92,8 +93,12 @@ class Recorder(QObject):
         session.changed.connect(self.wake)
         session.models_updated.connect(self.wake)
 
-    def watch(self, on_screen: bool) -> None:
-        self.watchers += 1 if on_screen else -1
+    def watch(self, chart: QObject, on_screen: bool) -> None:
+        """A chart came on screen or left it (a set: a tab is hidden before it was ever shown)."""
+        if on_screen:
+            self.watchers.add(chart)
+        else:
+            self.watchers.discard(chart)
         self.wake()
 
     def wake(self) -> None:
@@ -103,10 +108,12 @@ class Recorder(QObject):
 
     def sample(self) -> None:
         if self._sampling is None or self._sampling.done():
-            self._sampling = spawn(self._sample(), self)
+            self._sampling = spawn(self._sample())  # the recorder lives as long as the app
 
     async def _sample(self) -> None:
         total, by_model = await self._meter.read()
+        if not isValid(self):  # a window's own recorder, closed meanwhile
+            return
         tokens = total - self._total if self._total is not None else 0
         new = {m: n - self._by_model.get(m, 0) for m, n in by_model.items() if n != self._by_model.get(m, 0)}
         self._total, self._by_model = total, by_model

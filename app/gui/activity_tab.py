@@ -33,7 +33,7 @@ class ActivityTab(QWidget):
         top.addWidget(self.now, 1)
         pg.setConfigOptions(background="w", foreground="#374151", antialias=False)
         self.view = pg.GraphicsLayoutWidget()
-        self.plots = {}
+        self.plots: dict[str, pg.PlotItem] = {}
         for row, (name, title, unit) in enumerate((("tokens", "Tokens per second", "tok/s"),
                                                   ("tasks", "Tasks", ""), ("memory", "Memory of loaded models", "GB"))):
             plot = self.view.addPlot(row=row, col=0, title=title, axisItems={"bottom": pg.DateAxisItem()})
@@ -86,9 +86,9 @@ class ActivityTab(QWidget):
 
     def showEvent(self, event: QShowEvent) -> None:  # noqa: N802 (Qt's name)
         super().showEvent(event)
-        self.recorder.watch(True)
+        self.recorder.watch(self, True)
         self.draw()
 
     def hideEvent(self, event: QHideEvent) -> None:  # noqa: N802 (Qt's name)
         super().hideEvent(event)
-        self.recorder.watch(False)
+        self.recorder.watch(self, False)
