@@ -60,14 +60,14 @@ class Ring:
 
     def series(self) -> dict[str, Any]:
         """x (Unix seconds, each bucket's middle) and each line's y: tokens/s in all and by model,
-        tasks running and queued, memory in GB."""
+        tasks running and queued, memory in bytes."""
         buckets = list(self.buckets)
         models = sorted({m for b in buckets for m in b.by_model})
         return {"x": [b.start + self.step / 2 for b in buckets],
                 "tokens": [b.tokens / self.step for b in buckets],
                 "by_model": {m: [b.by_model.get(m, 0) / self.step for b in buckets] for m in models},
                 "running": [b.running for b in buckets], "queued": [b.queued for b in buckets],
-                "memory": [b.memory / 1e9 for b in buckets]}
+                "memory": [b.memory for b in buckets]}
 
 
 def loaded_memory(models: list[dict[str, Any]]) -> int:

@@ -7,6 +7,7 @@ about 10 MB installed; QtCharts would bring PySide6-Addons, 175 MB, for three li
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pyqtgraph as pg
 from PySide6.QtGui import QHideEvent, QShowEvent
@@ -35,13 +36,13 @@ class ActivityTab(QWidget):
         self.view = pg.GraphicsLayoutWidget()
         self.plots: dict[str, pg.PlotItem] = {}
         for row, (name, title, unit) in enumerate((("tokens", "Tokens per second", "tok/s"),
-                                                  ("tasks", "Tasks", ""), ("memory", "Memory of loaded models", "GB"))):
+                                                  ("tasks", "Tasks", ""), ("memory", "Memory of loaded models", "B"))):
             plot = self.view.addPlot(row=row, col=0, title=title, axisItems={"bottom": pg.DateAxisItem()})
             plot.setMouseEnabled(x=False, y=False)
             plot.hideButtons()
             plot.showGrid(x=True, y=True, alpha=0.15)
             plot.setLabel("left", units=unit or None)
-            plot.addLegend(offset=(-10, 5), labelTextSize="8pt")
+            plot.addLegend(offset=(10, 5), labelTextSize="8pt")  # top left: the newest samples are at the right
             plot.getAxis("left").setWidth(48)
             plot.setLimits(yMin=0)
             plot.enableAutoRange(axis="y")
@@ -78,11 +79,11 @@ class ActivityTab(QWidget):
         self.now.setText(self._now_text(series))
 
     @staticmethod
-    def _now_text(series: dict[str, list[float]]) -> str:
+    def _now_text(series: dict[str, Any]) -> str:
         if not series["x"]:
             return "Nothing has run since the app started."
         return (f"Now: {series['tokens'][-1]:.1f} tokens/s · {series['running'][-1]} running · "
-                f"{series['queued'][-1]} queued · {human_size(int(series['memory'][-1] * 1e9))} in memory")
+                f"{series['queued'][-1]} queued · {human_size(series['memory'][-1])} in memory")
 
     def showEvent(self, event: QShowEvent) -> None:  # noqa: N802 (Qt's name)
         super().showEvent(event)

@@ -28,6 +28,7 @@ from app.display import is_remote
 from app.errors import LmspError
 from app.gui.async_ui import spawn
 from app.gui.session import Session
+from app.gui.task_table import status_text
 from app.gui.widgets import named
 
 MAX_TOKENS = 1024  # an answer's length at most: a try, not a book
@@ -132,7 +133,10 @@ class ChatTab(QWidget):
         """Show the answer as it comes: (the final response, when its first token came)."""
         first, final = None, None
         self.task_id = answer.task_id
-        assert answer.events is not None
+        assert answer.events is not None and answer.task_id is not None and self.session.owner is not None
+        task = await self.session.service.tasks.task(self.session.owner, answer.task_id)
+        if task["status"] == "queued":  # behind other tasks: say where it stands
+            self.stats.setText(f"Waiting: {status_text(task)}")
         async with contextlib.aclosing(answer.events) as events:
             async for event in events:
                 if event is None:

@@ -86,7 +86,8 @@ class TasksTab(QWidget):
         self.table.setTabKeyNavigation(False)  # Tab leaves the table, as in a form
         self.table.setWordWrap(False)
         header = self.table.horizontalHeader()
-        for col, width in ((STATUS, 96), (CLIENT, 130), (PROGRESS, 150), (SPEED, 80), (ELAPSED, 100)):
+        # Status: wide enough for "queued #12 · waits for its model to load" (what a queued task waits for).
+        for col, width in ((STATUS, 240), (CLIENT, 130), (PROGRESS, 150), (SPEED, 80), (ELAPSED, 100)):
             header.resizeSection(col, width)
         header.setSectionResizeMode(MODEL, QHeaderView.ResizeMode.Stretch)
         self.table.selectionModel().selectionChanged.connect(self._selection_changed)

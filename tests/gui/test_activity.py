@@ -39,7 +39,7 @@ async def test_the_charts_count_the_tokens_tasks_and_memory_of_what_ran(session:
     assert sum(series["by_model"][DEFAULT_MODEL_ID]) == made  # the one model made them all
     assert max(series["running"]) == 2 and max(series["queued"]) >= 1  # two slots, one waited
     [model] = [m for m in session.models if m["id"] == DEFAULT_MODEL_ID]
-    assert max(series["memory"]) * 1e9 == pytest.approx(model["memory"]["total_bytes"])
+    assert max(series["memory"]) == model["memory"]["total_bytes"]
     assert sum(recorder.rings["24 h"].series()["tokens"]) * 60 == pytest.approx(made)  # the same tokens, by the minute
     # What is drawn is what was sampled: a line for all models and one for the model.
     drawn = dash.activity.lines["tokens"].getData()[1]
@@ -63,7 +63,7 @@ def test_a_stretch_without_samples_is_drawn_as_zeros() -> None:
     assert series["x"] == [1000.5, 1001.5, 1009.5, 1010.5]
     assert series["tokens"] == [40, 0, 0, 0] and series["by_model"]["m"] == [40, 0, 0, 0]
     assert series["running"] == [2, 0, 0, 0] and series["queued"] == [1, 0, 0, 0]
-    assert series["memory"] == [5e-9] * 4  # the loaded models stayed
+    assert series["memory"] == [5] * 4  # the loaded models stayed
     long = Ring(60, 1440)
     for at in range(0, 120, 1):
         long.add(at, 6, {}, 1, 0, 0)
