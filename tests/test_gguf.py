@@ -168,6 +168,7 @@ def test_other_alignment_and_k_quant_are_accepted(tmp_path: Path) -> None:
     kvs = {"general.architecture": "qwen2", "general.alignment": 64}
     info = inspect(write(tmp_path, make_gguf(kvs, [T("a", (256, 2), gtype=12), T("b", (3,))], align=64)))
     assert info.architecture == "qwen2" and info.tensor_count == 2
+    assert info.parameter_count == 256 * 2 + 3  # every tensor's elements
 
 
 def test_real_default_model(tmp_path: Path) -> None:
@@ -183,6 +184,7 @@ def test_real_default_model(tmp_path: Path) -> None:
     assert info.context_length == 8192
     assert info.has_chat_template is True
     assert info.tensor_count > 0 and info.file_size > 50_000_000
+    assert 134e6 < info.parameter_count < 136e6  # SmolLM2-135M
     assert elapsed < 1.0
 
 

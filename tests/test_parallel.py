@@ -122,6 +122,7 @@ async def test_each_task_shows_its_slot_or_its_place_in_the_queue(api: Any, serv
     editor = [await start(api, body, apps["Editor"]) for _ in range(2)]
     queued = sorted([await task(api, i) for i in notes + editor], key=lambda t: t["queue_position"])
     assert [t["queue_position"] for t in queued] == [1, 2, 3, 4, 5] and all(t["slot"] is None for t in queued)
+    assert {t["waiting_for"] for t in queued} == {"paused"}  # what each waits for (issue 40)
     owners = ["notes" if t["id"] in notes else "editor" for t in queued]
     assert owners in (["notes", "editor"] * 2 + ["notes"], ["editor", "notes"] * 2 + ["notes"]), owners  # in turns
 
@@ -131,6 +132,7 @@ async def test_each_task_shows_its_slot_or_its_place_in_the_queue(api: Any, serv
     assert {t["id"] for t in running} == {t["id"] for t in queued[:2]}
     waiting = [await task(api, t["id"]) for t in queued[2:]]
     assert [t["queue_position"] for t in waiting] == [1, 2, 3] and all(t["slot"] is None for t in waiting)
+    assert {t["waiting_for"] for t in waiting} == {"slot"} and {t["waiting_for"] for t in running} == {None}
     samples = await metrics(api)
     assert value(samples, "lmsp_slots_busy", model=DEFAULT_MODEL_ID) == 2
     assert value(samples, "lmsp_slots_total", model=DEFAULT_MODEL_ID) == 2

@@ -137,6 +137,11 @@ def test_the_tables_and_their_json(headless: Headless, terminal: Any) -> None:
     assert listed[0].split() == ["ID", "STATUS", "SIZE", "DIGEST"] and listed[1].startswith(MODEL), listed
     assert output(data_dir, "models") == output(data_dir, "ls")
     assert [m["id"] for m in json.loads(output(data_dir, "ls", "--json"))] == [MODEL]
+    shown = dict(line.split(":", 1) for line in output(data_dir, "show", MODEL).splitlines())
+    assert {k: v.strip() for k, v in shown.items() if k in ("Family", "Parameters", "Quantization", "License")} == {
+        "Family": "smollm2 · llama", "Parameters": "135 M (135M)", "Quantization": "Q4_1", "License": "apache-2.0"}
+    assert shown["Context"].strip() == "4096 tokens served of 8192 trained", shown
+    assert json.loads(output(data_dir, "show", MODEL, "--json"))["details"]["parameters"] == 134515008
 
     # Three at once on one slot: one runs, two wait their turn.
     started = [output(data_dir, "run", MODEL, "--background", f"Count {n}.").strip() for n in range(3)]

@@ -1,5 +1,5 @@
 """The command line's commands, scripting the running service as `ollama` and `lms` do:
-run, ps, ls/models, pull, rm, load, unload/stop, tasks, cancel, logs, usage, status, pairings,
+run, ps, ls/models, show, pull, rm, load, unload/stop, tasks, cancel, logs, usage, status, pairings,
 token, hub-token.
 
 argparse's subcommands (the standard library: nothing to install or to freeze into the desktop
@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 from keyring.errors import KeyringError
 
-from app.cli import chat, listings
+from app.cli import chat, listings, show
 from app.cli import logs as log_commands
 from app.cli.client import Client, CliError
 from app.cli.pull import pull
@@ -49,6 +49,8 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser],
     run.add_argument("--max-tokens", type=int, metavar="N", help="an answer's length at most, in tokens")
     add("ps", "the loaded models", listings.ps, listing=True)
     add("ls", "the models LMSP Tray knows", listings.models, aliases=("models", "list"), listing=True)
+    add("show", "what a model is: family, size, quantization, context, memory", show.show,
+        listing=True).add_argument("model", metavar="MODEL")
     pull_it = add("pull", "download a model from the Hugging Face hub, with a progress bar", _pull)
     pull_it.add_argument("repo", metavar="OWNER/NAME")
     pull_it.add_argument("file", metavar="FILE.gguf")

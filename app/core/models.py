@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from app import paths
-from app.core import auth, ollama
+from app.core import auth, model_details, ollama
 from app.core.auth import OWNER, Client
 from app.core.remotes import Remotes
 from app.engine.parent.engine import EngineError
@@ -30,6 +30,15 @@ log = logging.getLogger(__name__)
 EXAMINERS = 2
 
 
+def _inspect(path: str) -> gguf.GgufInfo | None:
+    """The header of the file at `path` (milliseconds); None if it cannot be read, as a file that
+    changed since it was registered. Blocking."""
+    try:
+        return gguf.inspect(path)
+    except gguf.GgufError:
+        return None
+
+
 class Models:
     def __init__(self, store: Store, bus: EventBus, pool: EnginePool, modes: EngineModes, remotes: Remotes,
                  parallel: Callable[[], int]) -> None:
@@ -39,7 +48,7 @@ class Models:
         self.modes = modes
         self.remotes = remotes  # a remote model is registered, probed and forgotten there
         self.parallel = parallel  # the setting: sequences one loaded model serves at once
-        self._headers: dict[str, dict[str, Any] | None] = {}  # digest -> its GGUF header's metadata
+        self._headers: dict[str, gguf.GgufInfo | None] = {}  # digest -> its GGUF header
         self.model_load_seconds: float | None = None  # the last explicit load, for /metrics
         # a file being examined: set the event to stop it -> its app (None: the owner)
         self._examining: dict[threading.Event, str | None] = {}
@@ -81,11 +90,12 @@ class Models:
             if row["format"] == "remote" or row["digest"] in self._headers:
                 continue
             if models.file_status(row) == "available":
-                self._headers[row["digest"]] = await asyncio.to_thread(memory.header, row["path"])
+                self._headers[row["digest"]] = await asyncio.to_thread(_inspect, row["path"])
 
     def header(self, model: dict[str, Any]) -> dict[str, Any] | None:
         """The GGUF metadata of a model listed or described here (None: remote, or unreadable)."""
-        return self._headers.get(model.get("digest") or "")
+        info = self._headers.get(model.get("digest") or "")
+        return None if info is None else info.metadata
 
     async def ollama_id(self, name: str) -> str | None:
         """The id of the model an Ollama app names `name` (app/core/ollama.py), None if none."""
@@ -93,7 +103,8 @@ class Models:
 
     def memory(self, row: Any, parallel: int | None = None) -> memory.Memory:
         """What a local model takes loaded with `parallel` (default: the setting) sequences."""
-        return memory.model_memory(row["size_bytes"], self._headers.get(row["digest"]) or {},
+        info = self._headers.get(row["digest"])
+        return memory.model_memory(row["size_bytes"], info.metadata if info else {},
                                    models.context_length(row["context_length"]), parallel or self.parallel())
 
     async def check_parallel(self, changes: dict[str, Any]) -> None:
@@ -118,7 +129,9 @@ class Models:
         found = models.model_object(row, self.loaded_paths())
         if found["status"] == "available" and self.pool.refused(models.registered(row)):
             found["status"] = "changed"  # same file, size and mtime, but an engine found other bytes in it
-        return {**found, "engine": self.modes.describe(row["digest"]), "memory": self.memory(row).as_dict()}
+        info = self._headers.get(row["digest"])
+        return {**found, "engine": self.modes.describe(row["digest"]), "memory": self.memory(row).as_dict(),
+                "details": None if info is None else model_details.details(info.metadata, info.parameter_count)}
 
     async def register_model(self, body: Any, progress: Any = None, client: Client = OWNER) -> dict[str, Any]:
         """Register a file (or a remote model) on behalf of `client`, who may then remove it."""

@@ -30,11 +30,15 @@ class Tasks:
 
     async def _placed(self, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The task objects with where each stands (LMSP §14): its place in the queue while
-        queued (read only when one is), its slot while it runs."""
+        queued (read only when one is), its slot while it runs, and what it waits for."""
         queued = any(t["kind"] == "response" and t["status"] == "queued" for t in tasks)
         places = await self.generations.places([t["id"] for t in tasks], queued)
+        # The model files, read only when a generation waits: a loaded one has slots to wait for.
+        paths = await self.store.read(_model_paths) if queued else {}
+        slots = self.generations.pool.slots()
         for task in tasks:
             task.update(places[task["id"]])
+            task["waiting_for"] = waiting_for(task, paths, slots, self.scheduler.paused)
         return tasks
 
     async def owned(self, client: Client, kind: str, ident: str, whole: bool = False) -> dict[str, Any]:
@@ -106,6 +110,28 @@ class Tasks:
     def set_paused(self, paused: bool) -> None:
         self.scheduler.set_paused(paused)
         self.bus.publish([{"type": "service.paused", "paused": paused}])
+
+
+def waiting_for(task: dict[str, Any], paths: Mapping[str, str | None], slots: Mapping[str, tuple[int, int]],
+                paused: bool) -> str | None:
+    """What a task that has not started yet waits for (issue 40): `paused` (new tasks are held),
+    `download` (the downloads ahead of it), `model_load` (its model is being loaded, or is not
+    loaded and waits for an engine to load it on), `slot` (its model is loaded, or remote, and
+    every seat is taken); None once it runs or has ended."""
+    if task["kind"] == "download":
+        return "download" if task["status"] == "queued" else None
+    if task["status"] == "loading":
+        return "model_load"
+    if task["status"] != "queued":
+        return None
+    if paused:
+        return "paused"
+    path = paths.get(task["model"])
+    return "model_load" if path is not None and path not in slots else "slot"
+
+
+def _model_paths(conn: sqlite3.Connection) -> dict[str, str | None]:
+    return {row["id"]: row["path"] for row in conn.execute("SELECT id, path FROM models")}
 
 
 def _list_tasks(conn: sqlite3.Connection, client_id: str | None, status: str | None, limit: int,

@@ -1,4 +1,4 @@
-"""The dashboard window: tabs for tasks, models, clients and settings."""
+"""The dashboard window: tabs for tasks, models, activity, a chat, clients and settings."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QCloseEvent, QKeySequence, QShortcut
 from PySide6.QtWidgets import QLabel, QMainWindow, QTabWidget, QWidget
 
+from app.gui.activity import Recorder
+from app.gui.activity_tab import ActivityTab
+from app.gui.chat_tab import ChatTab
 from app.gui.clients_tab import ClientsTab
 from app.gui.icons import app_icon
 from app.gui.models_tab import ModelsTab
@@ -13,13 +16,14 @@ from app.gui.session import Session
 from app.gui.settings_tab import SettingsTab
 from app.gui.tasks_tab import TasksTab
 
-TABS = ("Tasks", "Models", "Clients", "Settings")
+TABS = ("Tasks", "Models", "Activity", "Chat", "Clients", "Settings")
 
 
 class Dashboard(QMainWindow):
     closed = Signal()
 
-    def __init__(self, session: Session, parent: QWidget | None = None) -> None:
+    def __init__(self, session: Session, parent: QWidget | None = None, recorder: Recorder | None = None) -> None:
+        """`recorder`: the app's, sampling since it started; else one of the window's own."""
         super().__init__(parent)
         self.session = session
         self.setObjectName("dashboard")
@@ -28,11 +32,14 @@ class Dashboard(QMainWindow):
         self.resize(980, 640)
         self.tasks = TasksTab(session)
         self.models = ModelsTab(session)
+        self.activity = ActivityTab(recorder or Recorder(session, self))
+        self.chat = ChatTab(session)
         self.clients = ClientsTab(session)
         self.settings = SettingsTab(session)
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
-        for widget, title in zip((self.tasks, self.models, self.clients, self.settings), TABS):
+        for widget, title in zip((self.tasks, self.models, self.activity, self.chat, self.clients,
+                                       self.settings), TABS):
             self.tabs.addTab(widget, title)
         self.setCentralWidget(self.tabs)
         self.address = QLabel()

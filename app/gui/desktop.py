@@ -27,6 +27,7 @@ from PySide6.QtWidgets import QApplication, QSystemTrayIcon
 
 from app.errors import LmspError
 from app.gui import excepthook
+from app.gui.activity import Recorder
 from app.gui.async_ui import show_error, spawn
 from app.gui.bridge import Bridge
 from app.gui.dashboard import Dashboard
@@ -54,6 +55,7 @@ class Desktop(QObject):
         log_file = getattr(life, "log_file", None)  # set by app.main; None: "Open logs" stays greyed
         self.tray = Tray(self.session, life.data_dir, self, log_dir=Path(log_file).parent if log_file else None)
         self.dashboard: Dashboard | None = None
+        self.activity = Recorder(self.session, self)  # from the start: the charts show the last 24 h
         self.pairing_dialogs: dict[str, PairingDialog] = {}
         self.announced: list[str] = []  # pairing ids a notification announced, oldest first
         self.offer_welcome = welcome
@@ -151,7 +153,7 @@ class Desktop(QObject):
 
     def ensure_dashboard(self) -> Dashboard:
         if self.dashboard is None:
-            self.dashboard = Dashboard(self.session)
+            self.dashboard = Dashboard(self.session, recorder=self.activity)
         return self.dashboard
 
     def show_dashboard(self, tab: str | None = None) -> Dashboard | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable
+from html import escape
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -11,7 +12,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QProgressDialog, QPushButton, QTableWidgetItem, QWidget
 from shiboken6 import isValid
 
-from app.display import human_size, is_remote, short_digest
+from app.display import facts, human_size, is_remote, short_digest
 from app.errors import LmspError
 from app.gui.async_ui import confirm, show_error, spawn
 from app.gui.download_dialog import show_download_dialog
@@ -72,6 +73,15 @@ def endpoints_summary(model: dict[str, Any]) -> str:
     return f"{count}: " + ", ".join(endpoint_line(e) for e in endpoints)
 
 
+def facts_html(model: dict[str, Any]) -> str:
+    """The details pane: app/display.py `facts` as a table of two label: value columns."""
+    cells = [f"<td><b>{escape(label)}:</b></td><td>{escape(value)}</td>" for label, value in facts(model)]
+    half = (len(cells) + 1) // 2
+    rows = (cells[i] + ('<td width="24"></td>' + cells[i + half] if i + half < len(cells) else "")
+            for i in range(half))
+    return '<table cellspacing="2">' + "".join(f"<tr>{row}</tr>" for row in rows) + "</table>"
+
+
 class ModelsTab(QWidget):
     def __init__(self, session: Session, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -110,6 +120,12 @@ class ModelsTab(QWidget):
         self.details = named(QLabel(wordWrap=True), "model-details")  # the selected model, in full
         self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         page.insertWidget(2, self.details)
+        # What the selected local model is (family, size, quantization, context…), two columns of
+        # label: value, so that it takes four lines under the table.
+        self.facts = named(QLabel(), "model-facts")
+        self.facts.setTextFormat(Qt.TextFormat.RichText)
+        self.facts.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        page.insertWidget(3, self.facts)
         session.models_updated.connect(self.show_models)
         self.show_models()
 
@@ -156,6 +172,7 @@ class ModelsTab(QWidget):
                                              and self.session.service.settings["engine_mode"] == "auto")
         for name in ("load", "unload"):
             self.buttons[name].setToolTip(REMOTE_HINT if remote else "")
+        self.facts.setText(facts_html(model) if model is not None and not remote else "")
         if model is None:
             self.details.setText("")
             return

@@ -31,12 +31,20 @@ def done_and_limit(task: dict[str, Any]) -> tuple[int, int | None]:
     return progress["output_tokens"], progress["max_output_tokens"]
 
 
+# What a task that has not started waits for (GET /v1/tasks `waiting_for`), as the Status cell says it.
+WAITS = {"slot": "waits for a slot", "model_load": "waits for its model to load", "download": "waits for a download",
+         "paused": "waits: tasks paused"}
+
+
 def status_text(task: dict[str, Any]) -> str:
-    """The status, with where the task stands: its place in the queue, its slot among the tasks its
-    model decodes together."""
+    """The status, with where the task stands: its place in the queue and what it waits for, its
+    slot among the tasks its model decodes together."""
     slot = task.get("slot")
+    waits = WAITS.get(task.get("waiting_for") or "")
     if task.get("queue_position"):
-        return f"queued #{task['queue_position']}"
+        return f"queued #{task['queue_position']}" + (f" · {waits}" if waits else "")
+    if waits and task["status"] == "queued":  # a download: downloads have no queue positions
+        return f"queued · {waits}"
     if slot and slot["of"] > 1:
         return f"{task['status']} · slot {slot['index'] + 1} of {slot['of']}"
     return str(task["status"])

@@ -155,6 +155,7 @@ async def test_show_task_reveals_it_whatever_the_filter(session: Session, owner:
     assert dash.tabs.currentWidget() is dash.tasks and dash.tasks.filter.currentText() == "All"
     assert dash.tasks.selected_id() == response["task"]["id"]
     assert dash.tasks.table.currentIndex().data(ID_ROLE) == response["task"]["id"]
+    assert cell(dash, response["task"]["id"], STATUS) == "queued #1 · waits: tasks paused"
 
 
 async def test_the_table_shows_each_task_s_slot_or_place_in_the_queue(session: Session, owner: Client,
@@ -163,10 +164,11 @@ async def test_the_table_shows_each_task_s_slot_or_place_in_the_queue(session: S
     dash = Dashboard(session)
     dash.show()
     ids = [(await make_task(session.service, owner, tokens=2000, text=f"Story {n}."))["task"]["id"] for n in range(4)]
-    shown = {"running · slot 1 of 2", "running · slot 2 of 2", "queued #1", "queued #2"}
+    shown = {"running · slot 1 of 2", "running · slot 2 of 2", "queued #1 · waits for a slot",
+             "queued #2 · waits for a slot"}
     await until(lambda: {cell(dash, i, STATUS) for i in ids} == shown, 30, "slots and places shown")
     first = next(i for i in ids if cell(dash, i, STATUS).startswith("running"))
     await session.service.tasks.cancel(owner, "task", first)
     # The first queued task takes the freed slot; the one behind it moves up.
-    shown = {"cancelled", "running · slot 1 of 2", "running · slot 2 of 2", "queued #1"}
+    shown = {"cancelled", "running · slot 1 of 2", "running · slot 2 of 2", "queued #1 · waits for a slot"}
     await until(lambda: {cell(dash, i, STATUS) for i in ids} == shown, 30, "the queue moved up")

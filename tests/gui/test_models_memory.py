@@ -32,3 +32,22 @@ async def test_models_tab_shows_each_models_memory(session: Session, until: Unti
     await session.service.settings.update({"parallel": 1})
     await until(lambda: tab.table.item(row, MEMORY).text() == human_size(needs(1)), 10, "memory for 1 shown")
     assert tab.table.item(row, MEMORY).toolTip().endswith("for 1 task at once)")
+
+
+async def test_the_details_pane_says_what_the_model_is(session: Session) -> None:
+    """Family, parameters, quantization, contexts, memory, template and license, from the GGUF
+    header (issue 40); a remote model or none selected shows none."""
+    tab = ModelsTab(session)
+    tab.show()
+    assert tab.facts.text() == ""
+    [row] = [r for r in range(tab.table.rowCount()) if tab.table.item(r, 0).text() == DEFAULT_MODEL_ID]
+    tab.table.selectRow(row)
+    shown = tab.facts.text()
+    for fact in ("Family:</b></td><td>smollm2 · llama", "Parameters:</b></td><td>135 M (135M)",
+                 "Quantization:</b></td><td>Q4_1", "Context:</b></td><td>4096 tokens served of 8192 trained",
+                 f"File size:</b></td><td>{human_size(MODEL.stat().st_size) if MODEL else ''}",
+                 f"Memory loaded:</b></td><td>{human_size(needs(4))} (weights", "Chat template:</b></td><td>yes",
+                 "License:</b></td><td>apache-2.0"):
+        assert fact in shown, (fact, shown)
+    tab.table.clearSelection()
+    assert tab.facts.text() == ""

@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from gui_helpers import URL, Until
+from gui_helpers import URL, Until, make_task
 from PySide6.QtGui import QAction, QGuiApplication
 from PySide6.QtWidgets import QMenu
 
@@ -110,3 +110,18 @@ async def test_notification_click_runs_its_target(session: Session) -> None:
     tray.notify("Title", "Text", lambda: clicked.append("second"))
     tray.icon.messageClicked.emit()
     assert clicked == ["second"]  # the message on screen is the latest one
+
+
+@pytest.mark.scripted(pace=20.0)
+async def test_the_tooltip_says_how_many_run_and_wait(session: Session, until: Until) -> None:
+    """Two slots, five tasks: "2 running, 3 queued" (issue 40), then idle again once they end."""
+    assert session.owner is not None
+    await session.service.settings.update({"parallel": 2})
+    tray = Tray(session)
+    ids = [(await make_task(session.service, session.owner, tokens=2000, text=f"Story {n}."))["task"]["id"]
+           for n in range(5)]
+    await until(lambda: tray.icon.toolTip() == "Serving on 127.0.0.1:11535 — 2 running, 3 queued", 30,
+                "two running, three queued")
+    for task_id in ids:
+        await session.service.tasks.cancel(session.owner, "task", task_id)
+    await until(lambda: tray.icon.toolTip() == "Serving on 127.0.0.1:11535 — idle", 30, "idle again")

@@ -35,9 +35,9 @@ pytestmark = [pytest.mark.gui, pytest.mark.skipif(
 class Screen:
     """An Xvfb display (a free number chosen by Xvfb itself) with trayer as the tray host."""
 
-    def __init__(self, procs: Processes) -> None:
+    def __init__(self, procs: Processes, size: tuple[int, int] = SCREEN) -> None:
         read, write = os.pipe()
-        self.xvfb = procs.popen(["Xvfb", "-displayfd", str(write), "-screen", "0", f"{SCREEN[0]}x{SCREEN[1]}x24",
+        self.xvfb = procs.popen(["Xvfb", "-displayfd", str(write), "-screen", "0", f"{size[0]}x{size[1]}x24",
                                       "-nolisten", "tcp"], pass_fds=(write,), stderr=subprocess.DEVNULL)
         os.close(write)
         with os.fdopen(read) as pipe:

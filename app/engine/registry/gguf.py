@@ -68,6 +68,7 @@ class GgufInfo:
     has_chat_template: bool
     file_size: int
     metadata: dict[str, Value]
+    parameter_count: int = 0  # the elements of every tensor together
 
 
 def _num(n: int) -> str:
@@ -205,8 +206,9 @@ def _value(r: _Reader, vtype: int, what: str, depth: int = 0) -> Value | None:
     return None
 
 
-def _check_tensors(r: _Reader, tensor_count: int, alignment: int) -> None:
-    """Read the tensor infos and check each tensor's shape, type, offset and size against the file."""
+def _check_tensors(r: _Reader, tensor_count: int, alignment: int) -> int:
+    """Read the tensor infos and check each tensor's shape, type, offset and size against the file;
+    returns their elements together (the model's parameters)."""
     tensors: list[tuple[str, tuple[int, ...], int, int]] = []
     names: set[str] = set()
     if tensor_count * MIN_TENSOR > r.remaining:
@@ -224,8 +226,10 @@ def _check_tensors(r: _Reader, tensor_count: int, alignment: int) -> None:
         tensors.append((name, dims, r.u32(what), r.u64(what)))
 
     data_start = -(-r.pos // alignment) * alignment
+    parameters = 0
     for name, dims, gtype, offset in tensors:
-        elements = math.prod(dims)  # Python ints cannot overflow; the cap keeps ggml's int64 safe
+        elements = math.prod(dims)
+        parameters += elements  # Python ints cannot overflow; the cap keeps ggml's int64 safe
         if 0 in dims or elements > MAX_ELEMENTS:
             raise GgufError(f"tensor {name!r} has an invalid shape {list(dims)}")
         if gtype >= MAX_GGML_TYPE:
@@ -240,6 +244,7 @@ def _check_tensors(r: _Reader, tensor_count: int, alignment: int) -> None:
                 raise GgufError(f"tensor {name!r} row of {dims[0]} is not a multiple of block size {block}")
             if data_start + offset + elements // block * nbytes > r.size:
                 raise GgufError(f"truncated: tensor {name!r} data ends past the end of the file")
+    return parameters
 
 
 def _parse(r: _Reader) -> GgufInfo:
@@ -277,12 +282,13 @@ def _parse(r: _Reader) -> GgufInfo:
         elif value is not None:
             metadata[key] = value
 
-    _check_tensors(r, tensor_count, alignment)
+    parameters = _check_tensors(r, tensor_count, alignment)
     arch, model_name = (v if isinstance(v := metadata.get(k), str) else None
                         for k in ("general.architecture", "general.name"))
     ctx = metadata.get(f"{arch}.context_length") if arch else None
     ctx = ctx if type(ctx) is int and ctx > 0 else None  # bool is an int subclass: excluded
-    return GgufInfo(version, tensor_count, kv_count, arch, model_name, ctx, has_template, r.size, metadata)
+    return GgufInfo(version, tensor_count, kv_count, arch, model_name, ctx, has_template, r.size, metadata,
+                    parameters)
 
 
 def inspect(path: str | os.PathLike[str], cancel: threading.Event | None = None) -> GgufInfo:
