@@ -172,6 +172,7 @@ async def test_the_table_shows_each_task_s_slot_or_place_in_the_queue(session: S
     # The first queued task takes the freed slot; the one behind it moves up.
     shown = {"cancelled", "running · slot 1 of 2", "running · slot 2 of 2", "queued #1 · waits for a slot"}
     await until(lambda: {cell(dash, i, STATUS) for i in ids} == shown, 30, "the queue moved up")
-    for task_id in (i for i in ids if i != first):  # the rest ends here, not while the service stops under the test's feet
+    # The rest end here, not while the service stops under the test's feet.
+    for task_id in (i for i in ids if i != first):
         await session.service.tasks.cancel(owner, "task", task_id)
     await until(lambda: {cell(dash, i, STATUS) for i in ids} == {"cancelled"}, 30, "all cancelled")
