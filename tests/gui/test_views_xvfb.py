@@ -156,6 +156,9 @@ def test_every_view_with_0_1_and_50_apps(scale: int, tmp_path: Path, procs: Proc
     assert len(views.app.call("GET", "/v1/tasks?limit=100")["data"]) == 100
 
     if scale == 1:  # idle, the dashboard opened once and hidden: under 0.2 % of one core
+        # Idle: nothing left running or queued (the chat's answer, a cancelled task's last write).
+        wait_until(lambda: not any(views.app.call("GET", f"/v1/tasks?status={status}")["data"]
+                                   for status in ("queued", "loading", "running", "cancelling")), timeout=60)
         time.sleep(3)
         before, started = ticks(views.app.proc.pid), time.monotonic()
         time.sleep(10)
