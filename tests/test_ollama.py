@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,20 @@ def test_empty_prompt_loads_and_keep_alive_zero_unloads(headless: Headless) -> N
     with pytest.raises(ollama.ResponseError) as bad:
         client.generate(model=NAME, prompt="hi", keep_alive="soon")
     assert bad.value.status_code == 400
+
+
+def test_keep_alive_for_a_while_keeps_the_model_that_long_then_lets_it_go(headless: Headless) -> None:
+    headless.start()
+    _on(headless, ollama_api="token")
+    client = _client(headless)
+    client.generate(model=NAME, prompt="Count", keep_alive="2s")
+    [running] = client.ps().models
+    left = running.expires_at.timestamp() - time.time()
+    assert 0 < left <= 2.5, left  # what ps says is what the app asked, not "never" (no idle time is set)
+    # Unloaded by the service's next look at idle models (every 5 s) once the 2 s are over.
+    wait_until(lambda: client.ps().models == [], 15, 0.25, "the model to be let go")
+    client.generate(model=NAME, prompt="Count", keep_alive="1h")
+    assert 3500 < client.ps().models[0].expires_at.timestamp() - time.time() <= 3600
 
 
 def test_tools_are_called_and_answered(headless: Headless) -> None:

@@ -245,6 +245,21 @@ class Models:
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)
 
+    async def keep_loaded(self, model_id: str, seconds: float) -> None:
+        """Keep the model loaded `seconds` from now (-1: until unloaded), whatever the idle setting
+        says; 0 unloads it now (unless a task runs on it)."""
+        row = await self.store.read(models.get, model_id)
+        if seconds == 0:
+            if not await self.pool.unload(row["path"]):
+                self.bus.publish([{"type": "models.changed"}])
+            return
+        self.pool.keep(row["path"], seconds)
+
+    def kept_for(self, model: dict[str, Any]) -> float | None:
+        """Seconds a loaded model stays loaded if idle (inf: until unloaded), or None when the idle
+        setting decides."""
+        return self.pool.kept_for(model["path"]) if model.get("path") else None
+
     async def unload_model(self, model_id: str) -> dict[str, Any]:
         row = await self.store.read(models.get, model_id)
         if await self.pool.unload(row["path"]):  # the idle engines let it go, a busy one holds it

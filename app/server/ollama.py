@@ -23,7 +23,7 @@ from app.core import ollama as names
 from app.core.answers import Ask
 from app.core.caller import unless_left
 from app.core.follow import Events, follow
-from app.errors import Conflict, LmspError, NotFound
+from app.errors import LmspError, NotFound
 from app.server import ollama_shapes as shapes
 from app.server.handlers import _json_by_item, caller_left
 from app.server.keys import CLIENT, SERVICE
@@ -76,7 +76,8 @@ async def ps(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     loaded = [m for m in await service.models.list_models() if m["status"] == "loaded"]
     ttl = service.settings["model_idle_ttl_seconds"]
-    return web.json_response({"models": [shapes.running_entry(m, service.models.header(m), ttl) for m in loaded]})
+    return web.json_response({"models": [shapes.running_entry(m, service.models.header(m), service.models.kept_for(m),
+                                                               ttl) for m in loaded]})
 
 
 async def show(request: web.Request) -> web.Response:
@@ -140,8 +141,8 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
             sent = web.json_response({"model": name, "created_at": shapes.iso(time.time()),
                                       **kind.text(final["output_text"], shapes.calls(final["output"])),
                                       **_done(final, started, None)})
-    if keep == 0:
-        await _unload(request, model_id)
+    if keep is not None:
+        await service.models.keep_loaded(model_id, keep)
     return sent
 
 
@@ -150,21 +151,13 @@ def _done(final: dict[str, Any], started: int, first: int | None) -> dict[str, A
 
 
 async def _load(request: web.Request, kind: Kind, name: str, model_id: str, keep: float | None) -> dict[str, Any]:
-    if keep == 0:
-        await _unload(request, model_id)
-        reason = "unload"
-    else:
-        models = request.app[SERVICE].models
-        if (await models.model(model_id))["status"] != "loaded":
-            await unless_left(caller_left(request), models.load_model(model_id))
-        reason = "load"
+    models = request.app[SERVICE].models
+    if keep != 0 and (await models.model(model_id))["status"] != "loaded":
+        await unless_left(caller_left(request), models.load_model(model_id))
+    if keep is not None:
+        await models.keep_loaded(model_id, keep)
     return {"model": name, "created_at": shapes.iso(time.time()), **kind.text(""), "done": True,
-            "done_reason": reason}
-
-
-async def _unload(request: web.Request, model_id: str) -> None:
-    with contextlib.suppress(Conflict):  # another task still runs on it: it stays, as in Ollama
-        await request.app[SERVICE].models.unload_model(model_id)
+            "done_reason": "unload" if keep == 0 else "load"}
 
 
 async def _lines(request: web.Request) -> web.StreamResponse:

@@ -5,6 +5,7 @@ becomes Ollama's message, a model object Ollama's model. No HTTP here (app/serve
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from datetime import UTC, datetime, timedelta
@@ -227,9 +228,12 @@ def model_entry(model: dict[str, Any], header: dict[str, Any] | None) -> dict[st
             "details": details(model, header)}
 
 
-def running_entry(model: dict[str, Any], header: dict[str, Any] | None, idle_ttl: int) -> dict[str, Any]:
-    """A loaded model as `/api/ps` lists it; it stays until unloaded when no idle time is set."""
-    until = datetime.now(UTC) + (timedelta(seconds=idle_ttl) if idle_ttl else timedelta(days=365 * 100))
+def running_entry(model: dict[str, Any], header: dict[str, Any] | None, kept: float | None,
+                  idle_ttl: int) -> dict[str, Any]:
+    """A loaded model as `/api/ps` lists it: kept `kept` seconds more (an app's `keep_alive`), else
+    for the idle time set; until unloaded when neither says (inf, 0)."""
+    left = kept if kept is not None else idle_ttl or math.inf
+    until = datetime.now(UTC) + (timedelta(seconds=left) if left != math.inf else timedelta(days=365 * 100))
     size = (model.get("memory") or {}).get("total_bytes") or model.get("size_bytes") or 0
     return {**model_entry(model, header), "size": size, "size_vram": 0,
             "expires_at": until.isoformat().replace("+00:00", "Z"), "context_length": model.get("context_length")}

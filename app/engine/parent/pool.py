@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +34,9 @@ class EnginePool:
         self._leases: dict[str, tuple[Engine, int]] = {}  # task id -> the engine it runs on, and its slot there
         self.capacity = 0  # how many engines are in use (max_concurrent_tasks)
         self.parallel = 1  # tasks an engine serves at once (parallel)
+        # Model files an app asked to keep loaded until a time (time.monotonic(); inf: for good),
+        # whatever the idle setting says (Ollama's `keep_alive`).
+        self._kept: dict[str, float] = {}
 
     @property
     def engines(self) -> Sequence[Engine]:
@@ -118,6 +123,7 @@ class EnginePool:
     async def unload(self, path: str | None, when: Callable[[Engine], bool] = lambda _: True) -> bool:
         """Unload the idle engines holding `path` (those `when` picks). True when a busy one holds it."""
         busy = False
+        self._kept.pop(path or "", None)
         for engine in self.holding(path):
             if self.busy(engine):
                 busy = True
@@ -125,12 +131,31 @@ class EnginePool:
                 await engine.unload()
         return busy
 
+    def keep(self, path: str, seconds: float) -> None:
+        """Keep the model file loaded `seconds` from now (-1: for good), then let it go once idle."""
+        self._kept[path] = math.inf if seconds < 0 else time.monotonic() + seconds
+
+    def kept_for(self, path: str) -> float | None:
+        """Seconds the model file is still kept loaded (inf: for good); None when the idle setting decides."""
+        until = self._kept.get(path)
+        return None if until is None else max(0.0, until - time.monotonic())
+
+    def _expired(self, engine: Engine, ttl: float) -> bool:
+        path = engine.model_path
+        if path is None or self.busy(engine):
+            return False
+        if path in self._kept:
+            return time.monotonic() > self._kept[path]
+        return bool(ttl) and engine.idle_for() > ttl
+
     async def unload_idle(self, ttl: float) -> int:
-        """Unload the models no task has used for `ttl` seconds (0: never). How many engines let one go."""
+        """Unload the models no task has used for `ttl` seconds (0: never), or kept until a time now
+        past. How many engines let one go."""
         unloaded = 0
         for engine in self._engines:
-            if ttl and engine.model_path and not self.busy(engine) and engine.idle_for() > ttl:
-                log.info("%s: unloading %s after %d s idle", engine.name, engine.model_path, ttl)
+            if self._expired(engine, ttl):
+                self._kept.pop(engine.model_path or "", None)
+                log.info("%s: unloading %s, idle", engine.name, engine.model_path)
                 await engine.unload()
                 unloaded += 1
         return unloaded
