@@ -107,6 +107,14 @@ class Recorder(QObject):
             self.sample()
 
     def sample(self) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the loop that ran the app has ended (its recorder outlived it): stop for good
+            self._clock.stop()
+            return
+        if self.session.phase != "ready":  # the service stops (or never started): nothing to read, no clock
+            self._clock.stop()
+            return
         if self._sampling is None or self._sampling.done():
             self._sampling = spawn(self._sample())  # the recorder lives as long as the app
 
