@@ -20,7 +20,7 @@ import time
 import pytest
 
 from tests.bench.test_streaming import (
-    accept,
+    accepted_alone,
     bare_stream,
     burst,
     clear_queue,
@@ -75,11 +75,7 @@ def test_cached_prompts_and_short_requests_that_share_a_prefix_vs_bare(headless:
 
 
 def test_request_to_202_alone_and_from_20_clients_while_the_engine_is_busy(headless: Headless) -> None:
-    headless.start()
-    status, _ = headless.request("PATCH", "/v1/settings", {"max_queued_tasks_per_client": 1000})
-    assert status == 200
-    headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 4})  # the model loaded
-    alone = [accept(headless) for _ in range(200)]
+    alone = accepted_alone(headless)
     clear_queue(headless)
     disk, _ = disk_commit_times(headless.data_dir, 200, 0)
     # Work the engine goes through while the clients send: every slot busy, more queued.
