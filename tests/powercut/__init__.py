@@ -46,6 +46,7 @@ class PowerCutMount:
         self.cuts: list[dict[str, int]] = []
 
     def mount(self, timeout: float = 10.0) -> PowerCutMount:
+        assert self.proc is None, "already mounted"
         with self.log.open("ab") as log:
             self.proc = self.procs.popen([sys.executable, "-m", "tests.powercut.fs", str(self.backing), str(self.mnt),
                                           str(self.state)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

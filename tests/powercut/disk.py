@@ -2,9 +2,10 @@
 
 Two layers. The live tree (`backing`) holds everything the programs on the mount see, as a page
 cache does. The durable model is what the platter holds: the names (`names`: path -> inode id,
-with each inode's kind and mode) and each inode's content (its `shadow/<id>` file, or, for an
-inode untouched since the mount, its live file). Writes and truncates mark pages dirty; `fsync`
-of a file copies its dirty pages into its shadow. Names change in the live tree at once and are
+with each inode's kind and mode) and each inode's content: its `shadow/<id>` file, or, while nothing
+below its durable size `base` has changed since the mount (a file only appended to, as a log or a
+download is), the first `base` bytes of its live file. Writes and truncates mark pages dirty;
+`fsync` of a file copies its dirty pages into its shadow (or, with none, moves `base` to its end). Names change in the live tree at once and are
 logged (`pending`) in order, as a journaling file system logs them; `fsync` of a directory
 commits the log up to the last entry that touched that directory (a journal commits in order, so
 earlier entries go with it). A file's fsync commits no name: a file created, written and synced
@@ -64,6 +65,7 @@ class Disk:
         self.names: dict[str, int] = {}
         self.inodes: dict[int, Inode] = {}
         self.ids: dict[int, int] = {}  # live st_ino -> inode id
+        self.base: dict[int, int] = {}  # inode id -> its durable size, while it has no shadow
         self.next_id = 1 << 48
         self.pending: list[Op] = []
         self.dirty: dict[int, Dirty] = {}
@@ -83,6 +85,8 @@ class Disk:
                 self.ids[st.st_ino] = st.st_ino
                 self.names[rel] = st.st_ino
                 self.inodes[st.st_ino] = self._inode(full, st)
+                if stat.S_ISREG(st.st_mode):
+                    self.base[st.st_ino] = st.st_size
 
     @staticmethod
     def _inode(full: str, st: os.stat_result) -> Inode:
@@ -109,29 +113,27 @@ class Disk:
         self.ids[st.st_ino] = ino
         self.inodes[ino] = self._inode(full, st)
         if what == "create":
-            (self.shadow / str(ino)).touch()
+            self.base[ino] = 0
         self.log(Op(what, path, ino=ino, dirs=(parent(path),)))
         return ino
 
     def log(self, op: Op) -> None:
         self.pending.append(op)
 
-    def keep(self, ino: int | None, fd: int | None = None, path: str | None = None) -> None:
-        """Before the live content of `ino` changes or goes: copy it to its shadow if it has none
-        (its durable content is then still the live one, unchanged since the mount)."""
-        if ino is None or self.inodes.get(ino, Inode("dir", 0)).kind != "file":
+    def keep(self, ino: int | None, fd: int | None = None, path: str | None = None, below: int = 0) -> None:
+        """Before the live bytes of `ino` from `below` on change (or all of them go): copy its
+        durable content to a shadow, if it has none and the change reaches into it."""
+        if ino not in self.base or below >= self.base[ino]:
             return
-        copy = self.shadow / str(ino)
-        if copy.exists():
-            return
-        if fd is not None:
-            with copy.open("wb") as out:
-                offset = 0
-                while chunk := os.pread(fd, 1 << 20, offset):
-                    out.write(chunk)
-                    offset += len(chunk)
-        elif path is not None:
-            shutil.copyfile(self.real(path), copy)
+        base = self.base.pop(ino)
+        with (self.shadow / str(ino)).open("wb") as out:
+            source = fd if fd is not None else os.open(self.real(path or ""), os.O_RDONLY)
+            try:
+                for offset in range(0, base, 1 << 20):
+                    out.write(os.pread(source, min(1 << 20, base - offset), offset))
+            finally:
+                if fd is None:
+                    os.close(source)
 
     def wrote(self, ino: int, offset: int, size: int) -> None:
         self.stats["writes"] += 1
@@ -147,7 +149,9 @@ class Disk:
     def sync_file(self, ino: int, fd: int) -> None:
         self.stats["fsync"] += 1
         mark = self.dirty.pop(ino, None)
-        if mark is not None:
+        if ino in self.base:  # only appended to: its durable end moves to its live end
+            self.base[ino] = os.fstat(fd).st_size
+        elif mark is not None:
             self._apply(ino, fd, mark, mark.pages, os.fstat(fd).st_size, cut=True)
 
     def _apply(self, ino: int, fd: int, mark: Dirty, pages: set[int], size: int, cut: bool) -> None:
@@ -198,13 +202,16 @@ class Disk:
             for ino, mark in self.dirty.items():
                 if ino not in live:
                     continue
-                fd = os.open(live[ino], os.O_RDONLY)
+                chosen = {page for page in mark.pages if rng.random() < 0.5}
+                lost["kept_pages"] += len(chosen)
+                fd = os.open(live[ino], os.O_RDWR)
                 try:
-                    chosen = {page for page in mark.pages if rng.random() < 0.5}
-                    old = (self.shadow / str(ino)).stat().st_size
-                    size = rng.choice([old, os.fstat(fd).st_size])
-                    self._apply(ino, fd, mark, chosen, size, cut=rng.random() < 0.5)
-                    lost["kept_pages"] += len(chosen)
+                    if ino in self.base:
+                        self._append_torn(ino, fd, mark.pages - chosen, rng)
+                    else:
+                        old = (self.shadow / str(ino)).stat().st_size
+                        size = rng.choice([old, os.fstat(fd).st_size])
+                        self._apply(ino, fd, mark, chosen, size, cut=rng.random() < 0.5)
                 finally:
                     os.close(fd)
         lost["pages"] = sum(len(mark.pages) for mark in self.dirty.values())
@@ -212,6 +219,17 @@ class Disk:
         self.dirty.clear()
         self._rebuild(live)
         return lost
+
+    def _append_torn(self, ino: int, fd: int, lost: set[int], rng: random.Random) -> None:
+        """A file only appended to: its new end kept or not; pages of the tail not kept read as zeros."""
+        base, end = self.base[ino], os.fstat(fd).st_size
+        if rng.random() < 0.5:
+            return
+        for page in lost:
+            start = max(page * PAGE, base)
+            if start < end:
+                os.pwrite(fd, bytes(min((page + 1) * PAGE, end) - start), start)
+        self.base[ino] = end
 
     def _live_paths(self) -> dict[int, str]:
         found: dict[int, str] = {}
@@ -234,8 +252,12 @@ class Disk:
             elif inode.kind == "symlink":
                 os.symlink(inode.target, where)
             else:
-                copy = self.shadow / str(self.names[path])
-                os.link(copy if copy.exists() else live[self.names[path]], where)
+                ino = self.names[path]
+                if ino in self.base:  # durable: the first `base` bytes of the live file
+                    os.link(live[ino], where)
+                    os.truncate(where, self.base[ino])
+                else:
+                    os.link(self.shadow / str(ino), where)
             if inode.kind != "symlink":
                 os.chmod(where, inode.mode)
         shutil.rmtree(self.backing)

@@ -103,14 +103,14 @@ class PowerCut(fuse.Operations):
     def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
         with self.mutex:
             ino = self.files[fh]
-            self.disk.keep(ino, fh)
+            self.disk.keep(ino, fh, below=offset)
             self.disk.wrote(ino, offset, len(data))
             return os.pwrite(fh, data, offset)
 
     def truncate(self, path: str, length: int, fh: int | None = None) -> int:
         with self.mutex:
             ino = self.files[fh] if fh is not None else self.disk.id_of(path)
-            self.disk.keep(ino, fh, path)
+            self.disk.keep(ino, fh, path, below=length)
             if fh is not None:
                 os.ftruncate(fh, length)
             else:
