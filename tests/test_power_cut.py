@@ -51,7 +51,9 @@ def test_nothing_acknowledged_is_lost_to_a_power_cut(hub: FakeHub, powercut: Any
     for cut in range(CUTS):
         harness.cycle("drop" if cut % 2 else "torn", seed=cut)
     harness.check_download()
-    figures = {**harness.figures, "acknowledged": harness.ledger.acks}
+    lost = {f"unsynced_{k}": sum(cut[k] for cut in powercut.cuts) for k in ("ops", "pages", "kept_ops", "kept_pages")}
+    figures = {**harness.figures, "acknowledged": harness.ledger.acks, **lost}
     print("power cuts:", figures)
     assert figures["cuts"] == CUTS and figures["acknowledged"] > 10 * CUTS
+    assert lost["unsynced_pages"] > 0, "the cuts should have caught unsynced writes" 
     assert harness.app.terminate() == 0
