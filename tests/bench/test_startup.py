@@ -31,7 +31,7 @@ def one_task_left_running(app: Headless) -> None:
     app.start()
     status, created = app.post("/v1/responses", {"input": "Count.", "background": True, "max_output_tokens": 500})
     assert status == 202, created
-    wait_until(lambda: app.get(f"/v1/tasks/{created['task']['id']}")[1]["output_tokens"] > 10, timeout=30)
+    wait_until(lambda: app.get(f"/v1/tasks/{created['task']['id']}")[1]["progress"]["output_tokens"] > 10, timeout=30)
     app.kill()
 
 

@@ -64,7 +64,7 @@ class Harness:
         self.ledger = Ledger()
         self.owner = ""
         self.cuts = 0
-        self.figures = {"cuts": 0, "tasks_checked": 0, "events_checked": 0, "retries": 0, "tokens_checked": 0}
+        self.figures = {"cuts": 0, "kills": 0, "tasks_checked": 0, "events_checked": 0, "retries": 0, "tokens_checked": 0}
 
     @property
     def db(self) -> Path:
@@ -171,25 +171,41 @@ class Harness:
 
     # -- one cut ----------------------------------------------------------------------------------
 
-    def cycle(self, mode: str, seed: int, clients: int = 3, most: float = 1.5) -> dict[str, int]:
+    def cycle(self, mode: str | None, seed: int, clients: int = 3, most: float = 1.5,
+              kill_in_recovery: bool = False) -> dict[str, int]:
+        """One round: work, then the power cut ("drop" or "torn") and a SIGKILL at once, or (None)
+        the SIGKILL alone; `kill_in_recovery`: the first start after it is killed too, mid-way."""
         stop = threading.Event()
         workers = [threading.Thread(target=self.work, args=(stop, seed * 10 + i), daemon=True) for i in range(clients)]
         settings = threading.Thread(target=self._settings_loop, args=(stop, seed), daemon=True)
         for worker in [*workers, settings]:
             worker.start()
         time.sleep(self.rng.uniform(0.1, most))
-        lost = self.mount.cut_power(mode, seed)
+        lost = self.mount.cut_power(mode, seed) if mode else {}
         self.app.kill()
         stop.set()
         for worker in [*workers, settings]:
             worker.join(60)
-        self.mount.unmount()
-        self.mount.mount()
+        if mode:
+            self.mount.unmount()
+            self.mount.mount()
         self.check_disk()
+        if kill_in_recovery:
+            self.interrupted_start()
         self.start()
         self.check_service()
-        self.figures["cuts"] += 1
+        self.figures["cuts" if mode else "kills"] += 1
         return lost
+
+    def interrupted_start(self) -> None:
+        """A start SIGKILLed within its first half second: in its recovery, or just before or after."""
+        app = self.app
+        with app.log.open("ab") as log:
+            app.proc = app.procs.popen([*app.command, "--headless", "--data-dir", str(app.data_dir), "--port", "0"],
+                                       cwd=app.cwd, env=app.env, stdout=log, stderr=-2)
+        time.sleep(self.rng.uniform(0.0, 0.5))
+        app.kill()
+        self.figures["killed_starting"] = self.figures.get("killed_starting", 0) + 1
 
     def _settings_loop(self, stop: threading.Event, seed: int) -> None:
         rng = random.Random(seed)
