@@ -99,7 +99,8 @@ async def test_store_false_answers_leave_the_file_when_the_service_stops(tmp_pat
         ask = answers.Ask(client, {"input": secret, "store": False, "max_output_tokens": 5})
         async with answers.respond(service, ask, lambda: False) as answer:
             assert answer.body["status"] in ("completed", "incomplete")
-        assert await service.store.read(lambda c: c.execute("SELECT count(*) FROM responses WHERE store = 0").fetchone()[0]) == 1
+        unstored = "SELECT count(*) FROM responses WHERE store = 0"
+        assert await service.store.read(lambda c: c.execute(unstored).fetchone()[0]) == 1
     finally:
         started = time.time()
         await service.stop()

@@ -55,5 +55,5 @@ def test_nothing_acknowledged_is_lost_to_a_power_cut(hub: FakeHub, powercut: Any
     figures = {**harness.figures, "acknowledged": harness.ledger.acks, **lost}
     print("power cuts:", figures)
     assert figures["cuts"] == CUTS and figures["acknowledged"] > 10 * CUTS
-    assert lost["unsynced_pages"] > 0, "the cuts should have caught unsynced writes" 
+    assert lost["unsynced_pages"] > 0, "the cuts should have caught unsynced writes"
     assert harness.app.terminate() == 0

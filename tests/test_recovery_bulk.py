@@ -15,14 +15,15 @@ from typing import Any
 
 from app.store import db
 from app.tasks import machine, output, recovery
-from app.tasks.states import CANCELLING, LOADING, QUEUED, RUNNING, UNFINISHED
+from app.tasks.states import CANCELLING, LOADING, RUNNING, UNFINISHED
 
 REQUESTS = [
     {"messages": []},
     {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7, "top_p": 0.25,
      "tool_choice": {"type": "function", "name": "f"}},
     {"messages": [{"role": "user", "content": "Call"}], "temperature": 0, "call": True,
-     "tools": [{"type": "function", "name": "f", "description": None, "parameters": {"type": "object"}, "strict": True}],
+     "tools": [{"type": "function", "name": "f", "description": None, "parameters": {"type": "object"},
+                "strict": True}],
      "constraint": {"type": "json_schema", "schema": {"type": "object"}}},
 ]
 

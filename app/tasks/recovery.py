@@ -180,5 +180,6 @@ def _move_all(conn: sqlite3.Connection) -> None:
         started_at = iif(m.status = 'queued', NULL, tasks.started_at)
         FROM recovery_moves m WHERE tasks.id = m.task_id""",
                  {"now": now, "code": RESTARTED["code"], "message": RESTARTED["message"]})
-    conn.execute("DELETE FROM task_output WHERE task_id IN (SELECT task_id FROM recovery_moves WHERE status = 'queued')")
+    conn.execute("DELETE FROM task_output WHERE task_id IN "
+                 "(SELECT task_id FROM recovery_moves WHERE status = 'queued')")
     conn.execute("DELETE FROM recovery_moves")

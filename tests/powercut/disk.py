@@ -5,10 +5,10 @@ cache does. The durable model is what the platter holds: the names (`names`: pat
 with each inode's kind and mode) and each inode's content: its `shadow/<id>` file, or, while nothing
 below its durable size `base` has changed since the mount (a file only appended to, as a log or a
 download is), the first `base` bytes of its live file. Writes and truncates mark pages dirty;
-`fsync` of a file copies its dirty pages into its shadow (or, with none, moves `base` to its end). Names change in the live tree at once and are
-logged (`pending`) in order, as a journaling file system logs them; `fsync` of a directory
-commits the log up to the last entry that touched that directory (a journal commits in order, so
-earlier entries go with it). A file's fsync commits no name: a file created, written and synced
+`fsync` of a file copies its dirty pages into its shadow (or, with none, moves `base` to its end).
+Names change in the live tree at once and are logged (`pending`) in order, as a journaling file
+system logs them; `fsync` of a directory commits the log up to the last entry that touched that
+directory (a journal commits in order, so earlier entries go with it). A file's fsync commits no name: a file created, written and synced
 whose directory never was is lost, as POSIX allows.
 
 `cut("drop")` keeps only the durable model. `cut("torn")` keeps, as a real disk may, a random
