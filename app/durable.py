@@ -15,6 +15,21 @@ import sys
 from pathlib import Path
 
 
+def booted_at() -> float | None:
+    """When the machine booted (Linux); None where the system does not say. Bytes a killed process
+    wrote without fsync are still there in the same boot (the page cache keeps them); from before
+    it (a power cut), perhaps not. LMSP_BOOTED_AT stands for it where a test cuts the power
+    without a reboot (tests/powercut/)."""
+    forced = os.environ.get("LMSP_BOOTED_AT")
+    if forced:
+        return float(forced)
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            return next(float(line.split()[1]) for line in stat if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 def sync_dir(folder: Path) -> None:
     """Make the names in `folder` (files created, renamed or removed in it) last. Windows has no
     such call (and no need: NTFS logs its names), so there it does nothing."""

@@ -37,7 +37,8 @@ def hub() -> Iterator[FakeHub]:
 def on_the_mount(powercut: Any, procs: Any, hub: FakeHub, tmp_path: Path, seed: int) -> Harness:
     """The app with its data (and so its logs) and its models folder on the power-cut file system."""
     mnt = powercut.mount().mnt
-    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(mnt / "models"), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(mnt / "models"), "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+           "LMSP_BOOTED_AT": "0"}
     app = Headless(mnt / "data", procs, scripted_app(pace=400.0), env=env)
     app.log = tmp_path / "app.log"  # its stdout: beside the mount, to read after a failure
     return Harness(powercut, app, hub, (REPO, MODEL), random.Random(seed))

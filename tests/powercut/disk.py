@@ -8,8 +8,8 @@ download is), the first `base` bytes of its live file. Writes and truncates mark
 `fsync` of a file copies its dirty pages into its shadow (or, with none, moves `base` to its end).
 Names change in the live tree at once and are logged (`pending`) in order, as a journaling file
 system logs them; `fsync` of a directory commits the log up to the last entry that touched that
-directory (a journal commits in order, so earlier entries go with it). A file's fsync commits no name: a file created, written and synced
-whose directory never was is lost, as POSIX allows.
+directory (a journal commits in order, so earlier entries go with it). A file's fsync commits no
+name: a file created, written and synced whose directory never was is lost, as POSIX allows.
 
 `cut("drop")` keeps only the durable model. `cut("torn")` keeps, as a real disk may, a random
 prefix of the pending names and, for each dirty file, a random subset of its dirty pages and

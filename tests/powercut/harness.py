@@ -192,6 +192,7 @@ class Harness:
         if mode:
             self.mount.unmount()
             self.mount.mount()
+            self.app.env["LMSP_BOOTED_AT"] = str(time.time())  # the reboot a power cut is
         self.check_disk()
         if kill_in_recovery:
             self.interrupted_start()

@@ -278,17 +278,28 @@ class _HashingWriter:
         return done
 
 
-def fetch(remote: Remote, partial: Path, token: str | None, transfer: Transfer, synced: int = 0) -> str:
-    """Continue the download into `partial` from the bytes already there (none: from the start),
-    but no further than `synced`, the bytes known to have been fsynced: past them, a power cut may
-    have left zeros or nothing. Returns the sha256 (hex) of the whole file, for the caller to
+def kept(partial: Path, synced: int) -> int:
+    """How many of the bytes in `partial` a download may continue from: all of them if they were
+    written since the machine booted (a process killed: the page cache kept them), else only the
+    `synced` ones, known to have been fsynced: past them a power cut may have left zeros."""
+    try:
+        found = partial.stat()
+    except FileNotFoundError:
+        return 0
+    booted = durable.booted_at()
+    return found.st_size if booted is not None and found.st_mtime > booted else min(found.st_size, synced)
+
+
+def fetch(remote: Remote, partial: Path, token: str | None, transfer: Transfer, keep: int = 0) -> str:
+    """Continue the download into `partial` from its first `keep` bytes (`kept` says how many
+    may be; none: from the start). Returns the sha256 (hex) of the whole file, for the caller to
     compare with the hub's."""
     partial.parent.mkdir(parents=True, exist_ok=True)
     hasher = hashlib.sha256()
     with partial.open("a+b") as fh:
         have = fh.seek(0, os.SEEK_END)
-        if have > min(synced, remote.size):  # past what was synced, or not this file's bytes
-            have = min(synced, remote.size)
+        if have > min(keep, remote.size):  # past what may be trusted, or not this file's bytes
+            have = min(keep, remote.size)
             fh.truncate(have)
         if have == 0:
             durable.sync_dir(partial.parent)  # its name lasts: a restart finds the bytes it keeps

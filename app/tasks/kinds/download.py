@@ -170,10 +170,10 @@ class Downloads(Kind):
         if remote.sha256 != row["sha256"]:
             return LmspError("digest_mismatch", f"The hub now gives {row['file']} another sha256 than when the "
                              "download was asked for; ask for it again.")
-        # Only the bytes a progress commit counted were fsynced: past them a power cut may have left
-        # zeros, so the transfer continues from there (hub.fetch cuts the file back to them).
+        # After a reboot (a power cut) only the bytes a progress commit counted were surely fsynced:
+        # the transfer continues from there (hub.fetch cuts the file back to them).
         synced = await self.store.read(_synced, task_id)
-        have = min(partial.stat().st_size if partial.exists() else 0, synced)
+        have = await asyncio.to_thread(hub.kept, partial, synced)
         if await self.bus.commit(self.store, _begin, task_id, have, remote.size) is None:
             return "cancel"
         blob = hub.blob_path(remote)
