@@ -109,3 +109,20 @@ async def test_store_false_answers_leave_the_file_when_the_service_stops(tmp_pat
         assert conn.execute("SELECT count(*) FROM responses WHERE store = 0").fetchone()[0] == 0
     files = b"".join(p.read_bytes() for p in (tmp_path / "data").glob("lmsp.sqlite3*"))
     assert b"7351-PELICAN" not in files
+
+
+def test_a_download_continues_from_its_synced_bytes_after_a_reboot(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed, its bytes on disk are all there (written since the boot: the page cache kept
+    them); after a power cut only those a progress commit counted as fsynced are sure."""
+    from app.engine.net import hub
+
+    partial = tmp_path / "model.incomplete"
+    partial.write_bytes(b"x" * 5000)
+    monkeypatch.setenv("LMSP_BOOTED_AT", str(time.time() - 60))
+    assert hub.kept(partial, 4096) == 5000
+    monkeypatch.setenv("LMSP_BOOTED_AT", str(time.time() + 1))  # booted since it was written
+    assert hub.kept(partial, 4096) == 4096
+    assert hub.kept(tmp_path / "none.incomplete", 4096) == 0
+    monkeypatch.delenv("LMSP_BOOTED_AT")
+    assert durable.booted_at() is None or durable.booted_at() < time.time()  # type: ignore[operator]
