@@ -228,6 +228,11 @@ class Harness:
         conn = sqlite3.connect(self.db)
         try:
             assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+            # Nothing half there: no response without its task, no task without its opening events.
+            assert conn.execute("SELECT count(*) FROM responses r LEFT JOIN tasks t ON t.response_id = r.id "
+                                "WHERE t.id IS NULL").fetchone()[0] == 0, "a response without its task"
+            assert conn.execute("SELECT count(*) FROM tasks WHERE kind = 'response' "
+                                "AND last_sequence_number < 1").fetchone()[0] == 0, "a task without its events"
             tasks = dict(conn.execute("SELECT id, status FROM tasks").fetchall())
             with self.ledger.lock:
                 acknowledged = dict(self.ledger.tasks)
