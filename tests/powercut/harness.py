@@ -202,12 +202,13 @@ class Harness:
         return lost
 
     def interrupted_start(self) -> None:
-        """A start SIGKILLed within its first half second: in its recovery, or just before or after."""
+        """A start SIGKILLed within its first second or so: in its recovery (after some 0.4 s of
+        imports, with the scripted engine), or just before or after."""
         app = self.app
         with app.log.open("ab") as log:
             app.proc = app.procs.popen([*app.command, "--headless", "--data-dir", str(app.data_dir), "--port", "0"],
                                        cwd=app.cwd, env=app.env, stdout=log, stderr=-2)
-        time.sleep(self.rng.uniform(0.0, 0.5))
+        time.sleep(self.rng.uniform(0.2, 1.2))
         app.kill()
         self.figures["killed_starting"] = self.figures.get("killed_starting", 0) + 1
 
