@@ -41,24 +41,29 @@ def copies(conn: sqlite3.Connection, table: str, where: str, value: str) -> tupl
 
 
 def fill(db_file: Path, count: int, rng: random.Random) -> None:
-    """`count` copies of the one task, each queued or running (half each) with a random policy."""
+    """`count` copies of the one task, each queued or running (half each) with a random policy: a
+    running one with its events and output so far, a queued one with only its first two events."""
     conn = sqlite3.connect(db_file)
     (task_id, response_id), = conn.execute("SELECT id, response_id FROM tasks").fetchall()
     tables = {"responses": copies(conn, "responses", "id", response_id), "tasks": copies(conn, "tasks", "id", task_id),
               "task_events": copies(conn, "task_events", "task_id", task_id),
               "task_output": copies(conn, "task_output", "task_id", task_id)}
     keys = {"responses": "id", "tasks": "id", "task_events": "task_id", "task_output": "task_id"}
+    cells = [(rng.choice(("queued", "running")), rng.choice(("fail", "retry", "resume"))) for _ in range(count)]
     with conn:
         for table, (columns, rows) in tables.items():
             marks = ",".join("?" * len(columns))
             batch = []
-            for n in range(count):
-                status, policy = rng.choice(("queued", "running")), rng.choice(("fail", "retry", "resume"))
+            for n, (status, policy) in enumerate(cells):
                 for row in rows:
                     record = dict(zip(columns, row))
+                    if status == "queued" and (table == "task_output" or record.get("sequence_number", 0) > 1):
+                        continue
                     record[keys[table]] = f"{record[keys[table]]}_{n}"
                     if table == "tasks":
                         record.update(response_id=f"{response_id}_{n}", status=status, on_restart=policy)
+                        if status == "queued":
+                            record.update(last_sequence_number=1, output_tokens=0, started_at=None)
                     batch.append(tuple(record[c] for c in columns))
             conn.executemany(f"INSERT INTO {table} ({','.join(columns)}) VALUES ({marks})", batch)
     conn.close()
