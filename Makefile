@@ -37,6 +37,8 @@ APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbc
 # The web-page tests (tests/test_browser.py): headless Chromium, and the `openai` package the
 # pages load (tests/browser/package-lock.json; no CDN), installed with npm (NPM, below).
 APT_PACKAGES += chromium
+# The power-cut tests (tests/powercut/): FUSE 3 (fusermount3, and the libfuse3 mfusepy loads).
+APT_PACKAGES += fuse3 libfuse3-3
 BROWSER_DEPS := tests/browser/node_modules/.package-lock.json
 # npm where there is none: Debian's (a Node.js that came with its own npm stays as it is).
 NPM := command -v npm >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive \

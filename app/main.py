@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from app import __version__, cli, logs, paths
+from app import __version__, cli, durable, logs, paths
 from app.core.service import AppService
 from app.errors import LmspError
 from app.server.app import Server
@@ -107,7 +107,7 @@ class Lifecycle:
 
     def _release(self) -> None:
         if self._lock is not None:  # only the process that holds the folder wrote its service.json
-            (self.data_dir / paths.SERVICE_FILE).unlink(missing_ok=True)
+            durable.remove(self.data_dir / paths.SERVICE_FILE)
             self._lock.close()  # closing the file releases the lock
             self._lock = None
 
@@ -123,10 +123,7 @@ class Lifecycle:
         info = {"url": url, "pid": os.getpid(), "version": __version__,
                 "log_file": str(self.log_file) if self.log_file else None,  # for `lmsp-tray logs`
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        target = self.data_dir / paths.SERVICE_FILE
-        tmp = target.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info, indent=2), encoding="utf-8")
-        tmp.replace(target)
+        durable.write(self.data_dir / paths.SERVICE_FILE, json.dumps(info, indent=2))
 
 
 def lock_data_dir(data_dir: Path) -> IO[bytes] | None:

@@ -15,6 +15,8 @@ from pathlib import Path
 import keyring
 from keyring.errors import KeyringError, PasswordDeleteError
 
+from app import durable
+
 log = logging.getLogger(__name__)
 SERVICE = "lmsp-tray"
 TOKEN_FILE = "owner_token"
@@ -67,18 +69,14 @@ class Vault:
         except (KeyringError, RuntimeError) as exc:
             log.warning("no keyring backend available (%s): a secret is kept in %s, "
                         "readable only by you", type(exc).__name__, self.file)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(secret)
-        os.chmod(self.file, 0o600)
+        durable.write(self.file, secret, 0o600)  # a power cut must not lose a token already handed out
         self.where = "file"
         return self.where
 
     def delete(self) -> None:
         with contextlib.suppress(KeyringError, RuntimeError):
             keyring.delete_password(SERVICE, self.account)
-        self.file.unlink(missing_ok=True)
+        durable.remove(self.file)
 
 
 def owner_vault(data_dir: Path) -> Vault:

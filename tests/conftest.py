@@ -395,3 +395,18 @@ def fast_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, "-c", QUANTIZE, str(paths.default_model_file()), str(made)], check=True,
                    capture_output=True, timeout=300)
     return made
+
+
+@pytest.fixture
+def powercut(tmp_path: Path, procs: Processes) -> Iterator[Any]:
+    """A power-cut file system (tests/powercut/): mount() it, run things in `.mnt`, cut() the power."""
+    from tests.powercut import PowerCutMount, available
+
+    if (why := available()) is not None:
+        pytest.skip(why)
+    mount = PowerCutMount(tmp_path / "power", procs)
+    try:
+        yield mount
+    finally:
+        procs.close()  # whatever still runs on the mount (an app), then the file system itself
+        mount.unmount()

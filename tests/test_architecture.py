@@ -52,7 +52,7 @@ def test_the_gui_reaches_state_only_through_the_facade() -> None:
 
 
 # The floors, lowest first: a module imports from its own floor and those below, never above.
-FLOORS = [("errors", "paths", "secrets", "events", "logs", "display", "resources"), ("store",), ("engine",),
+FLOORS = [("errors", "paths", "durable", "secrets", "events", "logs", "display", "resources"), ("store",), ("engine",),
           ("tasks",), ("core",), ("server", "gui"), ("main", "cli", "__main__")]
 
 

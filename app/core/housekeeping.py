@@ -46,6 +46,11 @@ class Housekeeping:
                                         self.settings["idempotency_ttl_seconds"], now)
         return {**counts, "uncollected_tokens": self.access.forget_uncollected(now)}
 
+    async def forget_unstored(self) -> None:
+        """Every `store: false` response that has ended, now: at start (their callers went with the
+        last run) and at stop (a quit must not leave them on the disk until the next start)."""
+        await self.store.write(retention.purge_unstored, None, 0)
+
     async def _run(self, tick: float = 5.0) -> None:
         """Retention every ten minutes, `store: false` responses every half minute; idle models
         unloaded after `model_idle_ttl_seconds`; remote endpoints no task uses probed every half

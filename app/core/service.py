@@ -97,6 +97,7 @@ class AppService:
         self.recovery_counts = await self.scheduler.recover()
         await self.store.write(idempotency.forget_in_flight)
         await self.housekeeping.purge()
+        await self.housekeeping.forget_unstored()
         await self.remotes.open_upstreams()
         self.scheduler.start()
         # What start-up made (modules, the app's objects) lives as long as the process: out of the
@@ -118,6 +119,7 @@ class AppService:
         await asyncio.gather(self.pool.stop(), self.upstreams.close())
         self.grammars.stop()
         self._readers.shutdown(wait=False)
+        await self.housekeeping.forget_unstored()
         await self.store.close()
 
     def _apply_settings(self, changes: dict[str, Any]) -> None:

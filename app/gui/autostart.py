@@ -7,7 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from app import paths
+from app import durable, paths
 
 SUPPORTED = sys.platform.startswith("linux")
 UNSUPPORTED_REASON = "Not available on this platform yet"
@@ -59,8 +59,7 @@ def enable(data_dir: Path | None = None) -> Path:
         # `python -m app` must start in the folder that holds the app package (the source tree)
         lines.append(f"Path={Path(__file__).resolve().parents[2]}")
     target = entry_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    durable.write(target, "\n".join(lines) + "\n")
     return target
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from app import durable
 from app.errors import StoreError
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ def move_aside(path: Path) -> str:
         part = Path(str(path) + suffix)
         if part.exists():
             part.rename(str(aside) + suffix)
+    durable.sync_dir(path.parent)  # the fresh database starts beside the old one, never over it
     log.error("database %s was corrupt; moved aside to %s and started fresh", path, aside.name)
     return aside.name
 

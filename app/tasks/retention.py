@@ -1,8 +1,9 @@
 """Retention (LMSP §8): finished work older than the retention period goes; unfinished never.
 
 A `store: false` response (LMSP §12) goes much sooner: UNSTORED_GRACE_SECONDS after it ended,
-long enough for its caller (always in the foreground) to have its answer; while it runs it is
-kept like any task, so recovery still applies to it."""
+long enough for its caller (always in the foreground) to have its answer, and at the latest when
+the service stops (or, after a crash, starts again); while it runs it is kept like any task, so
+recovery still applies to it."""
 
 from __future__ import annotations
 
@@ -31,14 +32,15 @@ def purge(conn: sqlite3.Connection, retention_seconds: int, idempotency_ttl_seco
             "clients": clients, "pages_reclaimed": reclaim(conn)}
 
 
-def purge_unstored(conn: sqlite3.Connection, now: float | None = None) -> int:
-    """Delete the `store: false` responses that ended more than the grace period ago: request,
+def purge_unstored(conn: sqlite3.Connection, now: float | None = None, grace: float = UNSTORED_GRACE_SECONDS) -> int:
+    """Delete the `store: false` responses that ended more than `grace` seconds ago: request,
     output, events and task (cascade), and the idempotency keys that kept a copy of the answer."""
     now = time.time() if now is None else now
     marks = ",".join("?" * len(TERMINAL))
     ended = (f"SELECT r.id FROM responses r JOIN tasks t ON t.response_id = r.id WHERE r.store = 0 "
-             f"AND t.status IN ({marks}) AND t.finished_at < ?")
-    return _drop(conn, ended, (*TERMINAL, now - UNSTORED_GRACE_SECONDS))
+             f"AND t.status IN ({marks}) AND t.finished_at <= ?")
+    return _drop(conn, ended, (*TERMINAL, now - grace))
+
 
 
 def _drop(conn: sqlite3.Connection, ids: str, params: tuple[object, ...]) -> int:

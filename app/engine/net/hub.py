@@ -23,6 +23,7 @@ Blocking: run everything here off the event loop.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -52,6 +53,7 @@ from huggingface_hub.file_download import (
 )
 from huggingface_hub.utils import build_hf_headers, validate_repo_id
 
+from app import durable
 from app.engine.registry import discovery
 from app.errors import LmspError
 
@@ -61,6 +63,7 @@ from app.errors import LmspError
 constants.DOWNLOAD_CHUNK_SIZE = 256 * 1024
 
 SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+SYNC_SECONDS = 1.0  # a download fsyncs its bytes this often: what a restart may continue from
 REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 COMMIT = re.compile(r"[0-9a-f]{40}\Z")
 # What `git check-ref-format` refuses anywhere in a ref name: control characters, space, ~ ^ : ? * [ \,
@@ -189,6 +192,7 @@ class Transfer:
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.synced = 0  # of `bytes`, those fsynced: what a power cut cannot take (and progress reports)
         self.stop: str | None = None     # set from the loop: "cancel" or "shutdown"
         self.receiving: tuple[int, float] | None = None  # (bytes, monotonic time) when bytes began to arrive
 
@@ -225,6 +229,7 @@ class _HashingWriter:
         self.fh, self.hasher, self.transfer, self.size = fh, hasher, transfer, size
         self._hashing = ThreadPoolExecutor(1, thread_name_prefix="lmsp-sha256")
         self._last: Future[None] | None = None
+        self._synced_at = time.monotonic()
 
     def write(self, data: bytes) -> int:
         # Not a byte past the size the hub announced: a hostile hub or CDN could otherwise fill the
@@ -236,7 +241,16 @@ class _HashingWriter:
         self.digest_so_far()
         self._last = self._hashing.submit(self.hasher.update, data)
         self.transfer.bytes += len(data)
+        if time.monotonic() - self._synced_at >= SYNC_SECONDS:
+            self.sync()
         return len(data)
+
+    def sync(self) -> None:
+        """Make the bytes so far last (a second's worth at a time: one fsync a second)."""
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.transfer.synced = self.fh.tell()
+        self._synced_at = time.monotonic()
 
     def digest_so_far(self) -> Any:
         """The hasher, once every byte written so far is in it."""
@@ -264,16 +278,31 @@ class _HashingWriter:
         return done
 
 
-def fetch(remote: Remote, partial: Path, token: str | None, transfer: Transfer) -> str:
-    """Continue the download into `partial` from the bytes already there (none: from the start).
-    Returns the sha256 (hex) of the whole file, for the caller to compare with the hub's."""
+def kept(partial: Path, synced: int) -> int:
+    """How many of the bytes in `partial` a download may continue from: all of them if they were
+    written since the machine booted (a process killed: the page cache kept them), else only the
+    `synced` ones, known to have been fsynced: past them a power cut may have left zeros."""
+    try:
+        found = partial.stat()
+    except FileNotFoundError:
+        return 0
+    booted = durable.booted_at()
+    return found.st_size if booted is not None and found.st_mtime > booted else min(found.st_size, synced)
+
+
+def fetch(remote: Remote, partial: Path, token: str | None, transfer: Transfer, keep: int = 0) -> str:
+    """Continue the download into `partial` from its first `keep` bytes (`kept` says how many
+    may be; none: from the start). Returns the sha256 (hex) of the whole file, for the caller to
+    compare with the hub's."""
     partial.parent.mkdir(parents=True, exist_ok=True)
     hasher = hashlib.sha256()
     with partial.open("a+b") as fh:
         have = fh.seek(0, os.SEEK_END)
-        if have > remote.size:  # not this file's bytes: start again
-            fh.truncate(0)
-            have = 0
+        if have > min(keep, remote.size):  # past what may be trusted, or not this file's bytes
+            have = min(keep, remote.size)
+            fh.truncate(have)
+        if have == 0:
+            durable.sync_dir(partial.parent)  # its name lasts: a restart finds the bytes it keeps
         fh.seek(0)
         while chunk := fh.read(1 << 20):  # the bytes from before, into the digest
             hasher.update(chunk)
@@ -296,8 +325,9 @@ def fetch(remote: Remote, partial: Path, token: str | None, transfer: Transfer) 
         finally:
             hasher = writer.digest_so_far()
             writer.close()
-        fh.flush()
-        os.fsync(fh.fileno())
+            with contextlib.suppress(OSError):  # stopped: what was received lasts (a full disk: said above)
+                writer.sync()
+        writer.sync()
     return str(hasher.hexdigest())
 
 
@@ -306,10 +336,14 @@ def place(remote: Remote, partial: Path) -> Path:
     check_revision(remote.revision)  # again: a download asked for before revisions were checked
     pointer = pointer_path(remote)
     blob = blob_path(remote)
-    os.replace(partial, blob)
+    durable.replace(partial, blob)
     pointer.parent.mkdir(parents=True, exist_ok=True)
     # The library's own cache writers (private names, pinned by our <3 requirement): the
     # relative snapshot symlink (a copy where symlinks are not allowed) and the ref file.
     _create_symlink(str(blob), str(pointer), new_blob=True)
     _cache_commit_hash_for_specific_revision(str(storage(remote.repo)), remote.revision, remote.commit)
+    # Their names last too, folders made on the way included: the model is registered next.
+    for folder in (pointer.parent, pointer.parent.parent, storage(remote.repo) / "refs", storage(remote.repo)):
+        if folder.is_dir():
+            durable.sync_dir(folder)
     return blob

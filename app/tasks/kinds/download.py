@@ -170,7 +170,10 @@ class Downloads(Kind):
         if remote.sha256 != row["sha256"]:
             return LmspError("digest_mismatch", f"The hub now gives {row['file']} another sha256 than when the "
                              "download was asked for; ask for it again.")
-        have = partial.stat().st_size if partial.exists() else 0
+        # After a reboot (a power cut) only the bytes a progress commit counted were surely fsynced:
+        # the transfer continues from there (hub.fetch cuts the file back to them).
+        synced = await self.store.read(_synced, task_id)
+        have = await asyncio.to_thread(hub.kept, partial, synced)
         if await self.bus.commit(self.store, _begin, task_id, have, remote.size) is None:
             return "cancel"
         blob = hub.blob_path(remote)
@@ -180,7 +183,7 @@ class Downloads(Kind):
             digest = await self._blocking(models.sha256_file, blob)
             partial = blob
         else:
-            fetching = asyncio.ensure_future(self._blocking(hub.fetch, remote, partial, token, transfer))
+            fetching = asyncio.ensure_future(self._blocking(hub.fetch, remote, partial, token, transfer, have))
             try:
                 await self._report(task_id, fetching, transfer, remote.size)
             finally:
@@ -190,7 +193,7 @@ class Downloads(Kind):
                 digest = "sha256:" + fetching.result()
             except hub.Stopped as exc:
                 if exc.reason == "shutdown":
-                    await self.bus.commit(self.store, _progress, task_id, transfer.bytes, None)
+                    await self.bus.commit(self.store, _progress, task_id, transfer.synced, None)
                     return None
                 return "cancel"
         if await self.bus.commit(self.store, _verifying, task_id, remote.size) is None:
@@ -222,7 +225,8 @@ class Downloads(Kind):
             now = time.monotonic()
             rate = round(max(0, transfer.bytes - last_bytes) / (now - last_time), 1)
             last = (transfer.bytes, now)
-            written = await self.bus.commit(self.store, _progress, task_id, min(transfer.bytes, total), rate)
+            # The bytes fsynced, not those received: what a restart continues from (a second behind at most).
+            written = await self.bus.commit(self.store, _progress, task_id, min(transfer.synced, total), rate)
             if written is None and not transfer.stop:
                 transfer.stop = "cancel"  # the task left `running`: a cancel was accepted
 
@@ -308,6 +312,10 @@ def _progress(conn: sqlite3.Connection, task_id: str, done: int, rate: float | N
     if events is not None:
         conn.execute("UPDATE downloads SET bytes = ?, bytes_per_second = ? WHERE task_id = ?", (done, rate, task_id))
     return events
+
+
+def _synced(conn: sqlite3.Connection, task_id: str) -> int:
+    return int(_download(conn, task_id)["bytes"])
 
 
 def _total(conn: sqlite3.Connection, task_id: str) -> int:

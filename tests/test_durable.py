@@ -1,0 +1,128 @@
+"""Every file the app writes outside SQLite outlasts a power cut (app/durable.py), shown on the
+power-cut file system (tests/powercut/): the owner token's file, service.json, a database moved
+aside, a downloaded model renamed into place; and `store: false` answers leave the disk at a quit."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app import durable
+from app.core import answers
+from app.core.service import AppService
+from app.secrets import owner_vault
+from app.store import db
+from tests import scripted
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def cut_and_remount(powercut: Any) -> Path:
+    powercut.cut("drop")
+    mnt: Path = powercut.mount().mnt
+    return mnt
+
+
+def test_a_durable_write_is_the_old_file_or_the_new_one_after_a_cut(powercut: Any) -> None:
+    mnt = powercut.mount().mnt
+    target = mnt / "state" / "service.json"
+    durable.write(target, "first")
+    mnt = cut_and_remount(powercut)
+    assert (mnt / "state" / "service.json").read_text() == "first"
+    assert oct((mnt / "state" / "service.json").stat().st_mode & 0o777) == oct(0o600)
+    durable.write(mnt / "state" / "service.json", b"second", 0o644)
+    # The same steps without the helper's syncs: lost to the cut (the file system is not lenient).
+    (mnt / "state" / "plain.json").write_text("written, never synced")
+    mnt = cut_and_remount(powercut)
+    assert sorted(p.name for p in (mnt / "state").iterdir()) == ["service.json"]  # no temp file left either
+    assert (mnt / "state" / "service.json").read_bytes() == b"second"
+    durable.remove(mnt / "state" / "service.json")
+    assert not (cut_and_remount(powercut) / "state" / "service.json").exists()
+
+
+def test_the_owner_tokens_file_outlasts_a_cut(powercut: Any) -> None:
+    """The keyring's file fallback (conftest selects the "fail" keyring backend)."""
+    mnt = powercut.mount().mnt
+    assert owner_vault(mnt / "data").put("lmsp_secret") == "file"
+    mnt = cut_and_remount(powercut)
+    assert owner_vault(mnt / "data").get() == "lmsp_secret"
+    assert (mnt / "data" / "owner_token").stat().st_mode & 0o777 == 0o600
+    owner_vault(mnt / "data").delete()
+    assert owner_vault(cut_and_remount(powercut) / "data").get() is None
+
+
+def test_a_corrupt_database_moved_aside_stays_aside(powercut: Any) -> None:
+    mnt = powercut.mount().mnt
+    (mnt / "lmsp.sqlite3").write_bytes(b"not a database")
+    durable.sync_dir(mnt)
+    fd = os.open(mnt / "lmsp.sqlite3", os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    aside = db.move_aside(mnt / "lmsp.sqlite3")
+    mnt = cut_and_remount(powercut)
+    assert [p.name for p in mnt.iterdir()] == [aside]
+
+
+def test_a_downloaded_model_renamed_into_place_stays(powercut: Any) -> None:
+    """hub.place as the download kind calls it: the blob, its snapshot link and its ref survive."""
+    from app.engine.net import hub
+
+    mnt = powercut.mount().mnt
+    os.environ["HF_HOME"] = str(mnt / "hf")
+    try:
+        remote = hub.Remote(repo="o/m", file="m.gguf", revision="main", commit="0" * 40, sha256="a" * 64,
+                            size=5, url="http://127.0.0.1:1/none")
+        partial = hub.partial_path(remote, "dl_1")
+        partial.parent.mkdir(parents=True)
+        durable.write(partial, b"model")  # fetch fsyncs it
+        blob = hub.place(remote, partial)
+        mnt = cut_and_remount(powercut)
+        assert blob.read_bytes() == b"model" and hub.pointer_path(remote).read_bytes() == b"model"
+        assert not partial.exists()
+    finally:
+        del os.environ["HF_HOME"]
+
+
+async def test_store_false_answers_leave_the_file_when_the_service_stops(tmp_path: Path) -> None:
+    """Within the grace period a quit does not leave them behind until the next start."""
+    service = AppService(tmp_path / "data", scripted.factory(scripted.Script(pace=1000.0)))
+    await service.start()
+    try:
+        client = await service.access.authenticate(await service.access.owner_token())
+        assert client is not None
+        secret = "The vault code is 7351-PELICAN."
+        ask = answers.Ask(client, {"input": secret, "store": False, "max_output_tokens": 5})
+        async with answers.respond(service, ask, lambda: False) as answer:
+            assert answer.body["status"] in ("completed", "incomplete")
+        unstored = "SELECT count(*) FROM responses WHERE store = 0"
+        assert await service.store.read(lambda c: c.execute(unstored).fetchone()[0]) == 1
+    finally:
+        started = time.time()
+        await service.stop()
+    assert time.time() - started < 30
+    with sqlite3.connect(tmp_path / "data" / "lmsp.sqlite3") as conn:
+        assert conn.execute("SELECT count(*) FROM responses WHERE store = 0").fetchone()[0] == 0
+    files = b"".join(p.read_bytes() for p in (tmp_path / "data").glob("lmsp.sqlite3*"))
+    assert b"7351-PELICAN" not in files
+
+
+def test_a_download_continues_from_its_synced_bytes_after_a_reboot(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed, its bytes on disk are all there (written since the boot: the page cache kept
+    them); after a power cut only those a progress commit counted as fsynced are sure."""
+    from app.engine.net import hub
+
+    partial = tmp_path / "model.incomplete"
+    partial.write_bytes(b"x" * 5000)
+    monkeypatch.setenv("LMSP_BOOTED_AT", str(time.time() - 60))
+    assert hub.kept(partial, 4096) == 5000
+    monkeypatch.setenv("LMSP_BOOTED_AT", str(time.time() + 1))  # booted since it was written
+    assert hub.kept(partial, 4096) == 4096
+    assert hub.kept(tmp_path / "none.incomplete", 4096) == 0
+    monkeypatch.delenv("LMSP_BOOTED_AT")
+    assert durable.booted_at() is None or durable.booted_at() < time.time()  # type: ignore[operator]
