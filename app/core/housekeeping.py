@@ -49,7 +49,8 @@ class Housekeeping:
     async def forget_unstored(self) -> None:
         """Every `store: false` response that has ended, now: at start (their callers went with the
         last run) and at stop (a quit must not leave them on the disk until the next start)."""
-        await self.store.write(retention.purge_unstored, None, 0)
+        if await self.store.write(retention.purge_unstored, None, 0):
+            await self.store.checkpoint()  # and their copies in the WAL, such as a crash leaves
 
     async def _run(self, tick: float = 5.0) -> None:
         """Retention every ten minutes, `store: false` responses every half minute; idle models

@@ -90,6 +90,19 @@ class Store:
         """Run fn(conn, *args) on a read-only connection (WAL: readers never block the writer)."""
         return await asyncio.get_running_loop().run_in_executor(self._readers, self._read, fn, args)
 
+    async def checkpoint(self) -> None:
+        """Copy the WAL into the database file and empty it, through a connection of its own (the
+        writer's is for transactions): what deletes overwrote (`secure_delete`) is then gone from
+        the disk, not only from the database; the old copies in the WAL went with it."""
+        def truncate() -> None:
+            conn = db.connect(self.path)
+            try:
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            finally:
+                conn.close()
+
+        await asyncio.to_thread(truncate)
+
     # -- the writer thread -------------------------------------------------------------------
 
     def _serve(self, conn: sqlite3.Connection) -> None:

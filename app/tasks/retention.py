@@ -42,7 +42,6 @@ def purge_unstored(conn: sqlite3.Connection, now: float | None = None, grace: fl
     return _drop(conn, ended, (*TERMINAL, now - grace))
 
 
-
 def _drop(conn: sqlite3.Connection, ids: str, params: tuple[object, ...]) -> int:
     """Delete the responses the query `ids` selects (cascading to task, output and events) and
     the idempotency keys about them: a retry then creates anew instead of replaying a response

@@ -29,6 +29,7 @@ POLICIES = ("fail", "retry", "resume")
 LATER = {"queued": {"queued", "loading", "running", "cancelling", *TERMINAL},
          "cancelling": {"cancelling", "cancelled"}, "cancelled": {"cancelled"}, "completed": {"completed"}}
 RETENTIONS = (3600, 7200, 86400, 604800)
+SECRET = "A secret: do not keep me."
 
 
 @dataclass
@@ -163,7 +164,7 @@ class Harness:
             self.ledger.ack("chain", None, response["id"])
 
     def unstored(self, rng: random.Random) -> None:
-        status, response = self.app.post("/v1/responses", {"input": "A secret: do not keep me.", "store": False,
+        status, response = self.app.post("/v1/responses", {"input": SECRET, "store": False,
                                                             "max_output_tokens": 6})
         if status == 200:
             self.ledger.ack("unstored", None, response["id"])
@@ -299,6 +300,10 @@ class Harness:
             assert self.app.get(f"/v1/responses/{response_id}")[0] == 200, f"conversation turn {response_id} lost"
         for response_id in unstored:
             assert self.app.get(f"/v1/responses/{response_id}")[0] == 404, f"store: false {response_id} still kept"
+        # ...and not in the files either (a deleted row's old copies linger in the WAL): none was
+        # answered since this start.
+        files = b"".join(p.read_bytes() for p in self.app.data_dir.glob("lmsp.sqlite3*"))
+        assert SECRET.encode() not in files, "a store: false prompt is still on the disk after the restart"
         self.ledger.unstored -= unstored
 
     def _count(self, table: str) -> int:
