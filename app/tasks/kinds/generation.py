@@ -26,7 +26,6 @@ from typing import Any
 
 from app.engine.net.remote import RemoteEngine
 from app.engine.parent.engine import EngineError, Generation, Runs
-from app.engine.registry import models
 from app.errors import LmspError, StoreError
 from app.tasks import calls, machine, records, recovery
 from app.tasks.kinds import generation_writes as writes
@@ -89,18 +88,15 @@ class Generations(Kind):
         taken = writes.take(conn, self.name, room)
         if taken is None:
             return None
-        task_id, client_id, name, events, task = taken
-        return Claimed(self, task_id, room, name, events, (client_id, task))
+        return Claimed(self, taken.task_id, room, taken.name, taken.events, taken)
 
     def start(self, claimed: Claimed) -> Coroutine[Any, Any, None]:
-        client_id, task = claimed.detail
-        self.last_client = client_id
-        room = claimed.room
-        assert isinstance(room, EngineRoom)
+        taken: writes.Taken = claimed.detail
+        task, engine = taken.task, taken.engine
+        self.last_client = taken.client_id
         if claimed.name == "remote":
             runs: Runs = RemoteEngine(self.upstreams)
         else:
-            engine = room.engine_for(models.registered(task.model) if task.model is not None else None)[0]
             assert engine is not None
             runs = engine.seat()
             self.pool.lease(claimed.task_id, engine)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import sqlite3
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
+from app.engine.parent.engine import Engine
 from app.engine.registry import models
 from app.engine.request import Request
 from app.errors import LmspError
@@ -16,8 +17,17 @@ from app.tasks.kinds.generation_job import Chunk, EngineRoom, Prepared
 from app.tasks.machine import RESPONSE
 from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING
 
-# The task taken: its id, its client, its model's format, the events taking it wrote, what it needs to start.
-Taken = tuple[str, str, str, list[machine.Event], Prepared]
+
+class Taken(NamedTuple):
+    """A task `take` claimed: its client, its model's format (the room's name it runs under), the
+    events taking it wrote, what it needs to start, and the local engine it runs on (worked out
+    once, here: `Generations.start` uses it)."""
+    task_id: str
+    client_id: str
+    name: str
+    events: list[machine.Event]
+    task: Prepared
+    engine: Engine | None
 
 
 def _prepare(conn: sqlite3.Connection, task_id: str) -> Prepared:
@@ -30,7 +40,6 @@ def _prepare(conn: sqlite3.Connection, task_id: str) -> Prepared:
         return Prepared(row, request, ids, text, models.usable(conn, row["model_id"]), None, running)
     except LmspError as exc:
         return Prepared(row, request, ids, text, None, exc, running)
-
 
 
 def take(conn: sqlite3.Connection, kind: str, room: EngineRoom) -> Taken | None:
@@ -53,7 +62,8 @@ def take(conn: sqlite3.Connection, kind: str, room: EngineRoom) -> Taken | None:
     row = conn.execute(f"{tasks} AND t.status = 'running'{exclude} ORDER BY t.created_at LIMIT 1",
                        (*args, *busy)).fetchone()
     if row is not None:
-        return row["id"], row["client_id"], row["format"], [], _prepare(conn, row["id"])
+        task = _prepare(conn, row["id"])
+        return Taken(row["id"], row["client_id"], row["format"], [], task, room.engine_for(_file(task))[0])
     row = conn.execute(f"{tasks} AND t.status = 'queued' ORDER BY r.client_id <= ?, r.client_id, t.created_at LIMIT 1",
                        (*args, room.last_client)).fetchone()
     if row is None:
@@ -61,14 +71,19 @@ def take(conn: sqlite3.Connection, kind: str, room: EngineRoom) -> Taken | None:
     events = machine.transition(conn, row["id"], LOADING, [("response.loading", {"progress": 0.0})])
     assert events is not None
     task = _prepare(conn, row["id"])
-    ready = room.engine_for(models.registered(task.model) if task.model is not None else None)[1]
-    if task.model is not None and ready is not None and models.registered(task.model) == ready:
+    file = _file(task)
+    engine, ready = room.engine_for(file)
+    if file is not None and file == ready:
         # Nothing to load: the task starts running in this commit, not in one of its own.
         started = start_running(conn, row["id"], records.message_id(task.row["response_id"]),
                                 task.request.call)
         assert started is not None
         events, task = events + started, replace(task, running=True)
-    return row["id"], row["client_id"], row["format"], events, task
+    return Taken(row["id"], row["client_id"], row["format"], events, task, engine)
+
+
+def _file(task: Prepared) -> models.Registered | None:
+    return models.registered(task.model) if task.model is not None else None
 
 
 def queue_order(conn: sqlite3.Connection, kind: str, last_client: str) -> list[str]:
