@@ -92,6 +92,7 @@ async def test_a_chat_streams_stops_and_goes_on(session: Session, owner: Client,
     assert first is not None
     answer = await session.service.responses.response(owner, first)
     assert answer["status"] == "completed" and answer["output_text"] in chat.transcript.toPlainText()
+    assert answer["temperature"] == 0.7  # a conversation's, not the API's 1.0, at which small models ramble
     tokens = answer["usage"]["output_tokens"]
     assert f"{tokens} tokens · " in chat.stats.text() and chat.stats.text().endswith("tokens/s"), chat.stats.text()
     # It is a task of the owner like any other: it shows in the Tasks tab.
