@@ -12,6 +12,7 @@ from PySide6.QtGui import QAction, QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon
 
 from app.display import is_remote
+from app.errors import LmspError
 from app.gui import autostart
 from app.gui.async_ui import show_error, spawn
 from app.gui.icons import tray_icon
@@ -117,6 +118,7 @@ class Tray(QObject):
             self._build_pairings(pairings)
         menu.addSeparator()
         self._action(menu, "copy", "Copy API address", self.copy_address, ready).setToolTip(session.api_base)
+        self._ollama_entry(menu, ready)
         login = self._action(menu, "autostart", "Start at login", self._toggle_autostart, autostart.SUPPORTED)
         login.setCheckable(True)
         login.setChecked(autostart.enabled())
@@ -170,6 +172,25 @@ class Tray(QObject):
                          lambda _=False, p=pid: self.review_pairing.emit(p))
             self._action(menu, f"deny:{pid}", f"Deny {name}",
                          lambda _=False, p=pid: spawn(service.access.deny_pairing(p)))
+
+    def _ollama_entry(self, menu: QMenu, ready: bool) -> None:
+        """Apps built for Ollama (Open WebUI, Continue…) in or out with one click: checked is the
+        `open` setting (Ollama's port, no pairing); Settings has the other choices."""
+        settings = self.session.service.settings
+        action = self._action(menu, "ollama", "Let Ollama apps in", self._toggle_ollama, ready)
+        action.setCheckable(True)
+        action.setChecked(ready and settings["ollama_api"] == "open")
+        action.setToolTip(f"Apps built for Ollama reach LMSP Tray on 127.0.0.1:{settings['ollama_port']} without "
+                          f"pairing, allowed to: {', '.join(settings['ollama_scopes'])}. They show under Clients.")
+
+    def _toggle_ollama(self, checked: bool) -> None:
+        async def switch() -> None:
+            try:
+                await self.session.service.settings.update({"ollama_api": "open" if checked else "off"})
+            except LmspError as exc:  # Ollama's port taken (Ollama itself running), say
+                show_error(None, "Ollama apps", exc.message)
+
+        spawn(switch())
 
     # -- actions ----------------------------------------------------------------------------
 

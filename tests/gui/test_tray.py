@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import urllib.request
 from pathlib import Path
 
 import pytest
-from gui_helpers import URL, Until, make_task
+from gui_helpers import URL, Until, make_task, visible
 from PySide6.QtGui import QAction, QGuiApplication
-from PySide6.QtWidgets import QMenu
+from PySide6.QtWidgets import QMenu, QMessageBox
 
 from app.gui import autostart
 from app.gui.icons import tray_icon
 from app.gui.session import Session
 from app.gui.tray import Tray
+from app.server.app import Server
 
 pytestmark = pytest.mark.gui
 
@@ -101,6 +105,47 @@ async def test_start_at_login_writes_and_removes_the_autostart_entry(
     assert action(tray, "autostart").isChecked()
     action(tray, "autostart").trigger()
     assert not written.exists()
+
+
+async def test_ollama_apps_are_let_in_and_out_with_one_click(session: Session, until: Until) -> None:
+    """The entry opens and closes the real listener on Ollama's port; with the port taken (Ollama
+    itself running) the click changes nothing and says why."""
+    settings = session.service.settings
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    await settings.update({"ollama_port": port})
+    server = Server(session.service)
+    await server.start("127.0.0.1", 0)
+    try:
+        tray = Tray(session)
+        entry = action(tray, "ollama")
+        assert entry.isCheckable() and not entry.isChecked() and f"127.0.0.1:{port}" in entry.toolTip()
+        entry.trigger()
+        await until(lambda: settings["ollama_api"] == "open", 10, "Ollama apps let in")
+        assert action(tray, "ollama").isChecked()
+        version = await asyncio.to_thread(ollama_version, port)  # no token: an Ollama app
+        assert "version" in version
+        action(tray, "ollama").trigger()
+        await until(lambda: settings["ollama_api"] == "off", 10, "Ollama apps shut out")
+        with pytest.raises(OSError):
+            await asyncio.to_thread(ollama_version, port)
+        with socket.socket() as ollama:
+            ollama.bind(("127.0.0.1", port))
+            ollama.listen()
+            action(tray, "ollama").trigger()
+            boxes = await until(lambda: [b for b in visible(QMessageBox) if b.objectName() == "lmsp-error"], 10,
+                                "box")
+        assert f"Port {port}" in boxes[0].text() and settings["ollama_api"] == "off"
+        assert not action(tray, "ollama").isChecked()
+    finally:
+        await server.stop_accepting()
+        await server.stop()
+
+
+def ollama_version(port: int) -> dict[str, str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/version", timeout=5) as answer:
+        return json.loads(answer.read())  # type: ignore[no-any-return]
 
 
 async def test_notification_click_runs_its_target(session: Session) -> None:
