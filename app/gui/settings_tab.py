@@ -75,7 +75,8 @@ class SettingsTab(QWidget):
             "port": (self.port, "Port", "0 picks any free port. Takes effect after restart."),
             "retention_seconds": (self.retention, "Keep finished tasks for", ""),
             "default_on_restart": (self.on_restart, "Unfinished task after a restart", ""),
-            "max_concurrent_tasks": (self.concurrency, "Tasks at once", "Each needs memory for its own model copy."),
+            "max_concurrent_tasks": (self.concurrency, "Models loaded at once", "Copies of models in memory, each "
+                                     "serving its parallel tasks; each copy needs memory of its own."),
             "parallel": (self.parallel, "Parallel tasks per model", "Tasks one loaded model serves together; each "
                          "needs memory for its own KV cache (the Models tab shows what a model takes)."),
             "allowed_origins": (self.origins, "Allowed web origins", "Web pages from these origins may call the API."),

@@ -92,7 +92,8 @@ async def test_a_chat_streams_stops_and_goes_on(session: Session, owner: Client,
     assert first is not None
     answer = await session.service.responses.response(owner, first)
     assert answer["status"] == "completed" and answer["output_text"] in chat.transcript.toPlainText()
-    assert answer["temperature"] == 0.7  # a conversation's, not the API's 1.0, at which small models ramble
+    # A conversation's sampling, not the API's 1.0 and 1.0, at which small models ramble
+    assert (answer["temperature"], answer["top_p"]) == (0.2, 0.9)
     tokens = answer["usage"]["output_tokens"]
     assert f"{tokens} tokens · " in chat.stats.text() and chat.stats.text().endswith("tokens/s"), chat.stats.text()
     # It is a task of the owner like any other: it shows in the Tasks tab.
