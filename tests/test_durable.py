@@ -111,6 +111,22 @@ async def test_store_false_answers_leave_the_file_when_the_service_stops(tmp_pat
     assert b"7351-PELICAN" not in files
 
 
+def test_the_bytes_a_download_continues_from_outlast_a_later_cut(powercut: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A killed download's bytes, still only in the page cache, are counted as the download's own
+    when it continues: a power cut after that must not take them (the soak found digest mismatches)."""
+    from app.engine.net import hub
+
+    mnt = powercut.mount().mnt
+    partial = mnt / "model.incomplete"
+    durable.write(partial, b"")  # its name lasts; its bytes below were never fsynced
+    with partial.open("ab") as fh:
+        fh.write(b"x" * 10_000)
+    monkeypatch.setenv("LMSP_BOOTED_AT", str(time.time() - 60))  # a SIGKILL, no reboot: all there
+    assert hub.kept(partial, 0) == 10_000
+    assert (cut_and_remount(powercut) / "model.incomplete").read_bytes() == b"x" * 10_000
+
+
 def test_a_download_continues_from_its_synced_bytes_after_a_reboot(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Killed, its bytes on disk are all there (written since the boot: the page cache kept

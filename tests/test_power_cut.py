@@ -34,9 +34,10 @@ def hub() -> Iterator[FakeHub]:
     served.stop()
 
 
-def on_the_mount(powercut: Any, procs: Any, hub: FakeHub, tmp_path: Path, seed: int) -> Harness:
-    """The app with its data (and so its logs) and its models folder on the power-cut file system."""
-    mnt = powercut.mount().mnt
+def on_the_mount(powercut: Any, procs: Any, hub: FakeHub, tmp_path: Path, seed: int, folder: str = "") -> Harness:
+    """The app with its data (and so its logs) and its models folder on the power-cut file system
+    (in `folder` there: a soak starts afresh now and then)."""
+    mnt = (powercut.mount() if powercut.proc is None else powercut).mnt / folder
     env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(mnt / "models"), "HF_HUB_DISABLE_PROGRESS_BARS": "1",
            "LMSP_BOOTED_AT": "0"}
     app = Headless(mnt / "data", procs, scripted_app(pace=400.0), env=env)

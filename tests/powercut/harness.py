@@ -321,7 +321,7 @@ class Harness:
             assert time.monotonic() < deadline, f"the download did not end: {task}"
             time.sleep(0.2)
         assert task["status"] == "completed", task
-        blobs = list(self.mount.mnt.glob("models/hub/models--*/blobs/*"))
+        blobs = list(Path(self.app.env["HF_HOME"]).glob("hub/models--*/blobs/*"))
         assert len(blobs) == 1, blobs
         digest = hashlib.sha256(blobs[0].read_bytes()).hexdigest()
         assert digest == self.hub.repos[self.model[0]][self.model[1].name].sha256, "the model file is not the hub's"

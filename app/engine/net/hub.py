@@ -280,14 +280,21 @@ class _HashingWriter:
 
 def kept(partial: Path, synced: int) -> int:
     """How many of the bytes in `partial` a download may continue from: all of them if they were
-    written since the machine booted (a process killed: the page cache kept them), else only the
-    `synced` ones, known to have been fsynced: past them a power cut may have left zeros."""
+    written since the machine booted (a process killed: the page cache kept them; fsynced now),
+    else only the `synced` ones, known to have been fsynced: past them a power cut may have left
+    zeros."""
     try:
         found = partial.stat()
     except FileNotFoundError:
         return 0
     booted = durable.booted_at()
-    return found.st_size if booted is not None and found.st_mtime > booted else min(found.st_size, synced)
+    if booted is None or found.st_mtime <= booted:
+        return min(found.st_size, synced)
+    # Perhaps only in the page cache: on the disk before the download counts them as its own (a
+    # power cut after that count would otherwise leave it trusting bytes that never got there).
+    with partial.open("rb+") as fh:
+        os.fsync(fh.fileno())
+    return found.st_size
 
 
 def fetch(remote: Remote, partial: Path, token: str | None, transfer: Transfer, keep: int = 0) -> str:
