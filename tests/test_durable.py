@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from app.core.service import AppService
 from app.secrets import owner_vault
 from app.store import db
 from tests import scripted
+from tests.conftest import ROOT, Headless, Processes, scripted_app
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -125,6 +128,29 @@ def test_the_bytes_a_download_continues_from_outlast_a_later_cut(powercut: Any,
     monkeypatch.setenv("LMSP_BOOTED_AT", str(time.time() - 60))  # a SIGKILL, no reboot: all there
     assert hub.kept(partial, 0) == 10_000
     assert (cut_and_remount(powercut) / "model.incomplete").read_bytes() == b"x" * 10_000
+
+
+def test_store_false_answers_a_start_purged_before_it_was_killed_leave_the_file_at_the_next(
+        tmp_path: Path, procs: Processes) -> None:
+    """The app SIGKILLed with a `store: false` answer in its WAL; the next start killed right after
+    its purge deleted the rows (before it emptied the WAL: done here by a process that commits the
+    purge and exits without closing); the start after that finds nothing to purge and must still
+    leave no copy in the files (the soak found one)."""
+    app = Headless(tmp_path / "data", procs, scripted_app(pace=1000.0)).start()
+    secret = "The vault code is 7351-PELICAN."
+    status, answer = app.post("/v1/responses", {"input": secret, "store": False, "max_output_tokens": 5})
+    assert status == 200 and answer["status"] in ("completed", "incomplete"), answer
+    app.kill()
+    killed_start = ("import os, sys; from pathlib import Path; from app.store import db; "
+                    "from app.tasks import retention; conn = db.connect(Path(sys.argv[1])); "
+                    "conn.execute('BEGIN IMMEDIATE'); assert retention.purge_unstored(conn, None, 0) == 1; "
+                    "conn.execute('COMMIT'); os._exit(0)")
+    subprocess.run([sys.executable, "-c", killed_start, str(app.data_dir / "lmsp.sqlite3")], check=True, cwd=ROOT)
+    files = b"".join(p.read_bytes() for p in app.data_dir.glob("lmsp.sqlite3*"))
+    assert b"7351-PELICAN" in files  # the deleted rows' old copies, in the WAL
+    app.start()
+    files = b"".join(p.read_bytes() for p in app.data_dir.glob("lmsp.sqlite3*"))
+    assert b"7351-PELICAN" not in files
 
 
 def test_a_download_continues_from_its_synced_bytes_after_a_reboot(tmp_path: Path,
