@@ -175,6 +175,9 @@ class Access:
         if client_id == OLLAMA_ID and self.ollama is not None:
             # One click turns the open listener off; apps with their own token keep /api/ here.
             await self.settings.update({"ollama_api": "token"})
+            # The change revokes the client in the background (service._apply_settings); here the
+            # answer waits for it: a listing right after the DELETE must not show it.
+            await self.open_ollama()
             return
         if not await self.store.write(pairing.revoke, client_id):
             raise NotFound("client", client_id)

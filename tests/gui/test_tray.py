@@ -130,7 +130,8 @@ async def test_ollama_apps_are_let_in_and_out_with_one_click(session: Session, u
         await until(lambda: settings["ollama_api"] == "off", 10, "Ollama apps shut out")
         with pytest.raises(OSError):
             await asyncio.to_thread(ollama_version, port)
-        with socket.socket() as ollama:
+        with socket.socket() as ollama:  # as Ollama holds it (Go's listeners set SO_REUSEADDR: past TIME_WAIT)
+            ollama.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             ollama.bind(("127.0.0.1", port))
             ollama.listen()
             action(tray, "ollama").trigger()
