@@ -48,11 +48,9 @@ class Housekeeping:
 
     async def forget_unstored(self) -> None:
         """Every `store: false` response that has ended, now: at start (their callers went with the
-        last run) and at stop (a quit must not leave them on the disk until the next start). Then
-        the WAL is emptied, whether or not this purge found any: a crash leaves old copies there,
-        of these rows and of those a start killed after its purge deleted them."""
+        last run) and at stop (a quit must not leave them on the disk until the next start; the
+        store's close empties the WAL after it)."""
         await self.store.write(retention.purge_unstored, None, 0)
-        await self.store.checkpoint()
 
     async def _run(self, tick: float = 5.0) -> None:
         """Retention every ten minutes, `store: false` responses every half minute; idle models

@@ -98,6 +98,9 @@ class AppService:
         await self.store.write(idempotency.forget_in_flight)
         await self.housekeeping.purge()
         await self.housekeeping.forget_unstored()
+        # The WAL emptied, whether or not that purge found any: a crash leaves old copies there,
+        # of those rows and of rows a start killed after its purge had deleted.
+        await self.store.checkpoint()
         await self.remotes.open_upstreams()
         self.scheduler.start()
         # What start-up made (modules, the app's objects) lives as long as the process: out of the
