@@ -39,20 +39,20 @@ def facts(model: dict[str, Any]) -> list[tuple[str, str]]:
     """What a local model is, a (label, value) a line, from its `details` and `memory` (the Models
     tab's details pane and `lmsp-tray show`)."""
     details, memory = model.get("details") or {}, model.get("memory") or {}
-    trained = model.get("trained_context_length")
-    served = model.get("context_length")
+    trained = details.get("trained_context_length")
+    served = details.get("context_length")
     loaded = "—"
     if memory:
         kv = memory.get("kv_cache_bytes")
         loaded = (f"{human_size(memory['total_bytes'])} (weights {human_size(memory['weights_bytes'])} + KV cache "
                   f"{human_size(kv)} for {memory['parallel']} at once)" if kv is not None
                   else f"{human_size(memory['weights_bytes'])} + a KV cache not known before it loads")
-    return [("Family", " · ".join(x for x in (details.get("family"), model.get("architecture")) if x) or "—"),
+    return [("Family", " · ".join(x for x in (details.get("family"), details.get("architecture")) if x) or "—"),
             ("Parameters", parameters_text(details.get("parameters"))
              + (f" ({details['size_label']})" if details.get("size_label") else "")),
             ("Quantization", details.get("quantization") or "—"),
             ("Context", f"{served or '—'} tokens served" + (f" of {trained} trained" if trained else "")),
             ("File size", human_size(model.get("size_bytes"))),
             ("Memory loaded", loaded),
-            ("Chat template", "yes" if model.get("has_chat_template") else "no (a plain prompt format is used)"),
+            ("Chat template", "yes" if details.get("chat_template") else "no (a plain prompt format is used)"),
             ("License", details.get("license") or "not stated in the file")]

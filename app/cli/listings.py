@@ -46,8 +46,8 @@ def ps(client: Client, args: argparse.Namespace) -> int:
     idle = client.call("GET", "/v1/settings")["model_idle_ttl_seconds"]
     until = "Forever" if not idle else f"{idle // 60} min idle" if idle >= 60 else f"{idle} s idle"
     listing(args.json, loaded, ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "PARALLEL", "UNTIL"], [
-        [m["id"], short_digest(m.get("digest")), human_size((m.get("memory") or {}).get("total_bytes")),
-         _processor(m), cell(m.get("context_length")), cell((m.get("memory") or {}).get("parallel")), until]
+        [m["id"], short_digest(m.get("digest")), human_size(m.get("memory_bytes")),
+         _processor(m), cell(m.get("context_length")), cell(m.get("parallel")), until]
         for m in loaded])
     return 0
 

@@ -129,9 +129,13 @@ class Models:
         found = models.model_object(row, self.loaded_paths())
         if found["status"] == "available" and self.pool.refused(models.registered(row)):
             found["status"] = "changed"  # same file, size and mtime, but an engine found other bytes in it
-        info = self._headers.get(row["digest"])
-        return {**found, "engine": self.modes.describe(row["digest"]), "memory": self.memory(row).as_dict(),
-                "details": None if info is None else model_details.details(info.metadata, info.parameter_count)}
+        # Loaded, it takes what the engines holding it were loaded with, whatever the setting says
+        # since (a change reaches an engine at its next load); otherwise what the setting would give.
+        slots = self.pool.slots().get(row["path"]) if found["status"] == "loaded" else None
+        taken = self.memory(row, slots[1] if slots else None)
+        return {**found, "engine": self.modes.describe(row["digest"]), "parallel": taken.parallel,
+                "memory_bytes": taken.total_bytes, "memory": taken.as_dict(),
+                "details": model_details.details(found, self._headers.get(row["digest"]))}
 
     async def register_model(self, body: Any, progress: Any = None, client: Client = OWNER) -> dict[str, Any]:
         """Register a file (or a remote model) on behalf of `client`, who may then remove it."""

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.core import model_details
 from app.core.auth import Client
 from app.core.ids import new_id
 from app.engine.net.remote import Endpoint, RemoteError, Upstreams, check_url, probe
@@ -104,7 +105,8 @@ class Remotes:
         endpoints = self.upstreams.describe(row["id"])
         reachable = any(e["status"] == "available" for e in endpoints)
         return {"id": row["id"], "object": "model", "created": int(row["created_at"]), "owned_by": "remote",
-                "format": "remote", "status": "available" if reachable else "unreachable", "endpoints": endpoints}
+                "format": "remote", "status": "available" if reachable else "unreachable", "endpoints": endpoints,
+                "details": model_details.unknown()}
 
     async def check_upstreams(self) -> None:
         """Probe the endpoints no task is using; tell the GUI when one's health changed."""

@@ -9,6 +9,7 @@ import math
 import re
 import time
 from datetime import UTC, datetime, timedelta
+from pathlib import PurePath
 from typing import Any
 
 from app.core.ollama import ollama_name
@@ -207,8 +208,13 @@ def counts(usage: dict[str, Any] | None, started_ns: int, first_ns: int | None) 
             "eval_count": usage.get("output_tokens", 0), "eval_duration": now - first}
 
 
+def _file_name(model: dict[str, Any]) -> str:
+    """The name of a local model's file, without the folders it is in ("" for a remote model)."""
+    return PurePath(model.get("path") or "").name
+
+
 def _quantization(model: dict[str, Any]) -> str:
-    found = QUANT.findall((model.get("path") or "").rsplit("/", 1)[-1])
+    found = QUANT.findall(_file_name(model))
     return found[-1].upper() if found else ""
 
 
@@ -243,8 +249,10 @@ def show(model: dict[str, Any], header: dict[str, Any] | None) -> dict[str, Any]
     """`/api/show`: what Open WebUI, Continue and Copilot read of a model."""
     arch = model.get("architecture") or "llama"
     context = model.get("context_length") or 0
+    # Ollama writes the blob's path after FROM; ours would show any page on this computer (this
+    # surface can be tokenless) the user's name and folders, so the file is named without them.
     return {"license": str((header or {}).get("general.license") or ""),
-            "modelfile": f"FROM {model.get('path') or model['id']}\n", "parameters": f"num_ctx {context}",
+            "modelfile": f"FROM {_file_name(model) or model['id']}\n", "parameters": f"num_ctx {context}",
             "template": str((header or {}).get("tokenizer.chat_template") or ""),
             "details": details(model, header), "modified_at": iso(model.get("created", 0)),
             "model_info": {"general.architecture": arch, f"{arch}.context_length": context,
