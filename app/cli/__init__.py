@@ -20,7 +20,7 @@ from keyring.errors import KeyringError
 
 from app.cli import chat, listings, show
 from app.cli import logs as log_commands
-from app.cli.client import Client, CliError
+from app.cli.client import Client, CliError, say
 from app.cli.pull import pull
 from app.secrets import owner_vault, set_hub_token
 
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace, data_dir: Path, explicit_data_dir: bool) -> in
             return log_commands.task_log(Client(data_dir), args)
         return log_commands.service_log(data_dir, explicit_data_dir, args)
     except CliError as exc:
-        print(f"lmsp-tray: {exc}", file=sys.stderr)
+        say(f"lmsp-tray: {exc}", file=sys.stderr)
         return exc.code
 
 
@@ -97,7 +97,7 @@ def _pull(client: Client, args: argparse.Namespace) -> int:
 
 def _remove(client: Client, args: argparse.Namespace) -> int:
     client.call("DELETE", f"/v1/models/{quote(args.model, safe='')}")
-    print(f"Removed {args.model} from LMSP Tray (its file stays on disk).")
+    say(f"Removed {args.model} from LMSP Tray (its file stays on disk).")
     return 0
 
 
@@ -107,7 +107,7 @@ def _act(path: str) -> Command:
     def act(client: Client, args: argparse.Namespace) -> int:
         filled = path.format(**{name: quote(str(value), safe="") for name, value in vars(args).items()})
         done = client.call("POST", filled)
-        print(f"{done['id']}: {done['status']}")
+        say(f"{done['id']}: {done['status']}")
         return 0
     return act
 
@@ -116,7 +116,7 @@ def _token(data_dir: Path) -> int:
     token = owner_vault(data_dir).get()
     if token is None:
         raise CliError("No owner token yet: start LMSP Tray once to create it.")
-    print(token)
+    say(token)
     return 0
 
 
@@ -128,5 +128,5 @@ def _hub_token() -> int:
         set_hub_token(token.strip() or None)
     except (KeyringError, RuntimeError) as exc:
         raise CliError(f"No keyring to keep it in ({type(exc).__name__}); set HF_TOKEN instead.") from None
-    print("Saved in the keyring." if token.strip() else "Forgotten.")
+    say("Saved in the keyring." if token.strip() else "Forgotten.")
     return 0

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
-from app.cli.client import Client, CliError
-from app.core.pairing import shown, unsafe
+from app.cli.client import Client, CliError, say
 
 HELP = "Use Ctrl + d or /bye to exit; /clear starts a new conversation."
 DELTA = "response.output_text.delta"
@@ -34,7 +33,7 @@ def run(client: Client, args: argparse.Namespace) -> int:
         if not prompt.strip():
             raise CliError("--background needs a prompt.", code=2)
         created = client.call("POST", "/v1/responses", {**base, "input": prompt, "background": True})
-        print(created["task"]["id"])
+        say(created["task"]["id"])
         return 0
     if prompt.strip():
         try:
@@ -57,18 +56,18 @@ def chat(client: Client, base: dict[str, Any], verbose: bool) -> int:
         try:
             text = input(">>> ").strip()
         except EOFError:
-            print()
+            say("")
             return 0
         except KeyboardInterrupt:
-            print(f"\n{HELP}")
+            say(f"\n{HELP}", lines=True)
             continue
         if text in ("/bye", "/exit"):
             return 0
         if text in ("/?", "/help"):
-            print(HELP)
+            say(HELP)
         elif text == "/clear":
             previous = None
-            print("A new conversation.")
+            say("A new conversation.")
         elif text:
             body = {**base, "input": text, **({"previous_response_id": previous} if previous else {})}
             try:
@@ -76,7 +75,7 @@ def chat(client: Client, base: dict[str, Any], verbose: bool) -> int:
             except Cancelled:
                 pass
             except CliError as exc:  # said, and the chat goes on
-                print(f"lmsp-tray: {exc}", file=sys.stderr)
+                say(f"lmsp-tray: {exc}", file=sys.stderr)
 
 
 def answer(client: Client, body: dict[str, Any], verbose: bool) -> dict[str, Any]:
@@ -90,30 +89,24 @@ def answer(client: Client, body: dict[str, Any], verbose: bool) -> dict[str, Any
             task_id = task_id or event.get("task_id")
             times.mark(event)
             if event["type"] == DELTA:
-                print(printable(event["delta"]), end="", flush=True)
+                say(event["delta"], lines=True, end="", flush=True)
             final = event.get("response") or final
     except KeyboardInterrupt:
-        print()
+        say("")
         if task_id is not None:
             try:
                 client.call("POST", f"/v1/tasks/{task_id}/cancel")
             except CliError as exc:  # finished meanwhile
-                print(f"lmsp-tray: {exc}", file=sys.stderr)
-        print(f"Cancelled task {task_id}.", file=sys.stderr)
+                say(f"lmsp-tray: {exc}", file=sys.stderr)
+        say(f"Cancelled task {task_id}.", file=sys.stderr)
         raise Cancelled from None
-    print()
+    say("")
     if final.get("status") == "failed":
         error = final.get("error") or {}
         raise CliError(f"{error.get('message', 'The answer failed.')} ({error.get('code', 'failed')})")
     if verbose:
-        print(times.summary(final.get("usage") or {}), file=sys.stderr)
+        say(times.summary(final.get("usage") or {}), lines=True, file=sys.stderr)
     return final
-
-
-def printable(text: str) -> str:
-    """A model's text as it is, but for control characters that would drive the terminal
-    (an escape sequence, a bell): those are shown escaped. Lines and tabs stay."""
-    return "".join(shown(c) if unsafe(c) and c not in "\n\t" else c for c in text)
 
 
 @dataclass

@@ -1,17 +1,21 @@
 """How the command line reaches the running service, and how it prints what comes back.
 
 The service is found through `service.json` in the data folder and spoken to over HTTP with the
-owner token, exactly as any other local app would."""
+owner token, exactly as any other local app would. Everything the command line prints goes
+through `say`: most of it is text the CLI did not write (a model file's metadata and path, names,
+the service's and an upstream's error messages, a model's answer), and none of that may drive the
+terminal."""
 
 from __future__ import annotations
 
 import json
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from http.client import HTTPResponse
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from app import paths
 from app.core.pairing import shown
@@ -76,18 +80,33 @@ class Client:
                     yield json.loads(line[5:])
 
 
+def printable(text: object, lines: bool = False) -> str:
+    """`text` with every control or format character (ESC, BEL, CR, a bidi override) written as a
+    visible escape (`\\u001b`): an OSC 52 clipboard write, a title change or a cleared screen in a
+    GGUF file's metadata shows as the characters it is. `lines`: newlines and tabs stay (a model's
+    answer, the service's log), else they are escaped too (one value must not fake a line of its own)."""
+    keep = "\n\t" if lines else ""
+    return "".join(c if c in keep else shown(c) for c in str(text))
+
+
+def say(text: object, *, lines: bool = False, file: TextIO | None = None, end: str = "\n", flush: bool = False
+        ) -> None:
+    """Print `text` made `printable`: the one way the command line writes to the terminal."""
+    print(printable(text, lines), file=file if file is not None else sys.stdout, end=end, flush=flush)
+
+
 def table(rows: list[list[str]]) -> str:
     """Aligned columns; a cell's control characters are shown escaped, never sent to the terminal."""
     if not rows:
         return ""
-    rows = [[shown(cell) for cell in row] for row in rows]
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def listing(as_json: bool, data: Any, header: list[str], rows: list[list[str]]) -> None:
     """A listing as a table for a person, or (`--json`) the API's own objects for a script."""
-    print(json.dumps(data, indent=2) if as_json else table([header, *rows]))
+    say(json.dumps(data, indent=2) if as_json else table([header, *rows]), lines=True)
 
 
 def cell(value: Any) -> str:

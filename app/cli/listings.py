@@ -7,8 +7,7 @@ import json
 import time
 from typing import Any
 
-from app.cli.client import Client, CliError, cell, listing
-from app.core.pairing import shown
+from app.cli.client import Client, CliError, cell, listing, say
 from app.display import human_size, is_remote, short_digest
 
 ACTIVE = ("queued", "loading", "running", "cancelling")
@@ -20,15 +19,15 @@ def status(client: Client, args: argparse.Namespace) -> int:
     loaded = [m["id"] for m in client.call("GET", "/v1/models")["data"] if m["status"] == "loaded"]
     counts = {state: sum(t["status"] == state for t in tasks) for state in ACTIVE}
     if args.json:
-        print(json.dumps({"url": client.url, "service": info["service"], "version": client.info.get("version"),
+        say(json.dumps({"url": client.url, "service": info["service"], "version": client.info.get("version"),
                           "tasks": counts, "loaded_models": loaded,
-                          "recovered_from_corruption": info.get("recovered_from_corruption")}, indent=2))
+                          "recovered_from_corruption": info.get("recovered_from_corruption")}, indent=2), lines=True)
         return 0
-    print(f"LMSP Tray serving on {client.url} (service {info['service']['id']})")
-    print(f"{counts['running']} running, {counts['queued']} queued")
-    print(f"loaded: {', '.join(loaded) or 'no model'}")
+    say(f"LMSP Tray serving on {client.url} (service {info['service']['id']})")
+    say(f"{counts['running']} running, {counts['queued']} queued")
+    say(f"loaded: {', '.join(loaded) or 'no model'}")
     if info.get("recovered_from_corruption"):
-        print(f"note: a corrupt database was moved aside to {info['recovered_from_corruption']}")
+        say(f"note: a corrupt database was moved aside to {info['recovered_from_corruption']}")
     return 0
 
 
@@ -95,11 +94,11 @@ def pairings(client: Client, args: argparse.Namespace) -> int:
         if args.id is None:
             raise CliError("usage: lmsp-tray pairings [approve ID | deny ID]", code=2)
         done = client.call("POST", f"/v1/pairings/{args.id}/{args.action}")
-        print(f"{shown(done['client_name'])}: {done['status']}")
+        say(f"{done['client_name']}: {done['status']}")
         return 0
     waiting = client.call("GET", "/v1/pairings")["data"]
     if not waiting and not args.json:
-        print("No pairing requests are waiting.")
+        say("No pairing requests are waiting.")
         return 0
     # The name last: whatever it holds, it cannot push the real code and scopes off the row.
     listing(args.json, waiting, ["ID", "CODE", "SCOPES", "APP"], [

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from app import logs, paths
-from app.cli.client import Client, CliError
-from app.core.pairing import shown
+from app.cli.client import Client, CliError, say
 
 PAGE = 1000  # events GET /v1/tasks/{id}/events answers at most at once
 POLL_SECONDS = 0.25
@@ -25,7 +23,7 @@ def task_log(client: Client, args: argparse.Namespace) -> int:
         else stored_events(client, args.task))
     try:
         for event in events:
-            print(json.dumps(event) if args.json else event_line(event), flush=True)
+            say(json.dumps(event) if args.json else event_line(event), flush=True)
     except KeyboardInterrupt:  # only stops watching
         return 130
     return 0
@@ -44,7 +42,7 @@ def stored_events(client: Client, task_id: str) -> Iterable[dict[str, Any]]:
 def event_line(event: dict[str, Any]) -> str:
     stamp = float(event.get("created_at") or 0.0)
     clock = time.strftime("%H:%M:%S", time.localtime(stamp)) + f".{int(stamp % 1 * 1000):03d}"
-    return shown(f"{clock}  {event['type']}  {_detail(event)}".rstrip())
+    return f"{clock}  {event['type']}  {_detail(event)}".rstrip()
 
 
 def _detail(event: dict[str, Any]) -> str:
@@ -69,7 +67,7 @@ def service_log(data_dir: Path, explicit_data_dir: bool, args: argparse.Namespac
         raise CliError(f"No log yet at {file}.")
     lines = file.read_text(encoding="utf-8", errors="replace").splitlines()
     for line in lines[-args.lines:] if args.lines else []:
-        print(line)
+        say(line)
     if not args.follow:
         return 0
     try:
@@ -96,5 +94,4 @@ def follow_file(file: Path) -> None:
                 handle.seek(read)
                 chunk = handle.read(size - read)
             read += len(chunk)
-            sys.stdout.write(chunk.decode("utf-8", errors="replace"))
-            sys.stdout.flush()
+            say(chunk.decode("utf-8", errors="replace"), lines=True, end="", flush=True)

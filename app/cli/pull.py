@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from app.cli.client import say
+
 POLL_SECONDS = 0.5
 BAR = 30
 
@@ -32,7 +34,7 @@ def eta(seconds: float) -> str:
 def pull(call: Callable[..., Any], repo: str, file: str, revision: str | None = None, out: TextIO = sys.stdout) -> int:
     body = {"repo": repo, "file": file, **({"revision": revision} if revision else {})}
     task = call("POST", "/v1/models/downloads", body)
-    print(f"{repo}/{file}: task {task['id']}", file=out)
+    say(f"{repo}/{file}: task {task['id']}", file=out)
     live = out.isatty()
     shown = ""
 
@@ -42,10 +44,11 @@ def pull(call: Callable[..., Any], repo: str, file: str, revision: str | None = 
         line = bar(task["progress"])
         step = line.split("]")[1][:5]
         if live:
-            print(f"\r{line}", end=end, file=out, flush=True)
+            out.write("\r")  # back to the line's start: the bar redraws itself
+            say(line, end=end, file=out, flush=True)
         elif step != shown:
             shown = step
-            print(line, file=out, flush=True)
+            say(line, file=out, flush=True)
 
     try:
         while task["status"] not in ("completed", "failed", "cancelled"):
@@ -53,12 +56,12 @@ def pull(call: Callable[..., Any], repo: str, file: str, revision: str | None = 
             time.sleep(POLL_SECONDS)
             task = call("GET", f"/v1/tasks/{task['id']}")
     except KeyboardInterrupt:
-        print("\nThe download goes on in LMSP Tray; run the same command to follow it again.", file=out)
+        say("\nThe download goes on in LMSP Tray; run the same command to follow it again.", file=out, lines=True)
         return 130
     show(end="\n")  # where it ended: 100% once complete
     if task["status"] == "completed":
-        print(f"Ready: model {task['download']['model_id']}", file=out)
+        say(f"Ready: model {task['download']['model_id']}", file=out)
         return 0
     error = task.get("error") or {"code": "cancelled", "message": "The download was cancelled."}
-    print(f"lmsp-tray: {error['message']} ({error['code']})", file=sys.stderr)
+    say(f"lmsp-tray: {error['message']} ({error['code']})", file=sys.stderr)
     return 1

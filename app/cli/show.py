@@ -6,14 +6,14 @@ import argparse
 import json
 from urllib.parse import quote
 
-from app.cli.client import Client
+from app.cli.client import Client, say
 from app.display import facts, is_remote
 
 
 def show(client: Client, args: argparse.Namespace) -> int:
     model = client.call("GET", f"/v1/models/{quote(args.model, safe='')}")
     if args.json:
-        print(json.dumps(model, indent=2))
+        say(json.dumps(model, indent=2), lines=True)
         return 0
     lines = [("Model", model["id"]), ("Status", model["status"])]
     if is_remote(model):
@@ -22,5 +22,5 @@ def show(client: Client, args: argparse.Namespace) -> int:
         lines += [("File", model.get("path") or "—"), *facts(model)]
     width = max(len(label) for label, _ in lines)
     for label, value in lines:
-        print(f"{label + ':':<{width + 1}} {value}")
+        say(f"{label + ':':<{width + 1}} {value}")
     return 0

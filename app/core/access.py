@@ -12,7 +12,7 @@ from typing import Any
 from app.core import auth, pairing
 from app.core.auth import OLLAMA_ID, OLLAMA_NAME, Client
 from app.core.settings import Settings
-from app.errors import Conflict, Forbidden, NotFound
+from app.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from app.events import EventBus
 from app.secrets import Vault
 from app.store.config import ORIGIN
@@ -102,6 +102,10 @@ class Access:
         share of waiting requests leaves the local apps of the same user theirs."""
         name, scopes = pairing.parse(body)
         if origin is not None:
+            if not (origin.isascii() and origin.isprintable()):  # never sent by a browser: a local process
+                raise InvalidRequest(f"The Origin header {origin!r} is not one a browser sends: an origin is "
+                                     "ASCII (an international domain name in its punycode form, xn--...), with no "
+                                     "control or direction characters.")
             if not ORIGIN.match(origin):  # "null": a file, or a sandboxed frame; any page could claim it
                 raise Forbidden("origin_not_allowed", f"A page asking to pair must have a web origin "
                                 f"(scheme://host[:port]); {origin!r} is not one.")

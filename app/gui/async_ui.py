@@ -16,6 +16,7 @@ from PySide6.QtWidgets import QMessageBox, QWidget
 from shiboken6 import isValid
 
 from app.errors import LmspError
+from app.gui.widgets import plain
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -25,7 +26,7 @@ _boxes: set[QMessageBox] = set()
 
 def show_error(parent: QWidget | None, title: str, message: str) -> QMessageBox:
     """A non-modal message box: never a nested event loop inside a running coroutine."""
-    box = QMessageBox(QMessageBox.Icon.Warning, title, message, QMessageBox.StandardButton.Ok, parent)
+    box = plain(QMessageBox(QMessageBox.Icon.Warning, title, message, QMessageBox.StandardButton.Ok, parent))
     box.setObjectName("lmsp-error")
     # A parentless box lives only as long as a Python reference to it: keep one until closed.
     _boxes.add(box)
@@ -74,7 +75,7 @@ def spawn(work: Awaitable[T], parent: QWidget | None = None,
 
 def confirm(parent: QWidget | None, title: str, question: str, action: str) -> bool:
     """A yes/no question; call only from a plain Qt slot, never inside a coroutine."""
-    box = QMessageBox(QMessageBox.Icon.Question, title, question, QMessageBox.StandardButton.Cancel, parent)
+    box = plain(QMessageBox(QMessageBox.Icon.Question, title, question, QMessageBox.StandardButton.Cancel, parent))
     yes = box.addButton(action, QMessageBox.ButtonRole.AcceptRole)
     box.setDefaultButton(QMessageBox.StandardButton.Cancel)
     box.exec()

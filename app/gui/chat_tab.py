@@ -29,7 +29,7 @@ from app.errors import LmspError
 from app.gui.async_ui import spawn
 from app.gui.session import Session
 from app.gui.task_table import status_text
-from app.gui.widgets import named
+from app.gui.widgets import named, plain
 
 MAX_TOKENS = 1024  # an answer's length at most: a try, not a book
 # Sampling for a conversation, not the API's defaults (temperature 1.0, top_p 1.0), at which small
@@ -54,7 +54,7 @@ class ChatTab(QWidget):
         top.addWidget(self.model, 1)
         top.addWidget(self.new_chat)
         self.transcript = named(QTextBrowser(), "chat-transcript")
-        self.stats = named(QLabel(), "chat-stats")
+        self.stats = plain(named(QLabel(), "chat-stats"))  # an error message among the figures
         self.input = named(QLineEdit(placeholderText="Type a message and press Enter"), "chat-input")
         self.input.returnPressed.connect(self.send)
         self.send_button = named(QPushButton("Send"), "chat-send")

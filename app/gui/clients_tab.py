@@ -24,7 +24,7 @@ from app.core.tasks import TERMINAL_EVENTS
 from app.gui.async_ui import confirm, spawn
 from app.gui.session import Session
 from app.gui.sparkline import Sparkline
-from app.gui.widgets import list_page, list_table
+from app.gui.widgets import list_page, list_table, tip
 
 # When it paired and its id are the name's tooltip; the scopes, last, take the room left (in full
 # in their tooltip).
@@ -160,7 +160,8 @@ class ClientsTab(QWidget):
             for col, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 item.setData(Qt.ItemDataRole.UserRole, client["id"])
-                item.setToolTip(scopes if col == SCOPES else f"{client['id']}, paired {when(client['created_at'])}")
+                paired = f"{client['id']}, paired {when(client['created_at'])}"
+                item.setToolTip(tip(scopes if col == SCOPES else paired))
                 self.table.setItem(row, col, item)
             peak = max(mine.daily)
             self.table.setCellWidget(row, CHART, Sparkline(mine.daily, f"Tokens a day, the last {DAYS} UTC days; "

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import html
 import logging
 import signal
 import sys
@@ -223,9 +222,8 @@ class Desktop(QObject):
             return  # the same requester was announced a moment ago; the tray menu lists this one too
         self.announced.append(pairing["id"])
         if self.has_tray and QSystemTrayIcon.supportsMessages():
-            # Escaped: notification servers read markup (<b>, <a href>, <img>) in the body.
-            name = html.escape(pairing["client_name"], quote=False)
-            self.tray.notify("An app asks to use your models", f"{name} (code {pairing['code']}). Click to review.",
+            self.tray.notify("An app asks to use your models",
+                             f"{pairing['client_name']} (code {pairing['code']}). Click to review.",
                              self.open_announced_pairings)
         else:
             self.open_pairing(pairing["id"])

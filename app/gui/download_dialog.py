@@ -28,7 +28,7 @@ from app.gui import style
 from app.gui.async_ui import spawn
 from app.gui.icons import app_icon
 from app.gui.session import Session
-from app.gui.widgets import act_or_close, list_table, named
+from app.gui.widgets import act_or_close, list_table, named, plain
 
 COLUMNS = ("File", "Size")
 _dialog: DownloadDialog | None = None
@@ -57,7 +57,7 @@ class DownloadDialog(QDialog):
         self.table.setObjectName("download-files")
         self.table.itemSelectionChanged.connect(self._update_buttons)
         self.table.itemDoubleClicked.connect(lambda _item: self.download())
-        self.summary = named(QLabel(wordWrap=True), "download-summary")
+        self.summary = plain(named(QLabel(wordWrap=True), "download-summary"))  # the hub's file names and errors
         self.summary.setStyleSheet(style.HINT)
         self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 

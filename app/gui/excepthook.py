@@ -16,6 +16,8 @@ from typing import Any
 from PySide6.QtGui import QFontDatabase, QGuiApplication
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
 
+from app.gui.widgets import markup
+
 log = logging.getLogger(__name__)
 
 
@@ -47,16 +49,12 @@ class ErrorDialog(QDialog):
     def add(self, summary: str, details: str) -> None:
         self.count += 1
         shown = summary if self.count == 1 else f"{summary}  ({self.count} errors so far)"
-        self.summary.setText(f"<b>Something went wrong.</b><br>{_escape(shown)}")
+        self.summary.setText(f"<b>Something went wrong.</b><br>{markup(shown)}")
         separator = "\n" + "-" * 60 + "\n" if self.details.toPlainText() else ""
         self.details.setPlainText(self.details.toPlainText() + separator + details)
 
     def copy_details(self) -> None:
         QGuiApplication.clipboard().setText(self.details.toPlainText())
-
-
-def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 _dialog: ErrorDialog | None = None

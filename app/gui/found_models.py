@@ -31,16 +31,12 @@ from app.gui import style
 from app.gui.async_ui import spawn
 from app.gui.icons import app_icon
 from app.gui.session import Session
-from app.gui.widgets import hashing_progress, named
+from app.gui.widgets import hashing_progress, markup, named, tip
 
 SOURCES = {"lmstudio": "LM Studio", "ollama": "Ollama", "huggingface": "Hugging Face"}
 COLUMNS = ("Model", "From", "Size", "")
 NAME, SOURCE, SIZE, STATE = range(4)
 ERROR_COLOUR = QColor("#b91c1c")
-
-
-def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def _found_table() -> QTableWidget:
@@ -129,7 +125,7 @@ class FoundModelsDialog(QDialog):
                 return await self.session.service.models.discover_models()
             except OSError as exc:  # an unreadable folder, a vanished disk
                 self.summary.setStyleSheet(style.ERROR)
-                self.summary.setText(f"Could not look for models: {exc}")
+                self.summary.setText(f"Could not look for models: {markup(exc)}")
                 return None
             finally:
                 self.busy = False
@@ -146,11 +142,11 @@ class FoundModelsDialog(QDialog):
         self.table.blockSignals(True)
         self.table.setRowCount(len(found))
         for row, model in enumerate(found):
-            tip = f"{model['path']}\nAdded as: {model['suggested_id']}"
+            path_tip = f"{model['path']}\nAdded as: {model['suggested_id']}"
             cells = (model["name"], SOURCES.get(model["source"], model["source"]), human_size(model["size_bytes"]), "")
             for col, text in enumerate(cells):
                 item = QTableWidgetItem(text)
-                item.setToolTip(tip)
+                item.setToolTip(tip(path_tip))
                 item.setData(Qt.ItemDataRole.UserRole, model)
                 if col == SIZE:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
@@ -175,14 +171,14 @@ class FoundModelsDialog(QDialog):
         if added:
             state.setText("added")
             state.setForeground(QBrush())
-            state.setToolTip(f"{path}\nAlready in your models.")
+            state.setToolTip(tip(f"{path}\nAlready in your models."))
         elif path == self.adding:
             state.setText("adding…")
             state.setForeground(QBrush())
         elif path in self.errors:
             state.setText("not added")
             state.setForeground(QBrush(ERROR_COLOUR))
-            state.setToolTip(self.errors[path])
+            state.setToolTip(tip(self.errors[path]))
         else:
             state.setText("")
             state.setForeground(QBrush())
@@ -218,7 +214,7 @@ class FoundModelsDialog(QDialog):
             return
         if self.errors:
             names = {m["path"]: m["name"] for m in self.found}
-            lines = "".join(f"<br><b>{_escape(names.get(path, path))}</b>: {_escape(why)}"
+            lines = "".join(f"<br><b>{markup(names.get(path, path))}</b>: {markup(why)}"
                             for path, why in self.errors.items())
             count = len(self.errors)
             failed = f"{count} could not be added:" if count > 1 else "1 could not be added:"

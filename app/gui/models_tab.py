@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from html import escape
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,7 +18,7 @@ from app.gui.download_dialog import show_download_dialog
 from app.gui.found_models import show_found_models
 from app.gui.remote_dialog import RemoteModelDialog
 from app.gui.session import Session
-from app.gui.widgets import hashing_progress, list_page, list_table, named
+from app.gui.widgets import hashing_progress, list_page, list_table, markup, named, plain, tip
 
 COLUMNS = ("Model", "Size", "Digest", "State", "Engine", "Memory")
 ENGINE, MEMORY = 4, 5
@@ -75,7 +74,7 @@ def endpoints_summary(model: dict[str, Any]) -> str:
 
 def facts_html(model: dict[str, Any]) -> str:
     """The details pane: app/display.py `facts` as a table of two label: value columns."""
-    cells = [f"<td><b>{escape(label)}:</b></td><td>{escape(value)}</td>" for label, value in facts(model)]
+    cells = [f"<td><b>{markup(label)}:</b></td><td>{markup(value)}</td>" for label, value in facts(model)]
     half = (len(cells) + 1) // 2
     rows = (cells[i] + ('<td width="24"></td>' + cells[i + half] if i + half < len(cells) else "")
             for i in range(half))
@@ -117,7 +116,7 @@ class ModelsTab(QWidget):
         self.buttons["fast-mode"].setToolTip(FAST_AGAIN_HINT)
         page = list_page(self, row, self.table, "Removing a model only forgets it here: the file itself is never "
                          "deleted. A loaded model stays in memory until it is unloaded or idle too long.")
-        self.details = named(QLabel(wordWrap=True), "model-details")  # the selected model, in full
+        self.details = plain(named(QLabel(wordWrap=True), "model-details"))  # the selected model, in full
         self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         page.insertWidget(2, self.details)
         # What the selected local model is (family, size, quantization, context…), two columns of
@@ -146,7 +145,7 @@ class ModelsTab(QWidget):
             for col, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 item.setData(Qt.ItemDataRole.UserRole, model)
-                item.setToolTip(hints.get(col, where))
+                item.setToolTip(tip(hints.get(col, where)))
                 if col in (1, MEMORY):
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 self.table.setItem(row, col, item)

@@ -15,7 +15,7 @@ from app.gui import style
 from app.gui.async_ui import spawn
 from app.gui.icons import app_icon
 from app.gui.session import Session
-from app.gui.widgets import named
+from app.gui.widgets import markup, named
 
 SCOPE_WORDS = {
     "models:read": "See which models are installed",
@@ -40,10 +40,6 @@ def countdown(seconds_left: float) -> str:
     return f"This request expires in {minutes}:{seconds:02d}."
 
 
-def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
 class PairingDialog(QDialog):
     def __init__(self, session: Session, pairing: dict[str, Any], parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -56,9 +52,9 @@ class PairingDialog(QDialog):
         self.setMinimumWidth(460)
         self.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
 
-        name = QLabel(f"<span style='font-size: 13pt'><b>{_escape(pairing['client_name'])}</b></span> "
+        name = QLabel(f"<span style='font-size: 13pt'><b>{markup(pairing['client_name'])}</b></span> "
                       "wants to use the language models on this computer.", wordWrap=True)
-        scopes = "".join(f"<li>{_escape(scope_sentence(s))}</li>" for s in pairing["scopes"])
+        scopes = "".join(f"<li>{markup(scope_sentence(s))}</li>" for s in pairing["scopes"])
         abilities = QLabel(f"If you allow it, it can:<ul style='margin-left: -20px'>{scopes}</ul>", wordWrap=True)
         if "admin" in pairing["scopes"]:
             abilities.setText(abilities.text() + "<b>Only allow full control for an app you trust completely.</b>")
@@ -70,7 +66,7 @@ class PairingDialog(QDialog):
         self.code.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.code.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         # A web page asks: the person judges the address it comes from, not only the name it gives itself.
-        self.origin = named(QLabel(f"Asked by the web page at <b>{_escape(pairing['origin'])}</b>. If you allow "
+        self.origin = named(QLabel(f"Asked by the web page at <b>{markup(pairing['origin'])}</b>. If you allow "
                                    "it, pages from this address (and only from it) can use this access.",
                                    wordWrap=True), "pairing-origin") if pairing.get("origin") else None
         self.expiry = named(QLabel(), "pairing-expiry")

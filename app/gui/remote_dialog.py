@@ -31,7 +31,7 @@ from app.gui import style
 from app.gui.async_ui import spawn
 from app.gui.icons import app_icon
 from app.gui.session import Session
-from app.gui.widgets import act_or_close, named
+from app.gui.widgets import act_or_close, named, plain
 
 MAX_ENDPOINTS = 16
 KEPT = "•••••• (unchanged)"
@@ -270,7 +270,7 @@ class RemoteModelDialog(QDialog):
 
 def news_line() -> QLabel:
     """Where `say` writes: hidden until there is something to say."""
-    label = QLabel(wordWrap=True)
+    label = plain(QLabel(wordWrap=True))  # an upstream's own words among them
     label.hide()
     return label
 

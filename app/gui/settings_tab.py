@@ -26,7 +26,7 @@ from app.errors import LmspError
 from app.gui import style
 from app.gui.async_ui import spawn
 from app.gui.session import Session
-from app.gui.widgets import named
+from app.gui.widgets import named, plain
 
 DAY, MINUTE = 86400, 60
 ON_RESTART = {"fail": "Mark it failed (the app may resubmit)", "retry": "Run it again from the start",
@@ -87,7 +87,7 @@ class SettingsTab(QWidget):
         }
         self.errors: dict[str, QLabel] = {}
         groups = self._groups()
-        self.status = QLabel(wordWrap=True)
+        self.status = plain(QLabel(wordWrap=True))
         self.save_button = QPushButton("Save")
         self.save_button.clicked.connect(self.save)
         revert = QPushButton("Revert")
@@ -160,7 +160,7 @@ class SettingsTab(QWidget):
             note = QLabel(hint, wordWrap=True)
             note.setStyleSheet(style.HINT)
             column.addWidget(note)
-        error = self.errors[param] = named(QLabel(wordWrap=True), f"error:{param}")
+        error = self.errors[param] = plain(named(QLabel(wordWrap=True), f"error:{param}"))  # it quotes the value
         error.setStyleSheet(style.ERROR)
         error.hide()
         column.addWidget(error)

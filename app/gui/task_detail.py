@@ -23,6 +23,7 @@ from PySide6.QtWidgets import QLabel, QListWidget, QPlainTextEdit, QSplitter, QV
 from app.errors import NotFound
 from app.gui.async_ui import spawn
 from app.gui.session import Session
+from app.gui.widgets import markup
 
 PAGE = 1000  # the facade returns at most this many events per call
 DELTAS = ("response.output_text.delta", "response.function_call_arguments.delta")
@@ -104,8 +105,8 @@ class TaskDetail(QWidget):
     def set_header(self, task: dict[str, Any]) -> None:
         error = task.get("error")
         extra = f" — {error['message']}" if error else ""
-        self.header.setText(f"<b>{task['id']}</b> · {task.get('model') or '—'} · {task['status']}"
-                            f"{_escape(extra)}")
+        self.header.setText(f"<b>{markup(task['id'])}</b> · {markup(task.get('model') or '—')} · "
+                            f"{markup(task['status'])}{markup(extra)}")
 
     async def _load(self, task_id: str) -> None:
         owner = self.session.owner
@@ -151,7 +152,7 @@ class TaskDetail(QWidget):
             self._delta_run = 0
             previous = (event.get("response") or {}).get("previous_response_id")
             if kind == "response.created" and previous:
-                self.chain.setText(f'Continues <a href="{previous}">{previous}</a>')
+                self.chain.setText(f'Continues <a href="{markup(previous)}">{markup(previous)}</a>')
                 self.chain.show()
             if kind == "response.queued" and event.get("output_reset"):
                 self.text.clear()  # a retry starts again: the earlier attempt's text is void
@@ -167,7 +168,7 @@ class TaskDetail(QWidget):
         try:
             response = await self.session.service.responses.response(owner, response_id)
         except NotFound:
-            self.chain.setText(f"Continues {response_id} (deleted or expired)")
+            self.chain.setText(f"Continues {markup(response_id)} (deleted or expired)")
             return
         self.open_task.emit(response["task"]["id"])
 
@@ -224,7 +225,3 @@ def _titled(title: str, widget: QWidget) -> QWidget:
     layout.addWidget(label)
     layout.addWidget(widget, 1)
     return box
-
-
-def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

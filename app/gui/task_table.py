@@ -11,6 +11,7 @@ from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import QApplication, QStyle, QStyledItemDelegate, QStyleOptionProgressBar, QStyleOptionViewItem
 
 from app.gui.session import ACTIVE
+from app.gui.widgets import tip
 
 Index = QModelIndex | QPersistentModelIndex
 COLUMNS = ("Status", "Model", "Client", "Progress", "Speed", "Elapsed")  # speed: tokens/s, or MB/s
@@ -97,7 +98,7 @@ class TaskTableModel(QAbstractTableModel):
             return done_and_limit(task)
         if role == Qt.ItemDataRole.ToolTipRole:
             error = task.get("error")
-            return f"{task['id']}\n{error['code']}: {error['message']}" if error else task["id"]
+            return tip(f"{task['id']}\n{error['code']}: {error['message']}" if error else task["id"])
         if role == Qt.ItemDataRole.ForegroundRole and col == STATUS:
             return QColor(COLORS.get(task["status"], "#000000"))
         if role == Qt.ItemDataRole.TextAlignmentRole and col in (SPEED, ELAPSED):

@@ -18,6 +18,7 @@ from app.gui.async_ui import show_error, spawn
 from app.gui.icons import tray_icon
 from app.gui.models_tab import endpoints_summary
 from app.gui.session import Session
+from app.gui.widgets import markup, tip
 
 
 class Tray(QObject):
@@ -60,16 +61,18 @@ class Tray(QObject):
         if state != self.state:
             self.state = state
             self.icon.setIcon(tray_icon(state))
-        tip = "\n".join([self.session.status_line(), *self.session.download_lines()])
+        text = "\n".join([self.session.status_line(), *self.session.download_lines()])
         if self.session.exposed:
-            tip += "\nWarning: reachable from other computers"
-        self.icon.setToolTip(tip)
+            text += "\nWarning: reachable from other computers"
+        self.icon.setToolTip(tip(text))
 
     def notify(self, title: str, text: str, on_click: Callable[[], object] | None = None,
                icon: QSystemTrayIcon.MessageIcon = QSystemTrayIcon.MessageIcon.Information) -> None:
-        """A message from the tray; clicking it runs `on_click` (the latest message wins)."""
+        """A message from the tray; clicking it runs `on_click` (the latest message wins). `text` is
+        escaped: notification servers read markup (<b>, <a href>, <img>) in the body, and it holds
+        names and error messages the app did not write."""
         self._on_message = on_click
-        self.icon.showMessage(title, text, icon, 10000)
+        self.icon.showMessage(title, markup(text), icon, 10000)
 
     def _message_clicked(self) -> None:
         if self._on_message is not None:
@@ -159,7 +162,7 @@ class Tray(QObject):
         reachable = model["status"] == "available"
         label = f"{model['id']} — remote" + ("" if reachable else ", unreachable")
         action = self._action(menu, f"model:{model['id']}", label, self.open_models.emit, enabled=reachable)
-        action.setToolTip(endpoints_summary(model))
+        action.setToolTip(tip(endpoints_summary(model)))
 
     def _build_pairings(self, menu: QMenu) -> None:
         service = self.session.service

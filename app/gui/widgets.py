@@ -1,18 +1,24 @@
 """Widgets set up the same way in several places: a list tab (buttons, table, note), a hashing
-progress dialog, a window's act / close buttons, a widget the tests find by name."""
+progress dialog, a window's act / close buttons, a widget the tests find by name; and text the
+app did not write (a model's path, a file or app name, an error message) shown as it is, never as
+rich text: a QLabel, a tooltip or a message box renders anything that looks like HTML as HTML, so
+such text could pass itself off as the app's own word ("✔ Official release, signature verified")."""
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from PySide6.QtCore import Qt
+from PySide6.QtGui import Qt as QtText
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QDialogButtonBox,
     QHBoxLayout,
     QHeaderView,
     QLabel,
+    QMessageBox,
     QProgressDialog,
     QPushButton,
     QTableWidget,
@@ -23,6 +29,7 @@ from PySide6.QtWidgets import (
 from app.gui import style
 
 W = TypeVar("W", bound=QWidget)
+L = TypeVar("L", QLabel, QMessageBox)
 
 
 def named(widget: W, name: str) -> W:
@@ -30,6 +37,24 @@ def named(widget: W, name: str) -> W:
     stubs list only a class's own properties, so mypy would refuse it."""
     widget.setObjectName(name)
     return widget
+
+
+def plain(label: L) -> L:
+    """`label` (a QLabel or QMessageBox) showing its text as plain text, whatever the text holds."""
+    label.setTextFormat(Qt.TextFormat.PlainText)
+    return label
+
+
+def markup(text: object) -> str:
+    """`text` for a rich-text label or a notification (whose servers read markup): every `<`, `>`,
+    `&` and quote an entity, so that the text shows as it is."""
+    return html.escape(str(text))
+
+
+def tip(text: str) -> str:
+    """A tooltip that shows `text` as it is. Qt renders a tooltip as rich text when it looks like
+    some (a tag in its first line): such a text goes as HTML that says it literally."""
+    return QtText.convertFromPlainText(text) if QtText.mightBeRichText(text) else text
 
 
 def list_table(columns: Sequence[str], stretch: int, widths: dict[int, int]) -> QTableWidget:
@@ -51,6 +76,7 @@ def list_table(columns: Sequence[str], stretch: int, widths: dict[int, int]) -> 
 
 def hashing_progress(parent: QWidget, title: str, label: str, width: int) -> QProgressDialog:
     dialog = QProgressDialog(label, "", 0, 100, parent)
+    dialog.setLabel(plain(QLabel(label)))  # it names the file
     dialog.setWindowTitle(title)
     dialog.setCancelButton(None)  # hashing runs in a thread that cannot be interrupted
     # Not modal: a modal progress dialog runs a nested event loop on every setValue().

@@ -58,9 +58,12 @@ def _str_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(s, str) and s for s in v)
 
 
-# What a browser sends as Origin: scheme://host[:port], nothing after it. No wildcard: each web
-# page that may call the service is named.
-ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#*]+\Z")
+# What a browser sends as Origin: scheme://host[:port], nothing after it, in ASCII: the host is
+# letters, digits and hyphens between dots (an international name in its punycode form, `xn--`),
+# or a bracketed IPv6 address. No wildcard: each web page that may call the service is named. No
+# other character: the origin is what the owner judges a pairing by, and bidi controls or
+# look-alike letters (a Cyrillic `і`) would show another site's name.
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(?:[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?\Z")
 
 
 def _origins(v: Any) -> bool:
@@ -96,6 +99,8 @@ OLLAMA_SCOPES = ("models:read", "models:write", "responses:read", "responses:wri
 
 # Said with the error, for values whose rule the key's name does not tell.
 HINTS = {"host": " Use 'localhost' or an IP address of this computer, such as 127.0.0.1 or 0.0.0.0.",
+         "allowed_origins": " Each one is a web origin as browsers send it, scheme://host[:port] in ASCII (an "
+                            "international domain name in its punycode form, xn--...).",
          "ollama_scopes": f" Choose among {', '.join(OLLAMA_SCOPES)} (never admin)."}
 
 VALIDATORS: dict[str, Any] = {

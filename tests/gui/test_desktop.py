@@ -162,9 +162,7 @@ async def test_safe_mode_is_said_once_and_shown_in_the_models_tab(desktop: Deskt
 async def test_pairing_notifications_are_plain_text_throttled_and_a_click_opens_what_was_announced(
         desktop: Desktop, until: Until, monkeypatch: pytest.MonkeyPatch) -> None:
     shown: list[tuple[str, str]] = []
-    real_notify = desktop.tray.notify
-    monkeypatch.setattr(desktop.tray, "notify", lambda title, text, *rest: (shown.append((title, text)),
-                                                                            real_notify(title, text, *rest)))
+    monkeypatch.setattr(desktop.tray.icon, "showMessage", lambda title, text, *rest: shown.append((title, text)))
     monkeypatch.setattr(Desktop, "has_tray", property(lambda self: True))
     monkeypatch.setattr(QSystemTrayIcon, "supportsMessages", staticmethod(lambda: True))
     service = desktop.session.service
@@ -173,7 +171,7 @@ async def test_pairing_notifications_are_plain_text_throttled_and_a_click_opens_
     flood = [await ask({"client_name": f"Flood {i}", "scopes": ["admin"]}, requester="uid:2000") for i in range(4)]
     await until(lambda: len(desktop.session.pairings) == 5, 10, "the session knows all five requests")
     assert len(shown) == 2  # one per requester: the other three of the flood were not announced
-    assert shown[0][1].startswith("&lt;b&gt;Editor&lt;/b&gt; &amp; &lt;a href='x'&gt; (code ")
+    assert shown[0][1].startswith("&lt;b&gt;Editor&lt;/b&gt; &amp; &lt;a href=&#x27;x&#x27;&gt; (code ")
     desktop.tray.icon.messageClicked.emit()  # the person clicks the first notification, after the second came
     dialogs = await until(lambda: visible(PairingDialog), 10, "pairing dialogs")
     assert first["id"] in {d.pairing_id for d in dialogs}

@@ -9,6 +9,7 @@ from gui_helpers import Until
 from PySide6.QtWidgets import QLabel
 from shiboken6 import isValid
 
+from app.errors import InvalidRequest
 from app.gui.pairing_dialog import PairingDialog, countdown, scope_sentence
 from app.gui.session import Session
 
@@ -56,6 +57,21 @@ async def test_a_web_page_is_named_by_its_origin_and_allowing_it_allows_that_ori
     [client] = [c for c in await session.service.access.list_clients() if c["name"] == "Notes"]
     assert client["origins"] == ["http://localhost:5173"]
     assert session.service.access.origin_known("http://localhost:5173")
+
+
+async def test_the_origin_shown_is_the_one_the_page_has(session: Session) -> None:
+    """The red team's P8: an international name shows in its punycode form, as browsers send it;
+    an origin that would read as another site's (bidi controls, look-alike letters) never gets
+    to the window."""
+    pairing = await request(session, "Notes", origin="https://xn--gthub-2ve.com:8443")
+    dialog = PairingDialog(session, pairing)
+    dialog.show()
+    assert dialog.origin is not None and "web page at <b>https://xn--gthub-2ve.com:8443</b>." in dialog.origin.text()
+    dialog.close()
+    for spoof in ("https://\u202emoc.elgoog\u202c", "https://g\u0456thub.com"):
+        with pytest.raises(InvalidRequest, match="not one a browser sends"):
+            await request(session, "Docs helper", origin=spoof)
+    assert [p["origin"] for p in await session.service.access.pending_pairings()] == ["https://xn--gthub-2ve.com:8443"]
 
 
 async def test_deny_refuses_the_request(session: Session, until: Until) -> None:
