@@ -4,6 +4,7 @@ idempotency keys on the routes that take them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -16,6 +17,7 @@ from aiohttp import web
 from app.core import answers, ollama
 from app.core.idempotency import Stored
 from app.errors import Forbidden, LmspError, Unauthorized
+from app.server import peer
 from app.server.keys import BUSY, CLIENT, HOSTS, LATENCY, SCOPES, SERVICE, TOKENLESS
 
 log = logging.getLogger(__name__)
@@ -187,6 +189,8 @@ async def authorize(request: web.Request, handler: Handler) -> web.StreamRespons
         client = tokenless() if tokenless is not None else None
         if client is None:
             raise Unauthorized()
+        # Every app without a token is this one client; each has its own share of its limits.
+        client = dataclasses.replace(client, party=await peer.party(request))
     else:
         client = await request.app[SERVICE].access.authenticate(token.strip())
     if client is None:
