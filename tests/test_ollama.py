@@ -221,6 +221,8 @@ def test_the_open_listener_is_one_client_the_person_turns_off(headless: Headless
     assert any(c["id"] == OLLAMA_ID and c["name"] == OLLAMA_NAME for c in clients)
     tasks = headless.get("/v1/tasks")[1]["data"]
     assert tasks and tasks[0]["status"] == "completed"
+    # As Ollama, it keeps nothing once answered: the prompt and output leave a minute later.
+    assert headless.get(f"/v1/responses/{tasks[0]['response_id']}")[1]["store"] is False
     # Host and Origin as on the main port; Ollama's own default origins allowed.
     assert http(f"{url}/api/tags", headers={"Origin": "http://localhost:3000"})[0] == 200
     assert http(f"{url}/api/tags", headers={"Origin": "vscode-webview://abc"})[0] == 200
