@@ -103,22 +103,24 @@ def half_sent_bodies(attack: Attack, _: Headless) -> None:
 def stored_bytes(attack: Attack, _: Headless) -> None:
     """Prompts of 8 MB that an app without a token sent filled the shared 256 MiB, kept for the
     retention period: every Ollama app got 429 with Retry-After 7 days (red team P3,
-    p_storage_lockout.py). Now that app fills its own part, which leaves the disk a minute after."""
+    p_storage_lockout.py). Now that app fills its own part, which leaves the disk a minute after.
+    Here prompts of 4 MB fill it: the same bytes, and each request's passing copies of its body
+    (some 40 MiB for 8 MB, which the allocator keeps) stay within the case's RSS budget."""
     url = _open_listener(attack)
     idle = _another_app(attack, url, "POST", "/api/generate", ONE_TOKEN, 60, "another tokenless app, idle, 1 token")
     codes: dict[int, int] = {}
     refused = ""
     started = time.monotonic()
-    size = 8_000_000
-    while size >= 1:  # 8 MB prompts until one is refused, then smaller ones, halving, to fill it to the brim
+    size = 4_000_000
+    while size >= 1:  # 4 MB prompts until one is refused, then smaller ones, halving, to fill it to the brim
         body = json.dumps({**ONE_TOKEN, "prompt": "a" * size}).encode()
         status, text = exchange(url, "POST", "/api/generate", body, within=60)
         codes[status] = codes.get(status, 0) + 1
         if status == 429:
             refused, size = text, size // 2
-        if sum(codes.values()) >= 120:
+        if sum(codes.values()) >= 150:
             break
-    attack.note(f"prompts of up to 8 MB from one tokenless app for {time.monotonic() - started:.1f} s: {codes}; "
+    attack.note(f"prompts of up to 4 MB from one tokenless app for {time.monotonic() - started:.1f} s: {codes}; "
                 f"refused with {refused[:160]}")
     attack.bound(set(codes) <= {200, 400, 429}, f"every prompt answered 200, 400 (too long for the context) or "
                  f"429 (got {codes})")
