@@ -3,7 +3,8 @@ sends may hold the event loop for more than a few milliseconds, hold an engine a
 left, or hold memory or disk beyond a budget that the limits count.
 
 Each case below sends one endpoint's worst legal input, as a paired app with the scopes it needs
-would (a new endpoint's worst input is one more `@case`). For every case, on a fresh
+would (a new endpoint's worst input is one more `@case`; tests/hostile_tokenless.py's, apps
+without a token on the Ollama listener, register here too). For every case, on a fresh
 `lmsp-tray --headless` with the default model (scripted engines where the input never reaches
 llama.cpp):
 
