@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 PROBE_INTERVAL = 0.05  # seconds between the start of two /health round trips
+ENGINE_BOUND = 2.0   # s: beyond its idle time, for another app's short response while or after a case runs
 MIB = 1 << 20
 
 

@@ -3,7 +3,8 @@ sends may hold the event loop for more than a few milliseconds, hold an engine a
 left, or hold memory or disk beyond a budget that the limits count.
 
 Each case below sends one endpoint's worst legal input, as a paired app with the scopes it needs
-would (a new endpoint's worst input is one more `@case`). For every case, on a fresh
+would (a new endpoint's worst input is one more `@case`; tests/hostile_tokenless.py's, apps
+without a token on the Ollama listener, register here too). For every case, on a fresh
 `lmsp-tray --headless` with the default model (scripted engines where the input never reaches
 llama.cpp):
 
@@ -35,12 +36,12 @@ from pathlib import Path
 import pytest
 
 from app.engine.registry.models import DEFAULT_MODEL_ID
+from tests import hostile_tokenless
 from tests.conftest import Headless, Processes
 from tests.helpers import pair_sync
-from tests.hostile import MIB, Attack, Probe, counted_mib, exchange, rss_kib, stored_mib
+from tests.hostile import ENGINE_BOUND, MIB, Attack, Probe, counted_mib, exchange, rss_kib, stored_mib
 
 LAG_BOUND = 0.100    # s: the slowest /health round trip while a case runs
-ENGINE_BOUND = 2.0   # s: beyond its idle time, for another app's 2-token response after the case
 RSS_BUDGET = 256.0   # MiB: the service's RSS growth over a case (the probe samples it every 50 ms)
 DISK_SLACK = 4.0     # MiB: database and WAL growth beyond twice the bytes the limits counted
 TWO_TOKENS = {"input": "Say hi", "max_output_tokens": 2, "temperature": 0}
@@ -313,6 +314,10 @@ def _six_bombs(attack: Attack, _: Headless) -> None:
         for registration in registrations:
             registration.join()
         bomb.unlink()
+
+
+for _name, _run in hostile_tokenless.CASES.items():  # the red team's P3, on the Ollama listener
+    case(_name)(_run)
 
 
 # -- the harness -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import resource
+import select
 import socket
 import struct
 import threading
@@ -102,26 +103,49 @@ def test_idle_and_half_sent_connections_cannot_starve_the_service(headless: Head
 
 
 def test_requests_that_never_complete_are_cut_off(headless: Headless) -> None:
-    """Headers that never end are dropped after 10 s; a body that never completes gets 408."""
+    """Headers that never end are dropped after 10 s. A body must come at 64 KiB/s after a grace of
+    2 s: one that stops, or trickles (it held its connection, and its app's share of requests in
+    progress, for 10 s), gets 408 after about 2 s; one that pauses within the grace is read."""
     headless.start()
+    head = (b"POST /v1/pairings HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n")
     slow_headers = _open(headless.url, b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: a")
-    slow_body = _open(headless.url, b"POST /v1/pairings HTTP/1.1\r\nHost: localhost\r\n"
-                                    b"Content-Type: application/json\r\nContent-Length: 50\r\n\r\n{")
-    assert slow_headers is not None and slow_body is not None
+    slow_body = _open(headless.url, head % 50 + b"{")
+    trickle = _open(headless.url, head % 1000 + b"{")
+    paused = json.dumps({"client_name": "Paused App", "scopes": ["models:read"]}).encode()
+    pausing = _open(headless.url, head % len(paused) + paused[:5])
+    assert slow_headers is not None and slow_body is not None and trickle is not None and pausing is not None
     started = time.monotonic()
-    for sock in (slow_headers, slow_body):
+    for sock in (slow_headers, slow_body, trickle, pausing):
         sock.settimeout(30)
+    dripping = threading.Thread(target=_drip, args=(trickle,))
+    dripping.start()
+    time.sleep(1.5)
+    pausing.sendall(paused[5:])
+    assert pausing.recv(65536).startswith(b"HTTP/1.1 202"), "a body that paused 1.5 s was read"
     answer = slow_body.recv(65536)
     body_seconds = time.monotonic() - started
     assert answer.startswith(b"HTTP/1.1 408"), answer
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    dripped = trickle.recv(65536)
+    trickle_seconds = time.monotonic() - started
+    assert dripped.startswith(b"HTTP/1.1 408"), dripped
+    dripping.join()
     assert slow_headers.recv(65536) == b""  # closed without an answer: nothing was asked
     header_seconds = time.monotonic() - started
     print(f"\nunfinished headers dropped after {header_seconds:.1f} s, unfinished body answered 408 after "
-          f"{body_seconds:.1f} s")
-    assert 9 < body_seconds < 15 and 9 < header_seconds < 15
-    for sock in (slow_headers, slow_body):
+          f"{body_seconds:.1f} s, a body of 10 bytes a second after {trickle_seconds:.1f} s")
+    assert 1.5 < body_seconds < 4 and 1.5 < trickle_seconds < 4 and 9 < header_seconds < 15
+    for sock in (slow_headers, slow_body, trickle, pausing):
         sock.close()
+
+
+def _drip(sock: socket.socket) -> None:
+    """A byte every 0.1 s until the service answers (or closes), for 4 s at most."""
+    for _ in range(40):
+        if select.select([sock], [], [], 0.1)[0]:
+            return
+        sock.send(b" ")
 
 
 def test_malformed_requests_get_the_lmsp_error_and_no_traceback(headless: Headless) -> None:

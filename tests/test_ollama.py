@@ -5,6 +5,7 @@ schemas, embeddings' numbers): tests/test_ollama_llama.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import time
@@ -18,6 +19,8 @@ import pytest
 from app import paths
 from app.core.auth import OLLAMA_ID, OLLAMA_NAME
 from app.engine.registry.models import DEFAULT_MODEL_ID
+from app.errors import TooManyRequests
+from app.tasks import retention
 from tests.conftest import Headless, free_port
 from tests.helpers import http, pair_sync, wait_until
 from tests.hub_server import FakeHub, HubFile
@@ -221,6 +224,8 @@ def test_the_open_listener_is_one_client_the_person_turns_off(headless: Headless
     assert any(c["id"] == OLLAMA_ID and c["name"] == OLLAMA_NAME for c in clients)
     tasks = headless.get("/v1/tasks")[1]["data"]
     assert tasks and tasks[0]["status"] == "completed"
+    # As Ollama, it keeps nothing once answered: the prompt and output leave a minute later.
+    assert headless.get(f"/v1/responses/{tasks[0]['response_id']}")[1]["store"] is False
     # Host and Origin as on the main port; Ollama's own default origins allowed.
     assert http(f"{url}/api/tags", headers={"Origin": "http://localhost:3000"})[0] == 200
     assert http(f"{url}/api/tags", headers={"Origin": "vscode-webview://abc"})[0] == 200
@@ -300,3 +305,35 @@ def test_pull_from_the_hub_then_chat_and_delete(headless: Headless, tmp_path: Pa
         assert list((tmp_path / "hf").rglob("smollm2-135m.Q8_0.gguf"))  # the file stays
     finally:
         hub.stop()
+
+
+async def test_each_app_without_a_token_has_its_part_of_the_shared_limits(service: Any) -> None:
+    """The red team's P3: every app without a token is the one built-in client, and one of them
+    used up its limits for all (256 MiB of failed 8 MB prompts: 429 to every Ollama app, with
+    Retry-After 7 days). Each may now use a quarter of them, and what it stored is gone, and no
+    longer counted, a minute after its task ends."""
+    await service.settings.update({"ollama_api": "open", "max_request_bytes_per_client": 4 << 20,
+                                   "max_queued_tasks_per_client": 8})
+    await service.access.open_ollama()
+    service.tasks.set_paused(True)  # the tasks stay queued: unfinished, their requests stored
+    shared = service.access.tokenless()
+    assert shared is not None
+    one, other = (dataclasses.replace(shared, party=party) for party in ("process 1", "process 2"))
+    prompt = {"input": "x" * (600 << 10), "max_output_tokens": 1, "store": False}
+    created = await service.responses.create_response(one, prompt)  # 0.6 MiB of its 1
+    with pytest.raises(TooManyRequests) as refused:
+        await service.responses.create_response(one, prompt)
+    assert refused.value.code == "storage_limit_reached" and "This app's" in refused.value.message
+    await service.responses.create_response(one, {**prompt, "input": "Say hi"})  # its second of 8 / 4 in the queue
+    with pytest.raises(TooManyRequests) as queued:
+        await service.responses.create_response(one, {**prompt, "input": "Say hi"})
+    assert queued.value.code == "too_many_queued_tasks" and "This app" in queued.value.message
+    await service.responses.create_response(other, prompt)  # the other app has its own part
+    await service.tasks.cancel(shared, "task", created.body["task"]["id"])
+    with pytest.raises(TooManyRequests) as ended:
+        await service.responses.create_response(one, prompt)
+    wait = int(ended.value.headers["Retry-After"])
+    assert 30 <= wait <= 90, wait  # not the retention period: a store: false request is purged after a minute
+    await service.store.write(retention.purge_unstored, time.time() + 61)
+    service.tasks.set_paused(False)
+    await service.responses.create_response(one, prompt)

@@ -10,6 +10,8 @@ import sqlite3
 import time
 from dataclasses import dataclass
 
+from app.tasks.limits import PARTY_SHARE
+
 SCOPES = ("models:read", "models:write", "responses:read", "responses:write",
           "tasks:read", "tasks:cancel", "metrics:read", "admin")
 OWNER_ID = "client_owner"
@@ -23,6 +25,9 @@ class Client:
     name: str
     scopes: frozenset[str]
     origins: frozenset[str] = frozenset()  # web pages that may use its token (LMSP §16)
+    # Which of the apps that share this client sent the request (app/server/peer.py `party`): the
+    # Ollama listener's apps without a token are one client, but each has its own share of its limits.
+    party: str | None = None
 
     @property
     def is_admin(self) -> bool:
@@ -30,6 +35,10 @@ class Client:
 
     def allows(self, scope: str) -> bool:
         return self.is_admin or scope in self.scopes
+
+    def share(self, limit: int) -> int:
+        """This request's sender's part of a per-client `limit`: all of it, or a party's part."""
+        return limit if self.party is None else max(1, limit // PARTY_SHARE)
 
 
 OWNER = Client(OWNER_ID, "Owner", frozenset({"admin"}))  # the desktop app acts as the owner

@@ -63,7 +63,7 @@ class Housekeeping:
             if time.monotonic() - last_upstreams > UPSTREAM_CHECK_SECONDS and self.remotes.upstreams.models:
                 last_upstreams = time.monotonic()
                 await self.remotes.check_upstreams()
-            if time.monotonic() - last_unstored > 30:  # store: false answers go within a minute and a half
+            if time.monotonic() - last_unstored > retention.UNSTORED_EVERY_SECONDS:  # gone within a minute and a half
                 last_unstored = time.monotonic()
                 try:
                     await self.store.write(retention.purge_unstored)

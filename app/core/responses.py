@@ -68,7 +68,7 @@ class Responses:
         offer = self.scheduler.offer()  # room on an engine: the task is taken in the same commit
         # Shielded: a request given up while its write is on its way still starts what it committed.
         stored, response = await asyncio.shield(asyncio.ensure_future(self._insert(
-            offer, dict(self.settings), client.id, model_id, req, on_restart, key)))
+            offer, dict(self.settings), client.id, client.party, model_id, req, on_restart, key)))
         if stored is not None:
             return Created(stored.status, stored.body, True)
         assert response is not None
@@ -129,11 +129,12 @@ def _delete_response(conn: sqlite3.Connection, response_id: str) -> None:
     idempotency.forget_response(conn, response_id)
 
 
-def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_id: str, model_id: str,
-                     req: requests.ResponseRequest, on_restart: str, key: tuple[str, str, int] | None,
+def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_id: str, party: str | None,
+                     model_id: str, req: requests.ResponseRequest, on_restart: str, key: tuple[str, str, int] | None,
                      offer: Offer | None) -> Inserted:
     """The response and its queued task (what the answer shows), then, with room `offer`ed, the
-    scheduler's claim: this task, or one that was there first."""
+    scheduler's claim: this task, or one that was there first. `party`: which of the apps sharing
+    the client asked (app/core/auth.py `Client.party`), for the limits."""
     if key is not None:
         stored = idempotency.claim(conn, client_id, key[0], key[1], key[2])
         if stored is not None:
@@ -148,7 +149,8 @@ def _insert_response(conn: sqlite3.Connection, settings: dict[str, Any], client_
         request = conversation.continued(request, conversation.history(conn, client_id, previous))
     response_id, task_id = new_id("resp"), new_id("task")
     limits.store_request(conn, settings, response_id, client_id, model_id, request.to_json(), req.background,
-                         json.dumps(req.metadata), time.time(), previous_response_id=previous, store=int(req.store))
+                         json.dumps(req.metadata), time.time(), party=party, previous_response_id=previous,
+                         store=int(req.store))
     events = machine.create(conn, task_id, response_id, on_restart, req.max_output_tokens)
     # `queued` carries the response as it now stands, but for what it echoes of the request
     response = {**events[-1]["response"], **records.echoed(request)}

@@ -20,7 +20,7 @@ from app.server import handlers as h
 from app.server import ollama
 from app.server.chat import chat_completions
 from app.server.gate import Gate, cap, fair_share
-from app.server.keys import BUSY, HOSTS, IN_FLIGHT, LATENCY, SCOPES, SERVICE, TOKENLESS
+from app.server.keys import BUSY, HOSTS, IN_FLIGHT, IN_FLIGHT_PARTIES, LATENCY, SCOPES, SERVICE, TOKENLESS
 from app.server.middleware import (
     LOCAL_HOSTS,
     authorize,
@@ -102,6 +102,7 @@ def make_app(service: AppService, main: web.Application | None = None) -> web.Ap
     app[BUSY] = set()
     app[HOSTS] = set(LOCAL_HOSTS)
     app[IN_FLIGHT] = Counter() if main is None else main[IN_FLIGHT]
+    app[IN_FLIGHT_PARTIES] = Counter() if main is None else main[IN_FLIGHT_PARTIES]
     if main is not None:
         app[TOKENLESS] = service.access.tokenless
     app.on_response_prepare.append(cors_headers)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -18,7 +19,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from app.errors import TooManyRequests
-from app.server.keys import CLIENT, IN_FLIGHT, SERVICE
+from app.server.keys import CLIENT, IN_FLIGHT, IN_FLIGHT_PARTIES, SERVICE
 from app.server.middleware import Handler, error_response
 
 log = logging.getLogger(__name__)
@@ -48,12 +49,19 @@ async def fair_share(request: web.Request, handler: Handler) -> web.StreamRespon
     of the connection cap each, and all apps together leave 1/SHARE to the owner, /health and
     pairing. The gate makes room by closing idle connections only, so one app holding every
     connection with streams locked everyone out, the owner included; now its excess requests
-    are answered 429 and their connections go idle."""
+    are answered 429 and their connections go idle. The apps without a token on the Ollama
+    listener are one client, whose share each of them may only use a part of (`Client.share`):
+    one holding 32 half-sent bodies locked all the others out."""
     client = request.get(CLIENT)
     if client is None or client.is_admin:
         return await handler(request)
-    counts = request.app[IN_FLIGHT]
+    counts, parties = request.app[IN_FLIGHT], request.app[IN_FLIGHT_PARTIES]
     limit = max(1, cap(request.app[SERVICE].settings) // SHARE)
+    party = (client.id, client.party) if client.party is not None else None
+    if party is not None and parties[party] >= client.share(limit):
+        raise TooManyRequests("too_many_connections", f"This app already has {parties[party]} requests in progress, "
+                              "its limit (a part of the share of the apps without a token). Close some, or wait "
+                              "until they end.", RETRY_SECONDS)
     if counts[client.id] >= limit:
         raise TooManyRequests("too_many_connections", f"This client already has {limit} requests in progress "
                               "(event streams included), its limit (an eighth of the setting max_connections). "
@@ -63,12 +71,20 @@ async def fair_share(request: web.Request, handler: Handler) -> web.StreamRespon
                               "the service keeps for them (the rest are for the owner, /health and pairing). "
                               "Try again when some have ended.", RETRY_SECONDS)
     counts[client.id] += 1
+    if party is not None:
+        parties[party] += 1
     try:
         return await handler(request)
     finally:
-        counts[client.id] -= 1
-        if not counts[client.id]:
-            del counts[client.id]
+        _release(counts, client.id)
+        if party is not None:
+            _release(parties, party)
+
+
+def _release(counts: Counter[Any], key: Any) -> None:
+    counts[key] -= 1
+    if not counts[key]:
+        del counts[key]
 
 
 class _Refused(asyncio.Protocol):

@@ -22,6 +22,8 @@ BUSY = web.AppKey("busy", set)
 HOSTS = web.AppKey("hosts", set)
 # Requests being answered, by paired client (`gate.fair_share`).
 IN_FLIGHT = web.AppKey("in_flight", Counter)
+# And by party of a client (`Client.party`): (client id, party) -> requests being answered.
+IN_FLIGHT_PARTIES = web.AppKey("in_flight_parties", Counter)
 # What the request carries once `authorize` has let it through.
 CLIENT = web.RequestKey("client", Client)
 # On the Ollama listener (LMSP §15): the client a request without a token acts as (None: refused).

@@ -4,6 +4,7 @@ idempotency keys on the routes that take them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -16,13 +17,18 @@ from aiohttp import web
 from app.core import answers, ollama
 from app.core.idempotency import Stored
 from app.errors import Forbidden, LmspError, Unauthorized
+from app.server import peer
 from app.server.keys import BUSY, CLIENT, HOSTS, LATENCY, SCOPES, SERVICE, TOKENLESS
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "[::1]"}
 DECODE_ON_LOOP = 64 * 1024  # bytes of JSON decoded in a couple of milliseconds; larger ones on a reader thread
-BODY_SECONDS = 10.0  # to send a whole body once its headers are in (loopback sends 8 MiB in milliseconds)
+# A body must come at BODY_FLOOR bytes a second at least, counted from its headers, after a grace of
+# BODY_GRACE_SECONDS: one that comes slower (or stops) holds its connection, and its sender's share
+# of requests in progress, for nothing. Loopback sends 8 MiB in milliseconds; a slow link, 64 KiB/s.
+BODY_GRACE_SECONDS = 2.0
+BODY_FLOOR = 64 * 1024
 CORS_ORIGIN = web.RequestKey("cors_origin", str)  # set once the Origin passed the check
 # LMSP §16. The request headers a page may send: the ones the API reads or harmlessly ignores, as
 # the official `openai` JavaScript SDK sends them (a `*` would not cover Authorization), and the
@@ -183,6 +189,8 @@ async def authorize(request: web.Request, handler: Handler) -> web.StreamRespons
         client = tokenless() if tokenless is not None else None
         if client is None:
             raise Unauthorized()
+        # Every app without a token is this one client; each has its own share of its limits.
+        client = dataclasses.replace(client, party=await peer.party(request))
     else:
         client = await request.app[SERVICE].access.authenticate(token.strip())
     if client is None:
@@ -199,18 +207,17 @@ async def authorize(request: web.Request, handler: Handler) -> web.StreamRespons
 
 
 async def read_json(request: web.Request) -> Any:
-    """The body as JSON, or a 400 `invalid_json` / 413 `payload_too_large`."""
+    """The body as JSON, or a 400 `invalid_json` / 413 `payload_too_large` / 408 `request_timeout`."""
     busy = request.app[BUSY]
     busy.discard(request.protocol)  # while its body is still coming, the gate may close it to make room
     try:
-        async with asyncio.timeout(BODY_SECONDS):  # a body that never completes would hold its connection
-            raw = await request.read()
+        raw = await _arrived(request)
     except web.HTTPRequestEntityTooLarge:
         raise LmspError("payload_too_large", "The request body is larger than the limit.", status=413) from None
     except TimeoutError:
         request.protocol.close()  # its unread rest must not be taken for the next request
-        raise LmspError("request_timeout", f"The request body did not arrive within {BODY_SECONDS:.0f} s.",
-                        status=408) from None
+        raise LmspError("request_timeout", f"The request body came slower than {BODY_FLOOR // 1024} KiB/s "
+                        f"(after {BODY_GRACE_SECONDS:.0f} s): send it whole, at once.", status=408) from None
     except RuntimeError:
         # aiohttp's "Connection closed.": the gate closed this connection to make room (or the
         # client left) between two parts of the body. Nobody to answer, nothing to log.
@@ -220,6 +227,25 @@ async def read_json(request: web.Request) -> Any:
     if len(raw) < DECODE_ON_LOOP:
         return _decoded(raw)
     return await request.app[SERVICE].off_loop(_decoded, raw)
+
+
+async def _arrived(request: web.Request) -> bytes:
+    """The whole body, or TimeoutError as soon as it falls behind the floor: BODY_FLOOR bytes a
+    second since the headers came, after BODY_GRACE_SECONDS. A body that never completes would
+    otherwise hold its connection; one that trickles, as long as it likes."""
+    reading = asyncio.ensure_future(request.read())
+    started = time.monotonic()
+    due = started + BODY_GRACE_SECONDS
+    try:
+        while True:
+            done, _ = await asyncio.wait({reading}, timeout=due - time.monotonic())
+            if done:
+                return reading.result()
+            due = started + BODY_GRACE_SECONDS + request.content.total_bytes / BODY_FLOOR
+            if time.monotonic() >= due:
+                raise TimeoutError
+    finally:
+        reading.cancel()
 
 
 def _decoded(raw: bytes) -> Any:

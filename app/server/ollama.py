@@ -131,6 +131,10 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
     if not body.get(kind.source):  # an empty prompt loads the model, or unloads it (keep_alive 0)
         return web.json_response(await _load(request, kind, name, model_id, keep))
     translated = await service.off_loop(kind.translate, body, model_id)
+    if request[CLIENT].party is not None:
+        # An app without a token can never read it back; Ollama keeps nothing either. So its prompt
+        # and output leave the disk a minute after the answer (LMSP §12): no app fills it for all.
+        translated["store"] = False
     ask = Ask(request[CLIENT], translated, None, _stream(body), path=kind.path, sent=body,
               rename=shapes.OllamaNames(kind.source))
     async with answers.respond(service, ask, caller_left(request)) as answered:

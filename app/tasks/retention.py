@@ -13,6 +13,7 @@ import time
 from app.tasks.states import TERMINAL
 
 UNSTORED_GRACE_SECONDS = 60
+UNSTORED_EVERY_SECONDS = 30  # how often they are purged (app/core/housekeeping.py)
 
 
 def purge(conn: sqlite3.Connection, retention_seconds: int, idempotency_ttl_seconds: int,
