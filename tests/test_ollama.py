@@ -287,3 +287,24 @@ def test_pull_from_the_hub_then_chat_and_delete(headless: Headless, tmp_path: Pa
         assert list((tmp_path / "hf").rglob("smollm2-135m.Q8_0.gguf"))  # the file stays
     finally:
         hub.stop()
+
+
+def test_keep_alive_is_finite_and_at_most_a_year_and_ps_always_answers(headless: Headless) -> None:
+    """Red team P5: `keep_alive` 1e12 pinned the model and made /api/ps answer 500 to every app
+    (a date past year 9999); "nan" pinned it for good while /api/ps said it expired now."""
+    headless.start()
+    _on(headless, ollama_api="token")
+    _, token = pair_sync(headless.url, headless.token, SCOPES, "ollama-python")
+    client = ollama.Client(host=headless.url, headers={"Authorization": f"Bearer {token}"})
+    for bad in (1e12, "1e12", "nan", "NaN", "inf", "-inf", "Infinity", 365 * 86400 + 1, "8761h", "1" * 400 + "h",
+                "1" * 100 + "x", True, [], {"s": 1}):
+        status, body = http(f"{headless.url}/api/generate", "POST", {"model": NAME, "keep_alive": bad}, token)
+        assert status == 400 and "keep_alive" in body["error"] and "365 days" in body["error"], (bad, body)
+    assert client.ps().models == []  # none of them loaded the model
+    year = 365 * 86400
+    for good, left in ((year, year), ("8760h", year), ("1h30m", 5400), ("5m", 300), ("90", 90), (-1, 100 * year),
+                       ("-1m", 100 * year)):
+        assert client.generate(model=NAME, keep_alive=good).done_reason == "load"
+        [running] = client.ps().models  # never a 500, whatever the expiry
+        assert abs(running.expires_at.timestamp() - time.time() - left) < 120, (good, running.expires_at)
+

@@ -12,7 +12,7 @@ from collections import OrderedDict, deque
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from app.core.ollama import ollama_name
+from app.core.ollama import MAX_KEEP_ALIVE, ollama_name
 from app.core.requests import MAX_ITEMS, text_of
 from app.core.structured import chat_tool
 from app.errors import InvalidRequest, LmspError
@@ -27,6 +27,7 @@ FILL_IN = ("Write the text that goes between the prefix and the suffix below. An
            "without repeating the prefix or the suffix.\n\n"
            "<prefix>\n{prompt}\n</prefix>\n\n<suffix>\n{suffix}\n</suffix>")
 MAX_STOPS = 4
+FOREVER = 100 * 365 * 86400  # seconds: what `/api/ps` says of a model kept until it is unloaded
 QUANT = re.compile(r"(?i)(?<![A-Za-z0-9])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)(?![A-Za-z0-9])")
 
 
@@ -278,9 +279,10 @@ def model_entry(model: dict[str, Any], header: dict[str, Any] | None) -> dict[st
 def running_entry(model: dict[str, Any], header: dict[str, Any] | None, kept: float | None,
                   idle_ttl: int) -> dict[str, Any]:
     """A loaded model as `/api/ps` lists it: kept `kept` seconds more (an app's `keep_alive`), else
-    for the idle time set; until unloaded when neither says (inf, 0)."""
+    for the idle time set; until unloaded when neither says (inf, 0), written as a century from now.
+    Whatever the time, the date is one `datetime` can hold (a NaN or a time past year 9999 is not)."""
     left = kept if kept is not None else idle_ttl or math.inf
-    until = datetime.now(UTC) + (timedelta(seconds=left) if left != math.inf else timedelta(days=365 * 100))
+    until = datetime.now(UTC) + timedelta(seconds=left if 0 <= left <= MAX_KEEP_ALIVE else FOREVER)
     size = (model.get("memory") or {}).get("total_bytes") or model.get("size_bytes") or 0
     return {**model_entry(model, header), "size": size, "size_vram": 0,
             "expires_at": until.isoformat().replace("+00:00", "Z"), "context_length": model.get("context_length")}
