@@ -154,8 +154,8 @@ class Attack:
              token: str | None = None, headers: dict[str, str] | None = None, method: str = "POST",
              expect: int | None = None, code: str | None = None, may_leave: bool = False) -> Answer | None:
         """Send `body` (JSON, or bytes as they are) as this app (`token`: another one; "": none),
-        and hold the answer to the bound: within `within` seconds, a clear LMSP 4xx error
-        (`expect`, `code`: that status and code) or a success. The client waits `patience`
+        and hold the answer to the bound: within `within` seconds, a clear LMSP 4xx error (Ollama's
+        on its routes; `expect`, `code`: that status and code) or a success. The client waits `patience`
         seconds (default `within`), then leaves: None (a broken bound unless `may_leave`)."""
         raw = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
         auth = {"Authorization": f"Bearer {token if token is not None else self.token}"} if token != "" else {}
@@ -174,7 +174,8 @@ class Attack:
         except ValueError:
             payload = text
         error = payload.get("error") if isinstance(payload, dict) else None
-        summary = f"{error.get('code')}: {str(error.get('message'))[:90]}" if isinstance(error, dict) else "ok"
+        summary = f"{error.get('code')}: {str(error.get('message'))[:90]}" if isinstance(error, dict) else \
+            error[:90] if isinstance(error, str) else "ok"
         self.note(f"{what}: {status} in {took:.2f} s ({summary})")
         self.bound(took <= within, f"{what} answered within {within:.1f} s (took {took:.1f} s)")
         if expect is not None:
@@ -184,7 +185,8 @@ class Attack:
         elif status >= 500:
             self.bound(False, f"{what} answered a clear 4xx error or a success (got {status}: {summary})")
         if 400 <= status < 500:
-            self.bound(lmsp_error(payload), f"{what}'s {status} is an LMSP error body (got {text[:120]!r})")
+            shape, named = (ollama_error, "Ollama's") if path.startswith("/api/") else (lmsp_error, "an LMSP")
+            self.bound(shape(payload), f"{what}'s {status} is {named} error body (got {text[:120]!r})")
         return Answer(status, payload, took)
 
 
@@ -194,6 +196,12 @@ def lmsp_error(payload: Any) -> bool:
         return False
     error = payload["error"]
     return set(error) == {"type", "code", "message", "param"} and bool(error["code"]) and bool(error["message"])
+
+
+def ollama_error(payload: Any) -> bool:
+    """Ollama's `{"error": "message"}`, what its routes answer (LMSP §15)."""
+    return isinstance(payload, dict) and set(payload) == {"error"} and isinstance(payload["error"], str) \
+        and bool(payload["error"])
 
 
 def stored_mib(data_dir: Path) -> float:

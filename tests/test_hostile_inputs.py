@@ -95,6 +95,43 @@ def _items_to_chat(attack: Attack, _: Headless) -> None:
                 what=f"{ITEMS} tool messages to /v1/chat/completions")
 
 
+def _tool_calls_each_way(count: int) -> bytes:
+    """An Ollama chat of `count` calls of `a`, `count` of `b`, then `count` answers to `b`: each
+    answer was matched by looking through every `a` before it (red team P2: 14 000 took 61 s, on
+    both request-reader threads, before the item cap refused it)."""
+    calls = [{"function": {"name": "a"}}] * count + [{"function": {"name": "b"}}] * count
+    messages = [{"role": "assistant", "tool_calls": calls}] + [{"role": "tool", "tool_name": "b"}] * count
+    return json.dumps({"model": DEFAULT_MODEL_ID, "messages": messages, "stream": False},
+                      separators=(",", ":")).encode()
+
+
+def _ollama_tool_calls(attack: Attack, count: int, within: float, may_leave: bool) -> None:
+    """Two such chats at once on Ollama's API, by an app paired with `responses:write`."""
+    status, _ = exchange(attack.url, "PATCH", "/v1/settings", json.dumps({"ollama_api": "token"}).encode(),
+                         {"Authorization": f"Bearer {attack.owner}"})
+    assert status == 200
+    body = _tool_calls_each_way(count)
+    chats = [threading.Thread(target=attack.send, args=("/api/chat", body),
+                              kwargs={"within": within, "may_leave": may_leave,
+                                      "what": f"Ollama chat {i + 1}/2: {count} tool calls each way "
+                                              f"({len(body) / 1e6:.2f} MB)"})
+             for i in range(2)]
+    for chat in chats:
+        chat.start()
+    for chat in chats:
+        chat.join()
+
+
+@case("P2-ollama-chat-14000-tool-calls-each-way-twice")
+def _ollama_tool_calls_twice(attack: Attack, _: Headless) -> None:
+    _ollama_tool_calls(attack, 14_000, within=10, may_leave=False)
+
+
+@case("P2-ollama-chat-10000-tool-calls-each-way-twice-clients-leave-after-1s")
+def _ollama_tool_calls_and_leave(attack: Attack, _: Headless) -> None:
+    _ollama_tool_calls(attack, 10_000, within=1, may_leave=True)
+
+
 def _json_schema(schema: dict[str, object], prompt: str = "hi", tokens: int = 2) -> dict[str, object]:
     return {"input": prompt, "max_output_tokens": tokens, "temperature": 0,
             "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}

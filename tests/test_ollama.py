@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import socket
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -337,3 +339,116 @@ async def test_each_app_without_a_token_has_its_part_of_the_shared_limits(servic
     await service.store.write(retention.purge_unstored, time.time() + 61)
     service.tasks.set_paused(False)
     await service.responses.create_response(one, prompt)
+
+
+def test_keep_alive_is_finite_and_at_most_a_year_and_ps_always_answers(headless: Headless) -> None:
+    """Red team P5: `keep_alive` 1e12 pinned the model and made /api/ps answer 500 to every app
+    (a date past year 9999); "nan" pinned it for good while /api/ps said it expired now."""
+    headless.start()
+    _on(headless, ollama_api="token")
+    _, token = pair_sync(headless.url, headless.token, SCOPES, "ollama-python")
+    client = ollama.Client(host=headless.url, headers={"Authorization": f"Bearer {token}"})
+    for bad in (1e12, "1e12", "nan", "NaN", "inf", "-inf", "Infinity", 365 * 86400 + 1, "8761h", "1" * 400 + "h",
+                "1" * 100 + "x", True, [], {"s": 1}):
+        status, body = http(f"{headless.url}/api/generate", "POST", {"model": NAME, "keep_alive": bad}, token)
+        assert status == 400 and "keep_alive" in body["error"] and "365 days" in body["error"], (bad, body)
+    assert client.ps().models == []  # none of them loaded the model
+    year = 365 * 86400
+    for good, left in ((year, year), ("8760h", year), ("1h30m", 5400), ("5m", 300), ("90", 90), (-1, 100 * year),
+                       ("-1m", 100 * year)):
+        assert client.generate(model=NAME, keep_alive=good).done_reason == "load"
+        [running] = client.ps().models  # never a 500, whatever the expiry
+        assert abs(running.expires_at.timestamp() - time.time() - left) < 120, (good, running.expires_at)
+
+
+def test_pinning_and_unloading_are_models_write_powers(headless: Headless) -> None:
+    """Red team P4: with `responses:write` alone an app pinned a model for good (`keep_alive: -1`)
+    and unloaded it from under the other apps (`keep_alive: 0`); on /v1 both need `models:write`."""
+    headless.start()
+    _on(headless, ollama_api="token", model_idle_ttl_seconds=2)
+    writer, modeler = _client(headless, ["models:read", "responses:write"]), _client(headless)
+    # With responses:write alone, the model stays loaded the idle time, no longer.
+    writer.generate(model=NAME, prompt="Count", keep_alive=-1)
+    [running] = writer.ps().models
+    assert running.expires_at.timestamp() - time.time() <= 2.5
+    wait_until(lambda: writer.ps().models == [], 15, 0.25, "the idle time to let the model go")
+    # With models:write, as long as the app says.
+    modeler.generate(model=NAME, prompt="Count", keep_alive=-1)
+    time.sleep(7)  # past the idle time and the service's next look at idle models (every 5 s)
+    assert [m.model for m in writer.ps().models] == [NAME]
+    assert writer.generate(model=NAME, keep_alive=0).done_reason == "unload"  # Ollama's answer...
+    assert [m.model for m in writer.ps().models] == [NAME]  # ... but it is another app's to unload
+    assert modeler.generate(model=NAME, keep_alive=0).done_reason == "unload" and writer.ps().models == []
+    # Without an idle time, a model is the others' once they used it since it was loaded.
+    _on(headless, model_idle_ttl_seconds=0)
+    writer.generate(model=NAME, prompt="Count")
+    writer.generate(model=NAME, prompt="Count", keep_alive=0)  # its own use alone: unloaded
+    assert writer.ps().models == []
+    _, other = pair_sync(headless.url, headless.token, ["responses:write"], "Another App")
+    assert http(f"{headless.url}/v1/responses", "POST", {"input": "Count", "max_output_tokens": 3}, other)[0] == 200
+    writer.generate(model=NAME, prompt="Count", keep_alive=0)
+    assert [m.model for m in writer.ps().models] == [NAME]
+    modeler.generate(model=NAME, keep_alive=0)
+    assert writer.ps().models == []
+
+
+def test_an_empty_prompt_without_models_write_evicts_no_model(headless: Headless, tmp_path: Path) -> None:
+    """Red team P4: with one engine, an empty prompt for another model swapped the engine to it,
+    evicting the model the other apps used. Without `models:write` it loads a model only on an
+    engine that holds none; otherwise the model loads with the app's first request, in its turn."""
+    headless.start()
+    _on(headless, ollama_api="token")
+    other = tmp_path / "Other.gguf"
+    shutil.copyfile(headless.get(f"/v1/models/{DEFAULT_MODEL_ID}")[1]["path"], other)
+    assert headless.request("POST", "/v1/models", {"path": str(other), "id": "other"})[0] == 201
+    writer, modeler = _client(headless, ["models:read", "responses:write"]), _client(headless)
+    assert writer.generate(model=NAME).done_reason == "load"  # the engine held nothing: loaded
+    assert [m.model for m in writer.ps().models] == [NAME]
+    assert writer.generate(model="other").done_reason == "load"  # Ollama's answer, and nothing evicted
+    assert [m.model for m in writer.ps().models] == [NAME]
+    assert writer.generate(model="other", prompt="Count").response
+    assert [m.model for m in writer.ps().models] == ["other:latest"]
+    assert modeler.generate(model=NAME).done_reason == "load"  # models:write: the engine is swapped
+    assert [m.model for m in writer.ps().models] == [NAME]
+
+
+@pytest.mark.scripted(pace=20, load_seconds=1.0)
+def test_an_unload_loop_without_models_write_does_not_slow_other_apps(headless: Headless) -> None:
+    """Red team P4: a tokenless process sending `keep_alive: 0` every 0.3 s made another app's
+    3-token requests 12 times slower (each reloaded the model; here a load takes 1 s)."""
+    headless.start()
+    port = free_port()
+    _on(headless, ollama_api="open", ollama_port=port)  # tokenless: models:read and responses:write
+    listener = f"http://127.0.0.1:{port}"
+    _, victim = pair_sync(headless.url, headless.token, ["responses:write"], "Another App")
+
+    def mean_latency(count: int = 10) -> float:
+        took = []
+        for _ in range(count):
+            started = time.monotonic()
+            status, body = http(f"{headless.url}/v1/responses", "POST", {"input": "Say one word.",
+                                                                         "max_output_tokens": 3}, victim)
+            took.append(time.monotonic() - started)
+            assert status == 200, body
+            time.sleep(0.2)
+        return sum(took) / count
+
+    assert http(f"{listener}/api/generate", "POST", {"model": NAME})[1]["done_reason"] == "load"
+    alone = mean_latency()
+    stop, answers = threading.Event(), []
+
+    def unload_loop() -> None:
+        while not stop.is_set():
+            answers.append(http(f"{listener}/api/generate", "POST", {"model": NAME, "keep_alive": 0})[1])
+            stop.wait(0.3)
+
+    loop = threading.Thread(target=unload_loop)
+    loop.start()
+    try:
+        beside = mean_latency()
+    finally:
+        stop.set()
+        loop.join()
+    print(f"\nanother app's mean 3-token latency: alone {alone:.3f} s, beside {len(answers)} unloads {beside:.3f} s")
+    assert len(answers) > 10 and all(a.get("done_reason") == "unload" for a in answers), answers[:3]
+    assert beside <= 1.2 * alone, (alone, beside)

@@ -1,6 +1,6 @@
-"""What reading a request may cost (red team 2026-12-05, N2 N3 N5 N14): long inputs are read in
-linear time and schemas converted in the grammar worker within its budget, both off the event
-loop, so /health answers meanwhile; schemas too large, too costly, or that llama.cpp could not
+"""What reading a request may cost (red team 2026-12-05, N2 N3 N5 N14; 2026-12-07, P2): long
+inputs are read in linear time and schemas converted in the grammar worker within its budget,
+both off the event loop, so /health answers meanwhile; schemas too large, too costly, or that llama.cpp could not
 finish are a 400 `unsupported_schema`, not a frozen service or a crashed engine. Real service,
 real llama.cpp inference with the default model where the output follows a grammar; scripted
 engines (tests/scripted.py) where nothing is decoded under one."""
@@ -19,6 +19,8 @@ from app.core.requests import MAX_ITEMS
 from app.core.service import AppService
 from app.engine.constraints import grammar
 from app.engine.constraints.grammar_worker import BUDGET
+from app.errors import InvalidRequest
+from app.server import ollama_shapes
 from tests.helpers import SAY_HI, bearer, expect_error, pair
 
 LAG = 0.1  # the slowest /health round trip allowed while a costly request is read, in seconds
@@ -76,6 +78,43 @@ async def test_tool_results_are_read_in_linear_time_off_the_loop(api: Any) -> No
     resp = await api.post("/v1/chat/completions", json={"messages": tool + tool[:1], "max_tokens": 1})
     await expect_error(resp, 400, "invalid_request", "messages")
     await nothing_stored(api)
+
+
+def _ollama_chat(calls: list[str], answers: list[str | None]) -> dict[str, Any]:
+    """An Ollama chat: one assistant message calling `calls`, then a tool message naming each of
+    `answers` (None: one that names no function)."""
+    return {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": n}} for n in calls]}]
+            + [{"role": "tool", **({"tool_name": n} if n else {}), "content": "ok"} for n in answers]}
+
+
+def test_ollama_tool_messages_are_matched_in_linear_time_and_capped_before() -> None:
+    """Red team 2026-12-07 P2: each tool message looked through every call before its own (8,000
+    calls each way took 7.7 s; 14,000, 61 s on both request-reader threads), before the item cap."""
+    def translated(body: dict[str, Any]) -> list[dict[str, Any]]:
+        return ollama_shapes.chat_request(body, "m")["input"]
+
+    # Earliest unanswered call of the function named, or of any when none is named.
+    items = translated(_ollama_chat(["a", "b", "a"], ["a", None, "a"]))
+    assert [i["call_id"] for i in items if i["type"] == "function_call_output"] == ["call_0_0", "call_0_1", "call_0_2"]
+    for unanswerable in (["c"], ["a", "a", "a"], [None, None, None, None]):
+        with pytest.raises(InvalidRequest, match="must answer a tool call"):
+            translated(_ollama_chat(["a", "b", "a"], unanswerable))
+    # The most the cap lets in, in the red team's shape: half the calls of a function, answered
+    # after the other half (quadratic, this took seconds).
+    half = MAX_ITEMS // 2
+    body = _ollama_chat(["a"] * half + ["b"] * half, ["b"] * half)
+    started = time.perf_counter()
+    items = translated(body)
+    assert time.perf_counter() - started < 0.5
+    assert len(items) == MAX_ITEMS + half and items[-1]["call_id"] == f"call_0_{MAX_ITEMS - 1}"
+    # Past the cap, refused before any message is read: the messages, their tool calls, the tools.
+    for body, what in ((_ollama_chat([], ["a"] * MAX_ITEMS), f"`messages` has {MAX_ITEMS + 1} items"),
+                       (_ollama_chat(["a"] * (MAX_ITEMS + 1), []), f"`messages` has {MAX_ITEMS + 1} tool calls"),
+                       ({**_ollama_chat([], []), "tools": [{}] * (MAX_ITEMS + 1)}, f"`tools` has {MAX_ITEMS + 1}")):
+        started = time.perf_counter()
+        with pytest.raises(InvalidRequest, match=what):
+            translated(body)
+        assert time.perf_counter() - started < 0.1
 
 
 async def test_a_schema_too_costly_to_convert_is_refused_within_the_budget_off_the_loop(api: Any) -> None:

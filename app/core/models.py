@@ -41,13 +41,14 @@ def _inspect(path: str) -> gguf.GgufInfo | None:
 
 class Models:
     def __init__(self, store: Store, bus: EventBus, pool: EnginePool, modes: EngineModes, remotes: Remotes,
-                 parallel: Callable[[], int]) -> None:
+                 parallel: Callable[[], int], idle_ttl: Callable[[], int]) -> None:
         self.store = store
         self.bus = bus
         self.pool = pool
         self.modes = modes
         self.remotes = remotes  # a remote model is registered, probed and forgotten there
         self.parallel = parallel  # the setting: sequences one loaded model serves at once
+        self.idle_ttl = idle_ttl  # the setting: seconds a model stays loaded unused (0: until unloaded)
         self._headers: dict[str, gguf.GgufInfo | None] = {}  # digest -> its GGUF header
         self.model_load_seconds: float | None = None  # the last explicit load, for /metrics
         # a file being examined: set the event to stop it -> its app (None: the owner)
@@ -216,12 +217,19 @@ class Models:
         await self.remotes.forget_remote_model(model_id)
         self.bus.publish([{"type": "models.changed"}])
 
-    async def load_model(self, model_id: str) -> dict[str, Any]:
+    async def load_model(self, model_id: str, client: Client = OWNER) -> dict[str, Any]:
+        """Load the model on an idle engine, which lets go of the model it held. That is a
+        `models:write` power: for another app (Ollama's empty prompt needs only `responses:write`)
+        the model is loaded only on an engine that holds none, else it loads with the app's first
+        request, in its turn."""
         row = await self.store.read(models.usable, model_id)
         if row["format"] == "remote":  # nothing to load: check that its endpoints answer
             await self.remotes.check_upstreams()
             return self.remotes.remote_object(row)
-        engine = self.pool.idle()
+        evicts = client.allows("models:write")
+        engine = self.pool.idle() if evicts else self.pool.vacant()
+        if engine is None and not evicts:
+            return await self.model(model_id)
         if engine is None:
             raise Conflict("engines_busy", "Every engine is busy with a task; try again when one is free.")
         await self._read_headers([row])
@@ -234,6 +242,7 @@ class Models:
         except EngineError as exc:
             raise LmspError("model_load_failed", f"The model could not be loaded: {exc.message}", status=422) from exc
         self.model_load_seconds = time.monotonic() - started
+        self.pool.used(row["path"], client.id)
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)
 
@@ -249,10 +258,16 @@ class Models:
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)
 
-    async def keep_loaded(self, model_id: str, seconds: float) -> None:
+    async def keep_loaded(self, model_id: str, seconds: float, client: Client = OWNER) -> None:
         """Keep the model loaded `seconds` from now (-1: until unloaded), whatever the idle setting
-        says; 0 unloads it now (unless a task runs on it)."""
+        says; 0 unloads it now (unless a task runs on it). Both are `models:write` powers: for
+        another app (Ollama's `keep_alive` needs only `responses:write`) the idle setting decides how
+        long a model stays loaded, and 0 unloads only a model that no other app keeps loaded, runs a
+        task on, or used within the idle time (since it was loaded, when none is set)."""
         row = await self.store.read(models.get, model_id)
+        if not client.allows("models:write") and (
+                seconds != 0 or self.pool.others_use(row["path"] or "", client.id, self.idle_ttl())):
+            return
         if seconds == 0:
             if not await self.pool.unload(row["path"]):
                 self.bus.publish([{"type": "models.changed"}])

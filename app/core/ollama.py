@@ -7,17 +7,22 @@ rules say which id an Ollama name means, and what name an id has there.
 
 from __future__ import annotations
 
+import math
 import re
 import sqlite3
 from typing import Any
 
 from app.errors import InvalidRequest
+from app.store.config import MAX_IDLE_SECONDS
 
 LATEST = ":latest"
 # What Ollama takes from the hub when no tag says which file: its default quantization.
 DEFAULT_QUANT = "Q4_K_M"
 HUB_NAME = re.compile(r"^(?:https?://)?(?:hf\.co|huggingface\.co)/([^/:\s]+/[^/:\s]+?)(?::([^/:\s]+))?\Z")
 DURATION = re.compile(r"(-?[0-9.]+)(ns|us|µs|ms|s|m|h)")
+# The longest `keep_alive` (a negative one aside): the idle setting's maximum, a year.
+MAX_KEEP_ALIVE = MAX_IDLE_SECONDS
+MAX_DURATION = 64  # characters: "8760h", "1h30m15.5s"
 UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -70,25 +75,40 @@ def choose_file(files: list[str], tag: str | None) -> str | None:
 
 def keep_alive(value: Any) -> float | None:
     """Ollama's `keep_alive` in seconds: a number of seconds or a duration ("5m", "1h30m", "-1");
-    None when not given. 0 unloads the model after the request; a negative value keeps it."""
+    None when not given. 0 unloads the model after the request; a negative value keeps it until it
+    is unloaded. Anything else must be finite and at most the idle setting's maximum (a year): a
+    time past it could not be written as a date (`/api/ps`), and NaN would never come."""
     if value is None:
         return None
+    seconds = _seconds(value)
+    if seconds is None or not -math.inf < seconds <= MAX_KEEP_ALIVE:  # NaN fails every comparison
+        raise InvalidRequest(f"`keep_alive` must be seconds or a duration such as \"5m\", finite and at most "
+                             f"{MAX_KEEP_ALIVE // 86400} days (\"{MAX_KEEP_ALIVE // 3600}h\"); 0 unloads the model, "
+                             "a negative value keeps it until it is unloaded.", param="keep_alive")
+    return seconds
+
+
+def _seconds(value: Any) -> float | None:
+    """A number of seconds, or a string of one or of a duration, as a float; None if it is neither."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        text = value.strip()
         try:
-            return float(text)  # seconds, written as a string
+            return float(value)
+        except OverflowError:  # an integer past any float
+            return None
+    if not isinstance(value, str) or len(value) > MAX_DURATION:  # the pattern's scan of a long one is quadratic
+        return None
+    text = value.strip()
+    try:
+        return float(text)  # seconds, written as a string
+    except ValueError:
+        pass
+    parts = DURATION.findall(text)
+    if parts and "".join(n + u for n, u in parts) == text:
+        try:
+            return sum(float(n) * UNIT_SECONDS[u] for n, u in parts)
         except ValueError:
             pass
-        parts = DURATION.findall(text)
-        if parts and "".join(n + u for n, u in parts) == text:
-            try:
-                return sum(float(n) * UNIT_SECONDS[u] for n, u in parts)
-            except ValueError:
-                pass
-    raise InvalidRequest("`keep_alive` must be seconds or a duration such as \"5m\" (0 unloads, -1 keeps).",
-                         param="keep_alive")
+    return None
 
 
 # Ollama's default allowed origins (its OLLAMA_ORIGINS defaults): pages on this computer at any port,

@@ -73,7 +73,8 @@ class AppService:
         self.access = Access(self.store, self.bus, owner_vault(data_dir), self.settings)
         self.remotes = Remotes(data_dir, self.store, self.bus, self.upstreams, self.scheduler)
         self.models = Models(self.store, self.bus, self.pool, self.modes, self.remotes,
-                             lambda: int(self.settings["parallel"]))
+                             lambda: int(self.settings["parallel"]),
+                             lambda: int(self.settings["model_idle_ttl_seconds"]))
         self.downloads = Downloads(self.store, self.settings, self.transfers)
         self.embeddings = Embeddings(self.store, self.bus, self.pool)
         self.tasks = Tasks(self.store, self.bus, self.scheduler)

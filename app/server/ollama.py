@@ -146,7 +146,7 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
                                       **kind.text(final["output_text"], shapes.calls(final["output"])),
                                       **_done(final, started, None)})
     if keep is not None:
-        await service.models.keep_loaded(model_id, keep)
+        await service.models.keep_loaded(model_id, keep, request[CLIENT])
     return sent
 
 
@@ -155,11 +155,14 @@ def _done(final: dict[str, Any], started: int, first: int | None) -> dict[str, A
 
 
 async def _load(request: web.Request, kind: Kind, name: str, model_id: str, keep: float | None) -> dict[str, Any]:
-    models = request.app[SERVICE].models
+    """An empty prompt: Ollama's way to load a model, or unload it (`keep_alive` 0). An app without
+    `models:write` evicts no other model and unloads none that other apps use (`Models.load_model`,
+    `keep_loaded`); it gets Ollama's answer all the same, as its next request works either way."""
+    models, client = request.app[SERVICE].models, request[CLIENT]
     if keep != 0 and (await models.model(model_id))["status"] != "loaded":
-        await unless_left(caller_left(request), models.load_model(model_id))
+        await unless_left(caller_left(request), models.load_model(model_id, client))
     if keep is not None:
-        await models.keep_loaded(model_id, keep)
+        await models.keep_loaded(model_id, keep, client)
     return {"model": name, "created_at": shapes.iso(time.time()), **kind.text(""), "done": True,
             "done_reason": "unload" if keep == 0 else "load"}
 
@@ -227,7 +230,7 @@ async def embeddings(request: web.Request) -> web.Response:
 async def _vectors(request: web.Request, model_id: str, texts: Any, dimensions: Any) -> dict[str, Any]:
     asked = {"model": model_id, "input": texts, **({"dimensions": dimensions} if dimensions else {})}
     try:
-        return await unless_left(caller_left(request), request.app[SERVICE].embeddings.embed(asked))
+        return await unless_left(caller_left(request), request.app[SERVICE].embeddings.embed(asked, request[CLIENT].id))
     except LmspError as exc:
         shapes.OllamaNames("prompt" if request.path.endswith("embeddings") else "input")(exc)
         raise

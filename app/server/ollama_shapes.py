@@ -8,12 +8,13 @@ import json
 import math
 import re
 import time
+from collections import OrderedDict, deque
 from datetime import UTC, datetime, timedelta
 from pathlib import PurePath
 from typing import Any
 
-from app.core.ollama import ollama_name
-from app.core.requests import text_of
+from app.core.ollama import MAX_KEEP_ALIVE, ollama_name
+from app.core.requests import MAX_ITEMS, text_of
 from app.core.structured import chat_tool
 from app.errors import InvalidRequest, LmspError
 
@@ -27,6 +28,7 @@ FILL_IN = ("Write the text that goes between the prefix and the suffix below. An
            "without repeating the prefix or the suffix.\n\n"
            "<prefix>\n{prompt}\n</prefix>\n\n<suffix>\n{suffix}\n</suffix>")
 MAX_STOPS = 4
+FOREVER = 100 * 365 * 86400  # seconds: what `/api/ps` says of a model kept until it is unloaded
 QUANT = re.compile(r"(?i)(?<![A-Za-z0-9])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)(?![A-Za-z0-9])")
 
 
@@ -49,12 +51,40 @@ def _no_images(message: dict[str, Any], param: str | None = None) -> None:
                              param=f"{param}.images" if param else "images")
 
 
-def _calls(message: dict[str, Any], i: int, unanswered: list[tuple[str, str]]) -> list[dict[str, Any]]:
+class _Unanswered:
+    """The tool calls not answered yet, in order: the earliest of a function, or of all, found in
+    constant time, so that matching a conversation's tool messages costs time linear in it."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[int, str] = OrderedDict()  # call number -> its function, unanswered
+        self._by_name: dict[str, deque[int]] = {}  # function -> its unanswered call numbers
+        self._ids: list[str] = []  # call number -> call id
+
+    def add(self, call_id: str, name: str) -> None:
+        self._order[len(self._ids)] = name
+        self._by_name.setdefault(name, deque()).append(len(self._ids))
+        self._ids.append(call_id)
+
+    def answer(self, name: Any) -> str | None:
+        """The id of the earliest unanswered call of `name` (of any function when None), now answered."""
+        if name is None:
+            if not self._order:
+                return None
+            number, called = self._order.popitem(last=False)
+            self._by_name[called].popleft()  # the earliest of all is the earliest of its function
+            return self._ids[number]
+        numbers = self._by_name.get(name) if isinstance(name, str) else None
+        if not numbers:
+            return None
+        number = numbers.popleft()
+        del self._order[number]
+        return self._ids[number]
+
+
+def _calls(message: dict[str, Any], i: int, unanswered: _Unanswered) -> list[dict[str, Any]]:
     """An assistant message's `tool_calls` as function_call items. Ollama's calls have no ids (its
     tool messages name the function instead): each gets one, and is remembered as unanswered."""
     calls = message["tool_calls"]
-    if not isinstance(calls, list):
-        raise InvalidRequest("`tool_calls` must be a list.", param=f"messages[{i}].tool_calls")
     items = []
     for j, call in enumerate(calls):
         param = f"messages[{i}].tool_calls[{j}]"
@@ -65,29 +95,46 @@ def _calls(message: dict[str, Any], i: int, unanswered: list[tuple[str, str]]) -
         call_id = call.get("id") if isinstance(call.get("id"), str) else f"call_{i}_{j}"
         items.append({"type": "function_call", "call_id": call_id, "name": fn["name"],
                       "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)})
-        unanswered.append((call_id, fn["name"]))
+        unanswered.add(call_id, fn["name"])
     return items
 
 
-def _answer(message: dict[str, Any], i: int, unanswered: list[tuple[str, str]]) -> dict[str, Any]:
+def _answer(message: dict[str, Any], i: int, unanswered: _Unanswered) -> dict[str, Any]:
     """A tool message as the output of the earliest unanswered call of its function (`tool_name`),
     or of the earliest unanswered call when it names none."""
-    name = message.get("tool_name") or message.get("name")
-    found = next((k for k, (_, called) in enumerate(unanswered) if name in (None, called)), None)
-    if found is None:
+    call_id = unanswered.answer(message.get("tool_name") or message.get("name"))
+    if call_id is None:
         raise InvalidRequest("A tool message must answer a tool call of an earlier assistant message.",
                              param=f"messages[{i}]")
-    call_id, _ = unanswered.pop(found)
     return {"type": "function_call_output", "call_id": call_id,
             "output": text_of(message.get("content") or "", f"messages[{i}].content")}
 
 
-def _input(messages: Any) -> list[dict[str, Any]]:
+def _capped(param: str, count: int, what: str = "items") -> None:
+    if count > MAX_ITEMS:
+        raise InvalidRequest(f"`{param}` has {count} {what}; at most {MAX_ITEMS} are allowed.", param=param)
+
+
+def _counted(messages: Any) -> list[Any]:
+    """`messages`, held to the item cap of every request (`MAX_ITEMS`) before any of them is read:
+    the messages, and apart the tool calls they make (each becomes an item of its own)."""
     if not isinstance(messages, list):
         raise InvalidRequest("`messages` must be a list of messages.", param="messages")
-    items: list[dict[str, Any]] = []
-    unanswered: list[tuple[str, str]] = []
+    _capped("messages", len(messages))
+    calls = 0
     for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") == "assistant" and message.get("tool_calls"):
+            if not isinstance(message["tool_calls"], list):
+                raise InvalidRequest("`tool_calls` must be a list.", param=f"messages[{i}].tool_calls")
+            calls += len(message["tool_calls"])
+    _capped("messages", calls, "tool calls")
+    return messages
+
+
+def _input(messages: Any) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    unanswered = _Unanswered()
+    for i, message in enumerate(_counted(messages)):
         if not isinstance(message, dict):
             raise InvalidRequest("A message is an object with `role` and `content`.", param=f"messages[{i}]")
         _no_images(message, f"messages[{i}]")
@@ -136,6 +183,7 @@ def _common(body: dict[str, Any], model_id: str, items: list[dict[str, Any]]) ->
     if tools:
         if not isinstance(tools, list):
             raise InvalidRequest("`tools` must be a list.", param="tools")
+        _capped("tools", len(tools))
         out["tools"] = [chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
     return out
 
@@ -237,9 +285,10 @@ def model_entry(model: dict[str, Any], header: dict[str, Any] | None) -> dict[st
 def running_entry(model: dict[str, Any], header: dict[str, Any] | None, kept: float | None,
                   idle_ttl: int) -> dict[str, Any]:
     """A loaded model as `/api/ps` lists it: kept `kept` seconds more (an app's `keep_alive`), else
-    for the idle time set; until unloaded when neither says (inf, 0)."""
+    for the idle time set; until unloaded when neither says (inf, 0), written as a century from now.
+    Whatever the time, the date is one `datetime` can hold (a NaN or a time past year 9999 is not)."""
     left = kept if kept is not None else idle_ttl or math.inf
-    until = datetime.now(UTC) + (timedelta(seconds=left) if left != math.inf else timedelta(days=365 * 100))
+    until = datetime.now(UTC) + timedelta(seconds=left if 0 <= left <= MAX_KEEP_ALIVE else FOREVER)
     size = (model.get("memory") or {}).get("total_bytes") or model.get("size_bytes") or 0
     return {**model_entry(model, header), "size": size, "size_vram": 0,
             "expires_at": until.isoformat().replace("+00:00", "Z"), "context_length": model.get("context_length")}

@@ -16,6 +16,8 @@ log = logging.getLogger(__name__)
 
 ON_RESTART = ("fail", "retry", "resume")
 MIB = 1024 * 1024
+# The longest a model may be kept loaded unused: the idle setting's maximum, and Ollama's `keep_alive`'s.
+MAX_IDLE_SECONDS = 365 * 86400
 
 DEFAULTS: dict[str, Any] = {
     "host": "127.0.0.1",
@@ -112,7 +114,7 @@ VALIDATORS: dict[str, Any] = {
     "parallel": _int_in(1, 64),
     "allowed_origins": _origins,
     "idempotency_ttl_seconds": _int_in(60, 365 * 86400),
-    "model_idle_ttl_seconds": _int_in(0, 365 * 86400),
+    "model_idle_ttl_seconds": _int_in(0, MAX_IDLE_SECONDS),
     "allowed_hosts": _str_list,
     "engine_mode": lambda v: v in ("auto", "fast", "safe"),
     "max_connections": _int_in(8, 65536),

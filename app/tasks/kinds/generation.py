@@ -99,7 +99,7 @@ class Generations(Kind):
         else:
             assert engine is not None
             runs = engine.seat()
-            self.pool.lease(claimed.task_id, engine)
+            self.pool.lease(claimed.task_id, engine, taken.client_id)
         job = self.jobs[claimed.task_id] = Job(claimed.task_id, runs)
         return self._run(job, task)
 
