@@ -110,6 +110,34 @@ async def test_slots_go_round_robin_between_apps(api: Any, service: Any) -> None
     assert order.index(other) <= 1, [(i == other, started[i]) for i in order]
 
 
+@pytest.mark.llama
+async def test_a_task_that_gives_its_slot_away_keeps_its_text_word_for_word(api: Any) -> None:
+    """On llama.cpp: one app's four tasks fill the slots; another app's request is answered while
+    all four still run, and the task that gave way continues from its committed text."""
+    apps = {}
+    for name in ("Writer", "Editor"):
+        _, token = await pair(api, ["responses:write", "tasks:read"], name=name)
+        apps[name] = {"Authorization": f"Bearer {token}"}
+    writer = [await start(api, {**LONG, "input": f"{COUNT} ({n})"}, apps["Writer"]) for n in range(4)]
+    await generating_together(api, writer, tokens=8)
+    resp, text = await raw(api, "POST", "/v1/responses", headers=apps["Editor"],
+                           json={"input": "Hi", "max_output_tokens": 3})
+    assert resp.status == 200 and json.loads(text)["usage"]["output_tokens"] == 3, text
+    assert [(await task(api, i))["status"] for i in writer].count("completed") == 0
+
+    gave_way = []
+    for task_id in writer:
+        done = await exact(api, task_id)
+        assert done["response"]["status"] == "incomplete" and done["attempt"] == 1, done
+        assert done["response"]["usage"]["output_tokens"] == 96
+        assert [e["type"] for e in done["events"]].count("response.output_item.added") == 1
+        for event in (e for e in done["events"] if e.get("preempted")):
+            committed = event["response"]["output_text"]  # what it had written when it gave way
+            assert committed and done["response"]["output_text"].startswith(committed)
+            gave_way.append(task_id)
+    assert len(gave_way) == 1, gave_way
+
+
 @pytest.mark.scripted(pace=20.0)
 async def test_each_task_shows_its_slot_or_its_place_in_the_queue(api: Any, service: Any) -> None:
     assert (await api.patch("/v1/settings", json={"parallel": 2})).status == 200
