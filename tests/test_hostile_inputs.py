@@ -311,6 +311,25 @@ def _all_connections(attack: Attack, _: Headless) -> None:
         _task_ended(attack, task_id, 15)
 
 
+@case("P7-one-app-holds-every-slot-with-four-long-tasks")
+def _every_slot(attack: Attack, _: Headless) -> None:
+    """Four background tasks of 4 000 tokens (20 s each here) took every `parallel` slot, and the
+    other app's request after the case waited for one of them to end (red team P7: 19 s)."""
+    created = [attack.send("/v1/responses", {"input": "Write a very long story.", "max_output_tokens": 4000,
+                                             "background": True}, within=5, expect=202, what=f"long task {n + 1}/4")
+               for n in range(4)]
+    ids = [answer.body["task"]["id"] for answer in created if answer is not None]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the other app comes once every slot is taken
+        tasks = [json.loads(exchange(attack.url, "GET", f"/v1/tasks/{task_id}",
+                                     headers={"Authorization": f"Bearer {attack.token}"})[1]) for task_id in ids]
+        if all(task["slot"] is not None for task in tasks):
+            attack.note(f"the four tasks hold slots {sorted(task['slot']['index'] for task in tasks)}")
+            return
+        time.sleep(0.1)
+    attack.bound(False, "the four long tasks held every slot within 10 s")
+
+
 def _gguf_bomb(path: Path) -> Path:
     """A 1 TiB sparse GGUF (128 MiB on disk) of 32 768 arrays of 2^22 empty strings: each array is
     under the per-array cap, and the file costs ~44 h to walk (red team N10)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -109,6 +110,34 @@ async def test_slots_go_round_robin_between_apps(api: Any, service: Any) -> None
     assert order.index(other) <= 1, [(i == other, started[i]) for i in order]
 
 
+@pytest.mark.llama
+async def test_a_task_that_gives_its_slot_away_keeps_its_text_word_for_word(api: Any) -> None:
+    """On llama.cpp: one app's four tasks fill the slots; another app's request is answered while
+    all four still run, and the task that gave way continues from its committed text."""
+    apps = {}
+    for name in ("Writer", "Editor"):
+        _, token = await pair(api, ["responses:write", "tasks:read"], name=name)
+        apps[name] = {"Authorization": f"Bearer {token}"}
+    writer = [await start(api, {**LONG, "input": f"{COUNT} ({n})"}, apps["Writer"]) for n in range(4)]
+    await generating_together(api, writer, tokens=8)
+    resp, text = await raw(api, "POST", "/v1/responses", headers=apps["Editor"],
+                           json={"input": "Hi", "max_output_tokens": 3})
+    assert resp.status == 200 and json.loads(text)["usage"]["output_tokens"] == 3, text
+    assert [(await task(api, i))["status"] for i in writer].count("completed") == 0
+
+    gave_way = []
+    for task_id in writer:
+        done = await exact(api, task_id)
+        assert done["response"]["status"] == "incomplete" and done["attempt"] == 1, done
+        assert done["response"]["usage"]["output_tokens"] == 96
+        assert [e["type"] for e in done["events"]].count("response.output_item.added") == 1
+        for event in (e for e in done["events"] if e.get("preempted")):
+            committed = event["response"]["output_text"]  # what it had written when it gave way
+            assert committed and done["response"]["output_text"].startswith(committed)
+            gave_way.append(task_id)
+    assert len(gave_way) == 1, gave_way
+
+
 @pytest.mark.scripted(pace=20.0)
 async def test_each_task_shows_its_slot_or_its_place_in_the_queue(api: Any, service: Any) -> None:
     assert (await api.patch("/v1/settings", json={"parallel": 2})).status == 200
@@ -138,6 +167,58 @@ async def test_each_task_shows_its_slot_or_its_place_in_the_queue(api: Any, serv
     assert value(samples, "lmsp_slots_total", model=DEFAULT_MODEL_ID) == 2
     listed = {t["id"]: t for t in (await (await api.get("/v1/tasks?limit=10")).json())["data"]}
     assert listed[queued[2]["id"]]["queue_position"] == 1 and listed[queued[0]["id"]]["slot"] is not None
+
+
+@pytest.mark.scripted(pace=40.0)
+async def test_one_app_fills_every_slot_until_another_apps_task_comes(api: Any, service: Any, script: Any) -> None:
+    """The red team's P7: one app's four long tasks held every slot, and another app's 3-token task
+    waited 19 s for one of them to end. Alone, an app still fills every slot; once another app's
+    task comes, the first app's task with the least output goes back to the queue, its output kept
+    word for word, and continues when a slot frees: each text is that of an uninterrupted run."""
+    apps = {}
+    for name in ("Writer", "Editor"):
+        _, token = await pair(api, ["responses:write", "tasks:read"], name=name)
+        apps[name] = {"Authorization": f"Bearer {token}"}
+    writer = [await start(api, {"input": "count", "max_output_tokens": 400, "background": True}, apps["Writer"])
+              for _ in range(4)]
+    await generating_together(api, writer)
+    path = service.pool.engines[0].model_path
+    assert service.pool.slots() == {path: (4, 4)}  # alone, it holds every slot
+
+    began = time.monotonic()
+    resp, text = await raw(api, "POST", "/v1/responses", headers=apps["Editor"],
+                           json={"input": "Hi", "max_output_tokens": 3})
+    answered = time.monotonic() - began
+    assert resp.status == 200 and json.loads(text)["usage"]["output_tokens"] == 3, text
+    assert answered < 2.0, f"the other app's 3-token task was answered after {answered:.1f} s"
+    # The task that gave way took the slot back in the commit that ended the other app's.
+    await poll(lambda: service.pool.slots() == {path: (4, 4)}, what="the writer's four tasks to run again")
+
+    # While another app's task runs, the listing says where each task stands.
+    editor = await start(api, {"input": "Hi", "max_output_tokens": 200, "background": True}, apps["Editor"])
+    await wait_status(api, editor, {"running"})
+    listed = {t["id"]: t for t in (await (await api.get("/v1/tasks?limit=10")).json())["data"]}
+    waiting = [listed[i] for i in writer if listed[i]["status"] == "queued"]
+    assert len(waiting) == 1, [(listed[i]["status"], listed[i]["slot"]) for i in writer]
+    assert waiting[0]["queue_position"] == 1 and waiting[0]["slot"] is None and waiting[0]["waiting_for"] == "slot"
+    assert waiting[0]["progress"]["output_tokens"] > 0 and waiting[0]["started_at"] is not None
+    running = [listed[i] for i in [*writer, editor] if listed[i]["status"] == "running"]
+    assert sorted(t["slot"]["index"] for t in running) == [0, 1, 2, 3]
+    assert all(t["queue_position"] is None for t in running)
+
+    whole = "".join(script.token(k) for k in range(400))  # the uninterrupted run's text
+    gave_way = 0
+    for task_id in writer:
+        done = await exact(api, task_id)
+        assert done["response"]["status"] == "incomplete" and done["response"]["output_text"] == whole, done["id"]
+        assert done["response"]["usage"]["output_tokens"] == 400 and done["attempt"] == 1
+        kinds = [e["type"] for e in done["events"]]
+        assert kinds.count("response.output_item.added") == 1 and kinds.count("response.content_part.added") == 1
+        queued = [e for e in done["events"] if e["type"] == "response.queued" and e.get("preempted")]
+        gave_way += len(queued)
+        assert all(e["response"]["status"] == "queued" and e["response"]["output_text"] for e in queued)
+    assert gave_way == 2, gave_way  # once for each of the other app's tasks
+    assert (await exact(api, editor))["response"]["usage"]["output_tokens"] == 200
 
 
 async def _running(api: Any, ids: list[str]) -> list[dict[str, Any]] | None:

@@ -84,6 +84,31 @@ def test_table_11_3(tmp_path: Path, found: str, policy: str) -> None:
             assert row["output_text"] == "Hello" and output.read(conn, task_id) == ([1, 2], "Hello")
 
 
+@pytest.mark.parametrize("policy", ["fail", "retry", "resume"])
+def test_a_task_that_gave_its_slot_away_is_recovered_as_a_running_one(tmp_path: Path, policy: str) -> None:
+    """Queued again with its output, for another app's task (app/tasks/kinds/generation.py): a
+    restart moves it as the running task it was, not as one that never started."""
+    conn = db.open_database(tmp_path / "lmsp.sqlite3").conn
+
+    def gave_way(conn: sqlite3.Connection) -> str:
+        task_id = _leftover(conn, RUNNING, policy)
+        machine.transition(conn, task_id, QUEUED, [("response.queued", {"preempted": True})])
+        return task_id
+
+    task_id = _tx(conn, gave_way)
+    _tx(conn, recovery.recover, "response")
+    row = records.one_task(conn, task_id)
+    last = records.events_after(conn, task_id, -1)[-1]
+    if policy == "fail":
+        assert row["status"] == FAILED and last["type"] == "response.failed"
+    elif policy == "retry":  # a new attempt, from nothing
+        assert row["status"] == QUEUED and last["type"] == "response.queued" and last["output_reset"] is True
+        assert row["attempt"] == 2 and row["output_text"] == "" and row["started_at"] is None
+    else:  # it continues from its output, word for word, when it is taken again
+        assert row["status"] == QUEUED and last.get("preempted") is True
+        assert row["attempt"] == 1 and output.read(conn, task_id) == ([1, 2], "Hello")
+
+
 def test_recovery_is_idempotent(tmp_path: Path) -> None:
     conn = db.open_database(tmp_path / "lmsp.sqlite3").conn
     ids = [_tx(conn, _leftover, state, policy) for state, policy in TABLE]

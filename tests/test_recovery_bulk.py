@@ -15,7 +15,7 @@ from typing import Any
 
 from app.store import db
 from app.tasks import machine, output, recovery
-from app.tasks.states import CANCELLING, LOADING, RUNNING, UNFINISHED
+from app.tasks.states import CANCELLING, LOADING, QUEUED, RUNNING, UNFINISHED
 
 REQUESTS = [
     {"messages": []},
@@ -46,6 +46,13 @@ def leftover(conn: sqlite3.Connection, n: int, state: str, policy: str, request:
             output.append(conn, task_id, [1], chunk)
     if state == CANCELLING:
         machine.transition(conn, task_id, CANCELLING, [("response.cancelling", {})])
+    if state == QUEUED and text:  # it ran, then gave its slot to another app's task, its output kept
+        machine.transition(conn, task_id, LOADING, [("response.loading", {"progress": 0.0})])
+        machine.transition(conn, task_id, RUNNING, [("response.in_progress", {})], started_at=time.time())
+        machine.record(conn, task_id, (RUNNING,), [("response.output_text.delta", {"delta": text})],
+                       output_tokens=len(text))
+        output.append(conn, task_id, [1], text)
+        machine.transition(conn, task_id, QUEUED, [("response.queued", {"preempted": True})])
 
 
 def snapshot(path: Path) -> tuple[list[Any], list[Any], list[Any]]:
@@ -69,7 +76,7 @@ def test_the_moves_at_once_write_what_the_moves_one_by_one_write(tmp_path: Path)
     made.execute("BEGIN IMMEDIATE")
     cells = itertools.product(UNFINISHED, ("fail", "retry", "resume"), REQUESTS, ("", "Hello, wörld ✓ \"q\"\n"))
     for n, (state, policy, request, text) in enumerate(cells):
-        leftover(made, n, state, policy, request, text if state in (RUNNING, CANCELLING) else "")
+        leftover(made, n, state, policy, request, text if state in (RUNNING, CANCELLING, QUEUED) else "")
     made.execute("COMMIT")
     made.close()
     shutil.copy(tmp_path / "made.sqlite3", tmp_path / "one.sqlite3")
@@ -79,7 +86,7 @@ def test_the_moves_at_once_write_what_the_moves_one_by_one_write(tmp_path: Path)
     one.execute("BEGIN IMMEDIATE")
     marks = ",".join("?" * len(UNFINISHED))
     expected = {}
-    for task in one.execute(f"SELECT id, status, on_restart, attempt FROM tasks WHERE status IN ({marks})",
+    for task in one.execute(f"SELECT id, status, on_restart, attempt, started_at FROM tasks WHERE status IN ({marks})",
                             UNFINISHED).fetchall():
         move = recovery._move(one, task)
         expected[move] = expected.get(move, 0) + 1

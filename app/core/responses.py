@@ -86,10 +86,13 @@ class Responses:
             if offer is not None:
                 self.scheduler.settle(offer, claimed)
             # Not when the room offered was for other kinds of model than this task's: whatever
-            # frees room for it wakes the scheduler then. Nor when a claim sharing the offer took
-            # the room first: that one wakes it.
+            # frees room for it wakes the scheduler then (a share of an engine that one app fills
+            # is freed for it now). Nor when a claim sharing the offer took the room first: that
+            # one wakes it.
             if offer is None or claimed is not None:
                 self.scheduler.wake()
+            else:
+                self.scheduler.make_way()
 
     async def claim_key(self, owner: str, idempotency_key: str, method: str, path: str,
                         body: Any) -> idempotency.Stored | None:

@@ -212,6 +212,8 @@ def _suffix(event: dict[str, Any]) -> str:
         return f" ({int(event['progress'] * 100)} %)"
     if event.get("output_reset"):
         return f" (attempt {event.get('attempt')}, output reset)"
+    if event.get("preempted"):
+        return " (gave its slot to another app's task; its output is kept)"
     return ""
 
 

@@ -46,7 +46,8 @@ from app.gui.task_table import (
 
 LOAD_LIMIT = 200
 BATCH_SECONDS = 0.1
-# Events of a task leaving the queue (to load, or cancelled) or joining it (a retry): the others move.
+# Events of a task leaving the queue (to load, or cancelled) or joining it (a retry, or giving its
+# slot to another app's task): the others move.
 QUEUE_MOVES = {"response.loading", "response.cancelled", "response.queued"}
 
 

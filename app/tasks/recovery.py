@@ -11,6 +11,9 @@ transaction:
     cancelling       cancelled   cancelled   cancelled
 
 The same rules move a running task whose engine child died beneath it (`after_engine_death`).
+A queued task that had run (it gave its slot to another app's task, output kept: its
+`started_at` says so) is moved as a running one: `retry` starts it again from nothing, `resume`
+leaves it queued to continue from its output.
 
 At start they move every leftover at once, in a few statements (`_move_all`): a heavy user's
 100 000 unfinished tasks moved one by one took 7 s before the port opened. The events are built
@@ -28,7 +31,7 @@ from collections import Counter, defaultdict
 
 from app.tasks import machine, output
 from app.tasks.machine import RESPONSE
-from app.tasks.states import CANCELLED, CANCELLING, FAILED, LOADING, QUEUED, RUNNING, UNFINISHED
+from app.tasks.states import CANCELLED, CANCELLING, FAILED, QUEUED, RUNNING, UNFINISHED
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +59,8 @@ def _move(conn: sqlite3.Connection, task: sqlite3.Row) -> str:
         machine.transition(conn, task["id"], FAILED,
                            [("response.failed", {"response": RESPONSE, "error": RESTARTED})],
                            error_code=RESTARTED["code"], error_message=RESTARTED["message"], finished_at=now)
-    elif to == QUEUED and status in (LOADING, RUNNING):
-        _requeue(conn, task, status)
+    elif to == QUEUED and (status != QUEUED or task["on_restart"] == "retry" and task["started_at"] is not None):
+        _requeue(conn, task, status)  # from loading or running, or queued after it ran: `retry` starts again
     # queued stays queued and a resumed running task stays running: no transition to write.
     return f"{status}->{to}"
 
@@ -96,8 +99,8 @@ def recover(conn: sqlite3.Connection, kind: str) -> dict[str, int]:
         counts[f"{status}->{target(status, policy)}"] += n
     _plan(conn, kind)
     # A forced function call's output item is parsed by Python (calls.item): moved one by one.
-    for task in conn.execute("SELECT t.id, t.status, t.on_restart, t.attempt FROM recovery_moves m JOIN tasks t "
-                             "ON t.id = m.task_id JOIN responses r ON r.id = t.response_id "
+    for task in conn.execute("SELECT t.id, t.status, t.on_restart, t.attempt, t.started_at FROM recovery_moves m "
+                             "JOIN tasks t ON t.id = m.task_id JOIN responses r ON r.id = t.response_id "
                              "WHERE r.request ->> '$.call'").fetchall():
         conn.execute("DELETE FROM recovery_moves WHERE task_id = ?", (task["id"],))
         _move(conn, task)
@@ -120,8 +123,8 @@ def _plan(conn: sqlite3.Connection, kind: str) -> None:
                     ELSE 'response.queued' END,
                attempt + (status <> 'cancelling' AND on_restart = 'retry')
         FROM tasks WHERE kind = ? AND (status = 'cancelling' OR on_restart = 'fail' AND status IN ('queued', 'loading',
-            'running') OR on_restart = 'retry' AND status IN ('loading', 'running') OR on_restart = 'resume'
-            AND status = 'loading')""", (kind,))
+            'running') OR on_restart = 'retry' AND (status IN ('loading', 'running') OR status = 'queued'
+            AND started_at IS NOT NULL) OR on_restart = 'resume' AND status = 'loading')""", (kind,))
 # The event of a move, as machine.transition writes it (records.in_event(records.response_object)):
 # the same keys in the same order, the output as it stands after the move (none, once requeued).
 _EVENT = """json_object(

@@ -76,6 +76,13 @@ class Scheduler:
     def wake(self) -> None:
         self._wake.set()
 
+    def make_way(self) -> None:
+        """A task waits and no claim took it: each kind may free room by its share rules
+        (`Kind.make_way`), but not for kinds that "pause new tasks" holds: none would start."""
+        for kind in self.kinds.values():
+            if not (self.paused and kind.holds_on_pause):
+                kind.make_way()
+
     def set_paused(self, paused: bool) -> None:
         self.paused = paused
         self.wake()
@@ -160,6 +167,7 @@ class Scheduler:
             offer = self.offer()
             if offer is None:
                 self._after_offer = self._offer is not None
+                self.make_way()
                 await self._wake.wait()
                 continue
             claimed, failure = None, None
@@ -174,6 +182,7 @@ class Scheduler:
                 continue
             backoff.reset()
             if claimed is None:
+                self.make_way()
                 await self._wake.wait()
 
     async def stop(self, grace: float = 5.0) -> None:

@@ -9,7 +9,7 @@ TERMINAL = (COMPLETED, FAILED, CANCELLED)
 
 # to-state -> the states it may be reached from
 ALLOWED: dict[str, tuple[str, ...]] = {
-    QUEUED: (QUEUED, LOADING, RUNNING),  # re-queued by recovery (retry/resume)
+    QUEUED: (QUEUED, LOADING, RUNNING),  # re-queued by recovery (retry/resume), or giving its slot away
     LOADING: (QUEUED,),
     RUNNING: (LOADING, RUNNING),
     CANCELLING: (LOADING, RUNNING),

@@ -16,6 +16,7 @@ from app.gui.dashboard import Dashboard
 from app.gui.session import Session
 from app.gui.task_table import ELAPSED, ID_ROLE, PROGRESS, PROGRESS_ROLE, STATUS
 from app.gui.tray import Tray
+from tests.test_api import add_client
 
 # Scripted engines (tests/scripted.py) at about llama.cpp's pace with the default model: the
 # dashboard follows tasks and models, whatever text they hold.
@@ -176,3 +177,34 @@ async def test_the_table_shows_each_task_s_slot_or_place_in_the_queue(session: S
     for task_id in (i for i in ids if i != first):
         await session.service.tasks.cancel(owner, "task", task_id)
     await until(lambda: {cell(dash, i, STATUS) for i in ids} == {"cancelled"}, 30, "all cancelled")
+
+
+async def test_a_task_that_gives_its_slot_to_another_app_says_so(session: Session, owner: Client,
+                                                                  until: Until) -> None:
+    """The red team's P7 in the Tasks tab: the owner's two tasks fill both slots, another app's
+    task takes one of them at once; the owner's task that gave way shows first in the queue, and
+    its log says why."""
+    service = session.service
+    await service.settings.update({"parallel": 2})
+    other = await service.access.authenticate(await add_client(service, "client_other", ["responses:write"]))
+    assert other is not None
+    dash = Dashboard(session)
+    dash.show()
+    mine = [(await make_task(service, owner, tokens=2000, text=f"Story {n}."))["task"]["id"] for n in range(2)]
+    both = {"running · slot 1 of 2", "running · slot 2 of 2"}
+    await until(lambda: {cell(dash, i, STATUS) for i in mine} == both, 30, "the owner's tasks in both slots")
+    theirs = (await make_task(service, other, tokens=2000))["task"]["id"]
+
+    def shown() -> list[str]:
+        return sorted(cell(dash, i, STATUS) for i in [*mine, theirs])
+
+    await until(lambda: shown() == ["queued #1 · waits for a slot", *sorted(both)], 10, "one of them gave way")
+    assert cell(dash, theirs, STATUS).startswith("running")
+    gave_way = next(i for i in mine if cell(dash, i, STATUS).startswith("queued"))
+    select(dash, gave_way)
+    log = dash.tasks.detail.log
+    await until(lambda: any("gave its slot to another app's task" in log.item(i).text() for i in range(log.count())),
+                10, "the log says why it waits")
+    for task_id in [*mine, theirs]:  # they end here, not while the service stops under the test's feet
+        await service.tasks.cancel(owner, "task", task_id)
+    await until(lambda: {cell(dash, i, STATUS) for i in [*mine, theirs]} == {"cancelled"}, 30, "all cancelled")

@@ -64,9 +64,13 @@ class EnginePool:
             if not self.busy(engine):
                 engine.parallel = parallel
 
+    def holders(self, engine: Engine) -> list[str]:
+        """The tasks that hold a slot of this engine."""
+        return [task_id for task_id, (leased, _) in self._leases.items() if leased is engine]
+
     def running(self, engine: Engine) -> int:
         """How many tasks hold a slot of this engine."""
-        return sum(leased is engine for leased, _ in self._leases.values())
+        return len(self.holders(engine))
 
     def busy(self, engine: Engine) -> bool:
         return self.running(engine) > 0

@@ -122,6 +122,10 @@ class Kind(ABC):
     def halt(self) -> None:
         """The service stops: stop what runs, keeping what the next start's recovery needs."""
 
+    def make_way(self) -> None:  # noqa: B027 - only generations share out their room: not abstract
+        """On the loop, when a task waits and no claim took it: free room by the kind's own share
+        rules, if they say so (Generations: one app holding every slot of an engine)."""
+
     def close(self) -> None:  # noqa: B027 - most kinds have nothing to close: not abstract
         """After the workers have ended (or were given up on)."""
 

@@ -12,6 +12,18 @@ machine is taken from llama.cpp's threads, and nobody would see the difference. 
 arrives gets what is held back at once; a cancel writes it before it. A local engine's last
 token (it says so) is committed with the task's end, in the same transaction, and so is what
 is held back when a task ends. Whatever a crash loses after the last commit, `resume` regenerates.
+
+The share of an engine's slots (the red team's P7): while another app's task waits for a model,
+no app holds every slot of an engine that runs it (with `parallel` 1 apps only take turns). An
+app alone fills every slot: one kept back for an app that may never come would cost it a share of
+its throughput, and an app that did come would still wait for a long task to end (a full context
+is minutes). So the rule holds at both ends. A claim gives the last slot to an app that holds the
+others only when no other app's task is there to take it (`EngineRoom.crowded`). And once one app
+holds them all and another's task comes (`make_way`), the first app's task with the least output
+stops at a token and goes back to the queue with its output, word for word (`writes.requeue`),
+first of that app's: the other task takes its slot in the same commit, and the stopped one
+continues from its output, as `resume` does, when a slot frees. The cost of making way is that
+task reading its prompt and output again.
 """
 
 from __future__ import annotations
@@ -21,11 +33,13 @@ import contextlib
 import logging
 import sqlite3
 import time
-from collections.abc import Coroutine
+from collections import Counter
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 from app.engine.net.remote import RemoteEngine
-from app.engine.parent.engine import EngineError, Generation, Runs
+from app.engine.parent.engine import Engine, EngineError, Generation, Runs
+from app.engine.registry.models import Registered
 from app.errors import LmspError, StoreError
 from app.tasks import calls, machine, records, recovery
 from app.tasks.kinds import generation_writes as writes
@@ -62,6 +76,8 @@ class Generations(Kind):
         self.last_client = ""  # whose task was taken last: the next queued one is another's
         self.deaths: dict[str, int] = {}  # engine deaths each task has outlived
         self._stopping = False
+        self._making_way: asyncio.Task[None] | None = None  # `make_way`'s look, while it runs
+        self._look_again = False  # asked again while it ran: it may have read before the task asking
         self.bus.on_watch(self._hurry)
 
     async def write(self, fn: Any, *args: Any) -> Any:
@@ -81,7 +97,17 @@ class Generations(Kind):
         if not names:
             return None
         return EngineRoom(names, tuple(self.jobs), engine, engine.ready() if engine else None, shared,
-                          shared.ready() if shared else None, self.last_client)
+                          shared.ready() if shared else None, self.last_client,
+                          self._crowded([shared] if shared else []))
+
+    def _crowded(self, engines: Iterable[Engine]) -> tuple[str, ...]:
+        """The clients that hold all but one of the slots (or all) of one of these engines of several."""
+        crowded: set[str] = set()
+        for engine in engines:
+            if engine.parallel > 1:
+                held = Counter(self.jobs[task_id].client_id for task_id in self.pool.holders(engine))
+                crowded.update(client for client, n in held.items() if n >= engine.parallel - 1)
+        return tuple(sorted(crowded))
 
     def claim(self, conn: sqlite3.Connection, room: Room) -> Claimed | None:
         assert isinstance(room, EngineRoom)
@@ -100,8 +126,47 @@ class Generations(Kind):
             assert engine is not None
             runs = engine.seat()
             self.pool.lease(claimed.task_id, engine, taken.client_id)
-        job = self.jobs[claimed.task_id] = Job(claimed.task_id, runs)
+        job = self.jobs[claimed.task_id] = Job(claimed.task_id, runs, taken.client_id)
         return self._run(job, task)
+
+    def make_way(self) -> None:
+        """A task waits: if one client's tasks fill an engine of several slots while another
+        client's task waits for its model, the first client's task with the least output gives its
+        slot back (see the module's docstring). The look reads the queue: it runs beside."""
+        if self._stopping:
+            return
+        if self._making_way is not None:
+            self._look_again = True
+        elif self._filled():
+            self._making_way = asyncio.create_task(self._make_way(), name="lmsp-make-way")
+
+    def _filled(self) -> list[tuple[Registered, Job]]:
+        """Each engine of several slots that one client's tasks fill, none of them already making
+        way, with that client's task to stop: the fewest tokens to read again, the newest of those."""
+        found = []
+        for engine in self.pool.engines:
+            jobs, file = [self.jobs[task_id] for task_id in self.pool.holders(engine)], engine.ready()
+            if (file is not None and 1 < engine.parallel <= len(jobs)
+                    and len({job.client_id for job in jobs}) == 1 and not any(job.preempted for job in jobs)):
+                found.append((file, min(jobs, key=lambda job: (job.tokens, -job.started))))
+        return found
+
+    async def _make_way(self) -> None:
+        try:
+            while True:
+                self._look_again = False
+                for file, job in self._filled():
+                    if (await self.store.read(writes.waits_for, self.name, file, job.client_id)
+                            and job.task_id in self.jobs and not job.preempted):
+                        log.info("task %s: gives its slot to another app's task, and waits", job.task_id)
+                        job.preempted = True
+                        job.engine.cancel()
+                if not self._look_again:
+                    return
+        except WRITE_ERRORS as exc:  # a read the store refused: the next task that waits looks again
+            log.warning("cannot look for tasks waiting for a slot (%s)", exc)
+        finally:
+            self._making_way = None
 
     def cancel(self, task_id: str) -> None:
         """The database already says `cancelling`; stop the generation."""
@@ -113,7 +178,8 @@ class Generations(Kind):
         """Where each of these tasks stands: `queue_position` (1: the next to run) while queued
         (the queue is read only when one of them is), `slot` (app/engine/parent/pool.py
         `slot_of`) while it runs on a local engine."""
-        order = await self.store.read(writes.queue_order, self.name, self.last_client) if queued else []
+        crowded = self._crowded(self.pool.engines)
+        order = await self.store.read(writes.queue_order, self.name, crowded, self.last_client) if queued else []
         position = {task_id: n for n, task_id in enumerate(order, 1)}
         return {task_id: {"queue_position": position.get(task_id), "slot": self.pool.slot_of(task_id)}
                 for task_id in task_ids}
@@ -194,8 +260,7 @@ class Generations(Kind):
         if not task.running:
             # `running` commits while the engine reads the prompt, so its fsync is not added to
             # the wait for the first token; nothing else of the task is written before it has.
-            job.starting = asyncio.ensure_future(self.write(
-                writes.start_running, job.task_id, job.item_id, task.request.call))
+            job.starting = asyncio.ensure_future(self.write(writes.start_running, task))
             job.starting.add_done_callback(lambda _: settle_start(job))
         job.started = time.monotonic()  # tokens/s counts generation, not the model load
         failure: EngineError | None = None
@@ -277,7 +342,9 @@ class Generations(Kind):
         if job.error is not None:
             raise job.error
         if reason == "cancelled":
-            if await self.write(writes.cancelled, job.task_id) is None:
+            if job.preempted and not self._stopping:
+                await self._requeue(job)
+            elif await self.write(writes.cancelled, job.task_id) is None:
                 await self._flush(job)  # shutting down: keep the snapshot, recovery decides
             return
         last = job.take()
@@ -291,6 +358,13 @@ class Generations(Kind):
         self._leave(job.task_id)
         if await self.host.end_and_claim(writes.complete, job.task_id, last, ending, reason, usage) is None:
             await self.write(writes.cancelled, job.task_id)
+
+    async def _requeue(self, job: Job) -> None:
+        """Back to the queue with its output (`make_way`); in the same commit, the slot it freed goes
+        to the task waiting for it."""
+        self._leave(job.task_id)
+        if await self.host.end_and_claim(writes.requeue, job.task_id, job.take()) is None:
+            await self.write(writes.cancelled, job.task_id)  # a cancel was accepted meanwhile
 
     async def _outlive(self, task_id: str, failure: EngineError) -> bool:
         """After its engine child died beneath it, the task runs again as its `on_restart` says

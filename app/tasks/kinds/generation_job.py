@@ -22,13 +22,15 @@ from app.tasks.kinds.base import Room
 class EngineRoom(Room):
     """A generation's room: an engine no task holds and the model file it holds ready, if any;
     an engine with tasks running and a slot free beside them, and the model they run; whose task
-    was taken last (the next queued one is another client's). `gguf` is among the names when
-    either engine is there."""
+    was taken last (the next queued one is another client's); the clients that hold all but one
+    of the shared engine's slots (their turns come last). `gguf` is among the names when either
+    engine is there."""
     engine: Engine | None
     ready: Registered | None
     shared: Engine | None
     holds: Registered | None
     last_client: str
+    crowded: tuple[str, ...] = ()
 
     def engine_for(self, file: Registered | None) -> tuple[Engine | None, Registered | None]:
         """The engine a task of this model file runs on (beside the tasks of its model, if it can),
@@ -66,6 +68,7 @@ class Job:
     """A task on an engine, with its output so far."""
     task_id: str
     engine: Runs
+    client_id: str = ""     # whose task it is: the share of an engine's slots is counted by client
     text: str = ""          # all the output text, for the final `output_text.done`
     tokens: int = 0         # output tokens produced, a resumed snapshot's included
     ids: list[int] = field(default_factory=list)  # produced, not yet written
@@ -82,6 +85,7 @@ class Job:
     # what is left is written in the transaction that ends (or fails, or restarts) the task.
     ending: bool = False
     written_at: float = 0.0  # when the last write of its output began
+    preempted: bool = False  # stopped to give its slot to another app's task: it goes back to the queue
     hurry: asyncio.Event = field(default_factory=asyncio.Event)  # the next write goes at once
 
     def add(self, ids: list[int], text: str, tokens: int) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from dataclasses import replace
@@ -46,7 +47,9 @@ def take(conn: sqlite3.Connection, kind: str, room: EngineRoom) -> Taken | None:
     """The next task of `kind` to run in `room` (its names: a local engine `gguf`, `remote`): a
     resumed `running` task first, else a queued one, round-robin by client: the oldest of the
     first client after the last one served (in id order, wrapping around) that has one. A client
-    with 50 queued tasks delays another's single task by one task, not 50. When the engine offered
+    with 50 queued tasks delays another's single task by one task, not 50. A client that holds all
+    but one of the shared engine's slots (`room.crowded`) comes after every other: it takes the
+    last slot only when no other client's task is there to take it. When the engine offered
     holds the task's model, the task is `running` in the same commit. With no engine free, only
     a task of the model an engine with a slot free runs is taken for it. None when nothing waits."""
     busy, formats = room.busy, room.names
@@ -64,8 +67,8 @@ def take(conn: sqlite3.Connection, kind: str, room: EngineRoom) -> Taken | None:
     if row is not None:
         task = _prepare(conn, row["id"])
         return Taken(row["id"], row["client_id"], row["format"], [], task, room.engine_for(_file(task))[0])
-    row = conn.execute(f"{tasks} AND t.status = 'queued' ORDER BY r.client_id <= ?, r.client_id, t.created_at LIMIT 1",
-                       (*args, room.last_client)).fetchone()
+    row = conn.execute(f"{tasks} AND t.status = 'queued' ORDER BY {_TURNS} LIMIT 1",
+                       (*args, *_turns(room.crowded, room.last_client))).fetchone()
     if row is None:
         return None
     events = machine.transition(conn, row["id"], LOADING, [("response.loading", {"progress": 0.0})])
@@ -75,8 +78,7 @@ def take(conn: sqlite3.Connection, kind: str, room: EngineRoom) -> Taken | None:
     engine, ready = room.engine_for(file)
     if file is not None and file == ready:
         # Nothing to load: the task starts running in this commit, not in one of its own.
-        started = start_running(conn, row["id"], records.message_id(task.row["response_id"]),
-                                task.request.call)
+        started = start_running(conn, task)
         assert started is not None
         events, task = events + started, replace(task, running=True)
     return Taken(row["id"], row["client_id"], row["format"], events, task, engine)
@@ -86,13 +88,23 @@ def _file(task: Prepared) -> models.Registered | None:
     return models.registered(task.model) if task.model is not None else None
 
 
-def queue_order(conn: sqlite3.Connection, kind: str, last_client: str) -> list[str]:
-    """The queued tasks of `kind` in the order `take` would take them: clients in turn (in id
-    order, from the first after `last_client`, wrapping around), each its oldest task."""
+# The order of clients' turns, then each client's tasks oldest first (`_turns` gives its values):
+# the crowded clients last, then the others from the first after the last served, wrapping around.
+_TURNS = "r.client_id IN (SELECT value FROM json_each(?)), r.client_id <= ?, r.client_id, t.created_at"
+
+
+def _turns(crowded: tuple[str, ...], last_client: str) -> tuple[str, str]:
+    return json.dumps(crowded), last_client
+
+
+def queue_order(conn: sqlite3.Connection, kind: str, crowded: tuple[str, ...], last_client: str) -> list[str]:
+    """The queued tasks of `kind` in the order `take` would take them: clients in turn (the crowded
+    last, the others in id order from the first after `last_client`, wrapping around), each its
+    oldest task."""
     queues: dict[str, list[str]] = {}
     for row in conn.execute("SELECT t.id, r.client_id FROM tasks t JOIN responses r ON r.id = t.response_id "
-                            "WHERE t.kind = ? AND t.status = 'queued' ORDER BY r.client_id <= ?, r.client_id, "
-                            "t.created_at", (kind, last_client)):
+                            f"WHERE t.kind = ? AND t.status = 'queued' ORDER BY {_TURNS}",
+                            (kind, *_turns(crowded, last_client))):
         queues.setdefault(row["client_id"], []).append(row["id"])
     turns = list(queues.values())
     return [queue[k] for k in range(max(map(len, turns), default=0)) for queue in turns if k < len(queue)]
@@ -113,20 +125,44 @@ def reset_output(conn: sqlite3.Connection, task_id: str, resume_mode: str) -> li
         attempt=task["attempt"] + 1, output_tokens=0, tokens_per_second=None)
 
 
-def start_running(conn: sqlite3.Connection, task_id: str, item_id: str, call: bool) -> list[machine.Event] | None:
+def start_running(conn: sqlite3.Connection, task: Prepared) -> list[machine.Event] | None:
     # The output message and its text part open before the first delta, as OpenAI's stream does:
     # the openai SDK's `responses.stream()` helper refuses deltas for an item it was not given.
-    # A function call's item opens once its name is decoded (calls.CallStream).
+    # A function call's item opens once its name is decoded (calls.CallStream). A task that gave
+    # its slot away (`requeue`) and starts again has them open already, and keeps its first start
+    # (a new attempt has neither: recovery's requeue clears its `started_at`).
+    row = task.row
+    item_id = records.message_id(row["response_id"])
     item = {"type": "message", "id": item_id, "role": "assistant", "status": "in_progress", "content": []}
     part = {"type": "output_text", "text": "", "annotations": []}
-    opened = [] if call else [
+    opened = [] if task.request.call or row["started_at"] is not None else [
         ("response.output_item.added", {"output_index": 0, "item": item}),
         ("response.content_part.added", {"item_id": item_id, "output_index": 0, "content_index": 0, "part": part})]
-    return machine.transition(conn, task_id, RUNNING, [
+    return machine.transition(conn, row["id"], RUNNING, [
         ("response.loading", {"progress": 1.0}),
         ("response.in_progress", {"response": RESPONSE}),
         *opened,
-    ], only_from=(LOADING,), started_at=time.time())
+    ], only_from=(LOADING,), started_at=row["started_at"] or time.time())
+
+
+def requeue(conn: sqlite3.Connection, task_id: str, held: Chunk) -> list[machine.Event] | None:
+    """Back to the queue with its output so far, `held` included, word for word: the task gave its
+    slot to another app's (`Generations.make_way`) and, taken again, continues from there."""
+    saved = save_output(conn, task_id, held)
+    if saved is None:
+        return None
+    queued = machine.transition(conn, task_id, QUEUED, [("response.queued", {"response": RESPONSE, "preempted": True})],
+                                only_from=(RUNNING,), tokens_per_second=None)
+    assert queued is not None
+    return saved + queued
+
+
+def waits_for(conn: sqlite3.Connection, kind: str, file: models.Registered, client_id: str) -> bool:
+    """Whether a queued task of `kind` of another client than `client_id` is for this model file."""
+    return conn.execute("SELECT 1 FROM tasks t JOIN responses r ON r.id = t.response_id JOIN models m "
+                        "ON m.id = r.model_id WHERE t.kind = ? AND t.status = 'queued' AND r.client_id <> ? "
+                        "AND m.path = ? AND m.digest = ? LIMIT 1",
+                        (kind, client_id, file.path, file.digest)).fetchone() is not None
 
 
 def save_output(conn: sqlite3.Connection, task_id: str, chunk: Chunk) -> list[machine.Event] | None:
