@@ -24,7 +24,7 @@ from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.errors import TooManyRequests
 from app.tasks import retention
 from tests.conftest import Headless, free_port
-from tests.helpers import http, pair_sync, wait_until
+from tests.helpers import http, pair_sync, wait_status, wait_until
 from tests.hub_server import FakeHub, HubFile
 
 pytestmark = pytest.mark.scripted(length=6)
@@ -339,6 +339,25 @@ async def test_each_app_without_a_token_has_its_part_of_the_shared_limits(servic
     await service.store.write(retention.purge_unstored, time.time() + 61)
     service.tasks.set_paused(False)
     await service.responses.create_response(one, prompt)
+
+
+async def test_each_app_without_a_token_is_an_app_of_its_own_to_models_and_slots(api: Any, service: Any) -> None:
+    """The apps without a token are one client, but each is an app of its own where apps are told
+    apart: one cannot unload (`keep_alive` 0) a model only another of them used (red team P4), and
+    they take turns for slots as paired apps do (P7)."""
+    await service.settings.update({"ollama_api": "open"})
+    await service.access.open_ollama()
+    shared = service.access.tokenless()
+    assert shared is not None
+    one, other = (dataclasses.replace(shared, party=party) for party in ("process 1", "process 2"))
+    assert one.app != other.app and one.id == other.id
+    created = await service.responses.create_response(other, {"input": "Count", "max_output_tokens": 3,
+                                                               "background": True})
+    await wait_status(api, created.body["task"]["id"])
+    await service.models.keep_loaded(DEFAULT_MODEL_ID, 0, one)  # only the other app used it
+    assert (await service.models.model(DEFAULT_MODEL_ID))["status"] == "loaded"
+    await service.models.keep_loaded(DEFAULT_MODEL_ID, 0, other)  # its own use alone: unloaded
+    assert (await service.models.model(DEFAULT_MODEL_ID))["status"] != "loaded"
 
 
 def test_keep_alive_is_finite_and_at_most_a_year_and_ps_always_answers(headless: Headless) -> None:

@@ -10,7 +10,7 @@ import sqlite3
 import time
 from dataclasses import dataclass
 
-from app.tasks.limits import PARTY_SHARE
+from app.tasks.limits import PARTY_SHARE, app_key
 
 SCOPES = ("models:read", "models:write", "responses:read", "responses:write",
           "tasks:read", "tasks:cancel", "metrics:read", "admin")
@@ -35,6 +35,11 @@ class Client:
 
     def allows(self, scope: str) -> bool:
         return self.is_admin or scope in self.scopes
+
+    @property
+    def app(self) -> str:
+        """Which app this is, where several share the client: its turns, slots and models go by it."""
+        return app_key(self.id, self.party)
 
     def share(self, limit: int) -> int:
         """This request's sender's part of a per-client `limit`: all of it, or a party's part."""

@@ -56,8 +56,8 @@ class Embeddings:
         self.bus = bus
         self.pool = pool
 
-    async def embed(self, body: Any, client_id: str) -> dict[str, Any]:
-        """The vectors of the texts `body` asks for, with the model it names (the app `client_id` used it)."""
+    async def embed(self, body: Any, app: str) -> dict[str, Any]:
+        """The vectors of the texts `body` asks for, with the model it names (`app` used it: `Client.app`)."""
         model_id, texts, encoding, dimensions = parse(body)
         try:
             model = await self.store.read(models.usable, model_id)
@@ -76,7 +76,7 @@ class Embeddings:
                 raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from exc
             status = {"model_load_failed": 422, "model_changed": 409, "engine_crashed": 503}.get(exc.code, 500)
             raise LmspError(exc.code, exc.message, status=status) from exc
-        self.pool.used(model["path"], client_id)
+        self.pool.used(model["path"], app)
         if done["fresh"]:
             self.bus.publish([{"type": "models.changed"}])
         # 2,048 vectors make 1.2 million numbers: made on a thread, not on the loop.

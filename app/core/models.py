@@ -242,7 +242,7 @@ class Models:
         except EngineError as exc:
             raise LmspError("model_load_failed", f"The model could not be loaded: {exc.message}", status=422) from exc
         self.model_load_seconds = time.monotonic() - started
-        self.pool.used(row["path"], client.id)
+        self.pool.used(row["path"], client.app)
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)
 
@@ -266,7 +266,7 @@ class Models:
         task on, or used within the idle time (since it was loaded, when none is set)."""
         row = await self.store.read(models.get, model_id)
         if not client.allows("models:write") and (
-                seconds != 0 or self.pool.others_use(row["path"] or "", client.id, self.idle_ttl())):
+                seconds != 0 or self.pool.others_use(row["path"] or "", client.app, self.idle_ttl())):
             return
         if seconds == 0:
             if not await self.pool.unload(row["path"]):

@@ -123,7 +123,7 @@ async def input_items(request: web.Request) -> web.Response:
 
 async def embeddings(request: web.Request) -> web.Response:
     body = await read_json(request)
-    answer = await unless_left(caller_left(request), request.app[SERVICE].embeddings.embed(body, request[CLIENT].id))
+    answer = await unless_left(caller_left(request), request.app[SERVICE].embeddings.embed(body, request[CLIENT].app))
     return web.Response(body=await asyncio.to_thread(_json_by_item, answer, "data"), content_type="application/json")
 
 

@@ -230,7 +230,8 @@ async def embeddings(request: web.Request) -> web.Response:
 async def _vectors(request: web.Request, model_id: str, texts: Any, dimensions: Any) -> dict[str, Any]:
     asked = {"model": model_id, "input": texts, **({"dimensions": dimensions} if dimensions else {})}
     try:
-        return await unless_left(caller_left(request), request.app[SERVICE].embeddings.embed(asked, request[CLIENT].id))
+        embeddings = request.app[SERVICE].embeddings
+        return await unless_left(caller_left(request), embeddings.embed(asked, request[CLIENT].app))
     except LmspError as exc:
         shapes.OllamaNames("prompt" if request.path.endswith("embeddings") else "input")(exc)
         raise

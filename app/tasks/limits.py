@@ -21,6 +21,14 @@ PURGE_INTERVAL_SECONDS = 600  # how often retention runs (app/core/housekeeping.
 # The apps that share one client (the Ollama listener's apps without a token, app/core/auth.py
 # `Client.party`) may each use this part of its per-client limits: one cannot spend them all.
 PARTY_SHARE = 4
+# One app: a client, or one party of a client that several apps share. Apps take turns in the
+# queue, share an engine's slots and use models (app/tasks/kinds/generation_writes.py, the engine
+# pool) under this key: `Client.app` in Python, APP over a `responses r` row in SQL.
+APP = "r.client_id || COALESCE(char(31) || r.party, '')"
+
+
+def app_key(client_id: str, party: str | None) -> str:
+    return client_id if party is None else f"{client_id}\x1f{party}"
 _UNFINISHED = ", ".join(f"'{status}'" for status in UNFINISHED)
 
 

@@ -37,7 +37,7 @@ class EnginePool:
         # Model files an app asked to keep loaded until a time (time.monotonic(); inf: for good),
         # whatever the idle setting says (Ollama's `keep_alive`).
         self._kept: dict[str, float] = {}
-        self._clients: dict[str, str] = {}  # task id -> the app whose task it is, while it holds a slot
+        self._apps: dict[str, str] = {}  # task id -> the app whose task it is (`Client.app`), while it holds a slot
         # Model file loaded -> each app that used it -> when last (time.monotonic()): what an app
         # without `models:write` may not unload from under the others (`others_use`).
         self._users: dict[str, dict[str, float]] = {}
@@ -88,42 +88,42 @@ class EnginePool:
         return next((e for e in self._engines[:self.capacity]
                      if 0 < self.running(e) < e.parallel and e.ready() is not None), None)
 
-    def lease(self, task_id: str, engine: Engine, client_id: str) -> None:
-        """Give the task (of the app `client_id`) the engine's lowest free slot."""
+    def lease(self, task_id: str, engine: Engine, app: str) -> None:
+        """Give the task (of `app`) the engine's lowest free slot."""
         taken = {slot for leased, slot in self._leases.values() if leased is engine}
         self._leases[task_id] = engine, min(set(range(engine.parallel)) - taken)
-        self._clients[task_id] = client_id
+        self._apps[task_id] = app
 
     def release(self, task_id: str) -> None:
         """The task no longer uses its engine (again is fine: a task hands its engine over first)."""
         engine, _ = self._leases.pop(task_id, (None, 0))
-        client_id = self._clients.pop(task_id, None)
-        if engine is not None and engine.model_path and client_id is not None:
-            self.used(engine.model_path, client_id)
+        app = self._apps.pop(task_id, None)
+        if engine is not None and engine.model_path and app is not None:
+            self.used(engine.model_path, app)
         if engine is not None and not self.busy(engine):
             engine.parallel = self.parallel
 
-    def used(self, path: str, client_id: str) -> None:
-        """The app `client_id` used the model file just now (a task on it ended, an embedding, a load)."""
+    def used(self, path: str, app: str) -> None:
+        """`app` used the model file just now (a task on it ended, an embedding, a load)."""
         for gone in self._users.keys() - self.loaded_paths():  # replaced by another model since
             del self._users[gone]
-        self._users.setdefault(path, {})[client_id] = time.monotonic()
+        self._users.setdefault(path, {})[app] = time.monotonic()
 
     def _forget_users(self, path: str | None) -> None:
         """Once no engine holds the model file, its next load starts with no one having used it."""
         if not self.holding(path):
             self._users.pop(path or "", None)
 
-    def others_use(self, path: str, client_id: str, within: float) -> bool:
-        """Whether apps other than `client_id` need the model file loaded: one keeps it so (`keep`),
+    def others_use(self, path: str, app: str, within: float) -> bool:
+        """Whether apps other than `app` need the model file loaded: one keeps it so (`keep`),
         runs a task on it, or used it less than `within` seconds ago (0: since it was loaded)."""
         now = time.monotonic()
         if self._kept.get(path, 0.0) > now:
             return True
-        if any(engine.model_path == path and self._clients.get(task_id) != client_id
+        if any(engine.model_path == path and self._apps.get(task_id) != app
                for task_id, (engine, _) in self._leases.items()):
             return True
-        return any(who != client_id and (not within or now - when <= within)
+        return any(who != app and (not within or now - when <= within)
                    for who, when in self._users.get(path, {}).items())
 
     def slot_of(self, task_id: str) -> dict[str, Any] | None:

@@ -73,7 +73,7 @@ class Generations(Kind):
         self.remote_capacity = 8      # tasks at once on remote endpoints (max_concurrent_remote_tasks)
         self.tokens_generated = 0     # since start, for /metrics
         self.last_tokens_per_second: float | None = None
-        self.last_client = ""  # whose task was taken last: the next queued one is another's
+        self.last_app = ""  # whose task was taken last: the next queued one is another's
         self.deaths: dict[str, int] = {}  # engine deaths each task has outlived
         self._stopping = False
         self._making_way: asyncio.Task[None] | None = None  # `make_way`'s look, while it runs
@@ -97,16 +97,16 @@ class Generations(Kind):
         if not names:
             return None
         return EngineRoom(names, tuple(self.jobs), engine, engine.ready() if engine else None, shared,
-                          shared.ready() if shared else None, self.last_client,
+                          shared.ready() if shared else None, self.last_app,
                           self._crowded([shared] if shared else []))
 
     def _crowded(self, engines: Iterable[Engine]) -> tuple[str, ...]:
-        """The clients that hold all but one of the slots (or all) of one of these engines of several."""
+        """The apps that hold all but one of the slots (or all) of one of these engines of several."""
         crowded: set[str] = set()
         for engine in engines:
             if engine.parallel > 1:
-                held = Counter(self.jobs[task_id].client_id for task_id in self.pool.holders(engine))
-                crowded.update(client for client, n in held.items() if n >= engine.parallel - 1)
+                held = Counter(self.jobs[task_id].app for task_id in self.pool.holders(engine))
+                crowded.update(app for app, n in held.items() if n >= engine.parallel - 1)
         return tuple(sorted(crowded))
 
     def claim(self, conn: sqlite3.Connection, room: Room) -> Claimed | None:
@@ -119,14 +119,14 @@ class Generations(Kind):
     def start(self, claimed: Claimed) -> Coroutine[Any, Any, None]:
         taken: writes.Taken = claimed.detail
         task, engine = taken.task, taken.engine
-        self.last_client = taken.client_id
+        self.last_app = taken.app
         if claimed.name == "remote":
             runs: Runs = RemoteEngine(self.upstreams)
         else:
             assert engine is not None
             runs = engine.seat()
-            self.pool.lease(claimed.task_id, engine, taken.client_id)
-        job = self.jobs[claimed.task_id] = Job(claimed.task_id, runs, taken.client_id)
+            self.pool.lease(claimed.task_id, engine, taken.app)
+        job = self.jobs[claimed.task_id] = Job(claimed.task_id, runs, taken.app)
         return self._run(job, task)
 
     def make_way(self) -> None:
@@ -147,7 +147,7 @@ class Generations(Kind):
         for engine in self.pool.engines:
             jobs, file = [self.jobs[task_id] for task_id in self.pool.holders(engine)], engine.ready()
             if (file is not None and 1 < engine.parallel <= len(jobs)
-                    and len({job.client_id for job in jobs}) == 1 and not any(job.preempted for job in jobs)):
+                    and len({job.app for job in jobs}) == 1 and not any(job.preempted for job in jobs)):
                 found.append((file, min(jobs, key=lambda job: (job.tokens, -job.started))))
         return found
 
@@ -156,7 +156,7 @@ class Generations(Kind):
             while True:
                 self._look_again = False
                 for file, job in self._filled():
-                    if (await self.store.read(writes.waits_for, self.name, file, job.client_id)
+                    if (await self.store.read(writes.waits_for, self.name, file, job.app)
                             and job.task_id in self.jobs and not job.preempted):
                         log.info("task %s: gives its slot to another app's task, and waits", job.task_id)
                         job.preempted = True
@@ -179,7 +179,7 @@ class Generations(Kind):
         (the queue is read only when one of them is), `slot` (app/engine/parent/pool.py
         `slot_of`) while it runs on a local engine."""
         crowded = self._crowded(self.pool.engines)
-        order = await self.store.read(writes.queue_order, self.name, crowded, self.last_client) if queued else []
+        order = await self.store.read(writes.queue_order, self.name, crowded, self.last_app) if queued else []
         position = {task_id: n for n, task_id in enumerate(order, 1)}
         return {task_id: {"queue_position": position.get(task_id), "slot": self.pool.slot_of(task_id)}
                 for task_id in task_ids}

@@ -29,7 +29,7 @@ class EngineRoom(Room):
     ready: Registered | None
     shared: Engine | None
     holds: Registered | None
-    last_client: str
+    last_app: str
     crowded: tuple[str, ...] = ()
 
     def engine_for(self, file: Registered | None) -> tuple[Engine | None, Registered | None]:
@@ -68,7 +68,7 @@ class Job:
     """A task on an engine, with its output so far."""
     task_id: str
     engine: Runs
-    client_id: str = ""     # whose task it is: the share of an engine's slots is counted by client
+    app: str = ""           # whose task it is (`writes.APP`): the share of an engine's slots is counted by app
     text: str = ""          # all the output text, for the final `output_text.done`
     tokens: int = 0         # output tokens produced, a resumed snapshot's included
     ids: list[int] = field(default_factory=list)  # produced, not yet written

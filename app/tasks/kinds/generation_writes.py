@@ -15,6 +15,7 @@ from app.engine.request import Request
 from app.errors import LmspError
 from app.tasks import calls, machine, output, records
 from app.tasks.kinds.generation_job import Chunk, EngineRoom, Prepared
+from app.tasks.limits import APP
 from app.tasks.machine import RESPONSE
 from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING
 
@@ -24,7 +25,7 @@ class Taken(NamedTuple):
     events taking it wrote, what it needs to start, and the local engine it runs on (worked out
     once, here: `Generations.start` uses it)."""
     task_id: str
-    client_id: str
+    app: str  # whose task it is: its client, or the party of a client several apps share (APP)
     name: str
     events: list[machine.Event]
     task: Prepared
@@ -54,7 +55,7 @@ def take(conn: sqlite3.Connection, kind: str, room: EngineRoom) -> Taken | None:
     a task of the model an engine with a slot free runs is taken for it. None when nothing waits."""
     busy, formats = room.busy, room.names
     # A task whose model was deleted is taken as a local one, and fails as such.
-    tasks = ("SELECT t.id, r.client_id, COALESCE(m.format, 'gguf') AS format FROM tasks t "
+    tasks = (f"SELECT t.id, {APP} AS app, COALESCE(m.format, 'gguf') AS format FROM tasks t "
              "JOIN responses r ON r.id = t.response_id LEFT JOIN models m ON m.id = r.model_id "
              f"WHERE t.kind = ? AND COALESCE(m.format, 'gguf') IN ({','.join('?' * len(formats))})")
     args: tuple[Any, ...] = (kind, *formats)
@@ -66,9 +67,9 @@ def take(conn: sqlite3.Connection, kind: str, room: EngineRoom) -> Taken | None:
                        (*args, *busy)).fetchone()
     if row is not None:
         task = _prepare(conn, row["id"])
-        return Taken(row["id"], row["client_id"], row["format"], [], task, room.engine_for(_file(task))[0])
+        return Taken(row["id"], row["app"], row["format"], [], task, room.engine_for(_file(task))[0])
     row = conn.execute(f"{tasks} AND t.status = 'queued' ORDER BY {_TURNS} LIMIT 1",
-                       (*args, *_turns(room.crowded, room.last_client))).fetchone()
+                       (*args, *_turns(room.crowded, room.last_app))).fetchone()
     if row is None:
         return None
     events = machine.transition(conn, row["id"], LOADING, [("response.loading", {"progress": 0.0})])
@@ -81,7 +82,7 @@ def take(conn: sqlite3.Connection, kind: str, room: EngineRoom) -> Taken | None:
         started = start_running(conn, task)
         assert started is not None
         events, task = events + started, replace(task, running=True)
-    return Taken(row["id"], row["client_id"], row["format"], events, task, engine)
+    return Taken(row["id"], row["app"], row["format"], events, task, engine)
 
 
 def _file(task: Prepared) -> models.Registered | None:
@@ -90,22 +91,22 @@ def _file(task: Prepared) -> models.Registered | None:
 
 # The order of clients' turns, then each client's tasks oldest first (`_turns` gives its values):
 # the crowded clients last, then the others from the first after the last served, wrapping around.
-_TURNS = "r.client_id IN (SELECT value FROM json_each(?)), r.client_id <= ?, r.client_id, t.created_at"
+_TURNS = f"{APP} IN (SELECT value FROM json_each(?)), {APP} <= ?, {APP}, t.created_at"
 
 
-def _turns(crowded: tuple[str, ...], last_client: str) -> tuple[str, str]:
-    return json.dumps(crowded), last_client
+def _turns(crowded: tuple[str, ...], last_app: str) -> tuple[str, str]:
+    return json.dumps(crowded), last_app
 
 
-def queue_order(conn: sqlite3.Connection, kind: str, crowded: tuple[str, ...], last_client: str) -> list[str]:
+def queue_order(conn: sqlite3.Connection, kind: str, crowded: tuple[str, ...], last_app: str) -> list[str]:
     """The queued tasks of `kind` in the order `take` would take them: clients in turn (the crowded
-    last, the others in id order from the first after `last_client`, wrapping around), each its
+    last, the others in id order from the first after `last_app`, wrapping around), each its
     oldest task."""
     queues: dict[str, list[str]] = {}
-    for row in conn.execute("SELECT t.id, r.client_id FROM tasks t JOIN responses r ON r.id = t.response_id "
+    for row in conn.execute(f"SELECT t.id, {APP} AS app FROM tasks t JOIN responses r ON r.id = t.response_id "
                             f"WHERE t.kind = ? AND t.status = 'queued' ORDER BY {_TURNS}",
-                            (kind, *_turns(crowded, last_client))):
-        queues.setdefault(row["client_id"], []).append(row["id"])
+                            (kind, *_turns(crowded, last_app))):
+        queues.setdefault(row["app"], []).append(row["id"])
     turns = list(queues.values())
     return [queue[k] for k in range(max(map(len, turns), default=0)) for queue in turns if k < len(queue)]
 
@@ -157,12 +158,12 @@ def requeue(conn: sqlite3.Connection, task_id: str, held: Chunk) -> list[machine
     return saved + queued
 
 
-def waits_for(conn: sqlite3.Connection, kind: str, file: models.Registered, client_id: str) -> bool:
-    """Whether a queued task of `kind` of another client than `client_id` is for this model file."""
+def waits_for(conn: sqlite3.Connection, kind: str, file: models.Registered, app: str) -> bool:
+    """Whether a queued task of `kind` of another app than `app` is for this model file."""
     return conn.execute("SELECT 1 FROM tasks t JOIN responses r ON r.id = t.response_id JOIN models m "
-                        "ON m.id = r.model_id WHERE t.kind = ? AND t.status = 'queued' AND r.client_id <> ? "
+                        f"ON m.id = r.model_id WHERE t.kind = ? AND t.status = 'queued' AND {APP} <> ? "
                         "AND m.path = ? AND m.digest = ? LIMIT 1",
-                        (kind, client_id, file.path, file.digest)).fetchone() is not None
+                        (kind, app, file.path, file.digest)).fetchone() is not None
 
 
 def save_output(conn: sqlite3.Connection, task_id: str, chunk: Chunk) -> list[machine.Event] | None:
