@@ -248,11 +248,18 @@ async def _arrived(request: web.Request) -> bytes:
         reading.cancel()
 
 
+# Where a body can hold a UTF-16 surrogate: only as an escape, as valid UTF-8 cannot encode one.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _decoded(raw: bytes) -> Any:
     try:
         value = json.loads(raw or b"null")
         # `"\ud800"` parses into a str that is not text: it cannot be stored or hashed (I-JSON forbids it).
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        # Encoding it all again to find out holds the GIL (and so /health) as long as parsing did:
+        # only a body with such an escape can have one.
+        if SURROGATE_ESCAPE.search(raw):
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise LmspError("invalid_json", "The body is not valid JSON text: it has a lone UTF-16 surrogate "
                         "(an unpaired \\ud800-\\udfff escape).", status=400) from None
