@@ -130,9 +130,9 @@ class Generations(Kind):
         return self._run(job, task)
 
     def make_way(self) -> None:
-        """A task waits: if one client's tasks fill an engine of several slots while another
-        client's task waits for its model, the first client's task with the least output gives its
-        slot back (see the module's docstring). The look reads the queue: it runs beside."""
+        """A task waits: if one app's tasks fill an engine of several slots while another app's
+        task waits for its model, the first app's task with the least output gives its slot back
+        (see the module's docstring). The look reads the queue: it runs beside."""
         if self._stopping:
             return
         if self._making_way is not None:
@@ -141,8 +141,8 @@ class Generations(Kind):
             self._making_way = asyncio.create_task(self._make_way(), name="lmsp-make-way")
 
     def _filled(self) -> list[tuple[Registered, Job]]:
-        """Each engine of several slots that one client's tasks fill, none of them already making
-        way, with that client's task to stop: the fewest tokens to read again, the newest of those."""
+        """Each engine of several slots that one app's tasks fill, none of them already making
+        way, with that app's task to stop: the fewest tokens to read again, the newest of those."""
         found = []
         for engine in self.pool.engines:
             jobs, file = [self.jobs[task_id] for task_id in self.pool.holders(engine)], engine.ready()
