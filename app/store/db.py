@@ -26,6 +26,10 @@ SQLITE_READONLY = 8
 SQLITE_CORRUPT = 11
 SQLITE_NOTADB = 26
 AUTO_VACUUM_INCREMENTAL = 2
+# What the WAL may keep of its size once a checkpoint has copied it all back (it keeps its largest
+# size otherwise, with old copies of deleted rows in it). Twice what `wal_autocheckpoint` lets it
+# grow to, so that a WAL of ordinary size is reused, not shrunk and grown again.
+WAL_SIZE_LIMIT = 8 * 1024 * 1024
 
 
 def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
@@ -43,6 +47,7 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA wal_autocheckpoint = 1000")
+        conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT}")
         # What is deleted is overwritten, not left in free pages: a `store: false` prompt or a
         # deleted response is gone from the file once the WAL is checkpointed.
         conn.execute("PRAGMA secure_delete = ON")
