@@ -77,14 +77,16 @@ def test_a_corrupt_database_moved_aside_stays_aside(powercut: Any) -> None:
     assert [p.name for p in mnt.iterdir()] == [aside]
 
 
-def test_a_downloaded_model_renamed_into_place_stays(powercut: Any) -> None:
-    """hub.place as the download kind calls it: the blob, its snapshot link and its ref survive."""
+@pytest.mark.parametrize("revision", ["main", "refs/pr/1"])
+def test_a_downloaded_model_renamed_into_place_stays(powercut: Any, revision: str) -> None:
+    """hub.place as the download kind calls it: the blob, its snapshot link and its ref survive,
+    the ref with the commit in it (other tools that share the cache read it)."""
     from app.engine.net import hub
 
     mnt = powercut.mount().mnt
     os.environ["HF_HOME"] = str(mnt / "hf")
     try:
-        remote = hub.Remote(repo="o/m", file="m.gguf", revision="main", commit="0" * 40, sha256="a" * 64,
+        remote = hub.Remote(repo="o/m", file="m.gguf", revision=revision, commit="0" * 40, sha256="a" * 64,
                             size=5, url="http://127.0.0.1:1/none")
         partial = hub.partial_path(remote, "dl_1")
         partial.parent.mkdir(parents=True)
@@ -92,6 +94,7 @@ def test_a_downloaded_model_renamed_into_place_stays(powercut: Any) -> None:
         blob = hub.place(remote, partial)
         mnt = cut_and_remount(powercut)
         assert blob.read_bytes() == b"model" and hub.pointer_path(remote).read_bytes() == b"model"
+        assert (hub.storage(remote.repo) / "refs" / revision).read_text() == remote.commit
         assert not partial.exists()
     finally:
         del os.environ["HF_HOME"]
