@@ -204,11 +204,7 @@ class Store:
             self._queue.put(None)  # the writer commits what is queued before it, then ends
             await asyncio.to_thread(self._writer.join)
         if conn is not None:
-            def close_writer() -> None:
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                conn.close()
-
-            await asyncio.to_thread(close_writer)
+            await asyncio.to_thread(db.close, conn)
         self._readers.shutdown(wait=True)
         for reader in self._reader_conns:
             reader.close()
