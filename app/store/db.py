@@ -116,9 +116,9 @@ def _check(conn: sqlite3.Connection) -> None:
 
 
 def _closed_cleanly(conn: sqlite3.Connection, version: int) -> bool:
-    found = version >= 1 and conn.execute("SELECT value FROM service_config WHERE key = ?", (CLOSED_CLEANLY,)
-                                          ).fetchone() is not None
-    return bool(found)
+    """Whether the last run recorded its clean close (`service_config` is there from schema 1)."""
+    return version >= 1 and conn.execute("SELECT 1 FROM service_config WHERE key = ?", (CLOSED_CLEANLY,)
+                                         ).fetchone() is not None
 
 
 def _probe(path: Path) -> tuple[int | None, bool]:
