@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,14 @@ from app.core.service import AppService
 from app.secrets import owner_vault
 from app.store import db
 from tests import scripted
-from tests.conftest import ROOT, Headless, Processes, scripted_app
+from tests.conftest import ROOT, Headless, Processes, scripted_app, wait_until
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def database_bytes(data_dir: Path) -> bytes:
+    """lmsp.sqlite3, -wal and -shm as they lie on the disk: what any program of the user reads."""
+    return b"".join(p.read_bytes() for p in data_dir.glob("lmsp.sqlite3*"))
 
 
 def cut_and_remount(powercut: Any) -> Path:
@@ -71,14 +77,16 @@ def test_a_corrupt_database_moved_aside_stays_aside(powercut: Any) -> None:
     assert [p.name for p in mnt.iterdir()] == [aside]
 
 
-def test_a_downloaded_model_renamed_into_place_stays(powercut: Any) -> None:
-    """hub.place as the download kind calls it: the blob, its snapshot link and its ref survive."""
+@pytest.mark.parametrize("revision", ["main", "refs/pr/1"])
+def test_a_downloaded_model_renamed_into_place_stays(powercut: Any, revision: str) -> None:
+    """hub.place as the download kind calls it: the blob, its snapshot link and its ref survive,
+    the ref with the commit in it (other tools that share the cache read it)."""
     from app.engine.net import hub
 
     mnt = powercut.mount().mnt
     os.environ["HF_HOME"] = str(mnt / "hf")
     try:
-        remote = hub.Remote(repo="o/m", file="m.gguf", revision="main", commit="0" * 40, sha256="a" * 64,
+        remote = hub.Remote(repo="o/m", file="m.gguf", revision=revision, commit="0" * 40, sha256="a" * 64,
                             size=5, url="http://127.0.0.1:1/none")
         partial = hub.partial_path(remote, "dl_1")
         partial.parent.mkdir(parents=True)
@@ -86,6 +94,7 @@ def test_a_downloaded_model_renamed_into_place_stays(powercut: Any) -> None:
         blob = hub.place(remote, partial)
         mnt = cut_and_remount(powercut)
         assert blob.read_bytes() == b"model" and hub.pointer_path(remote).read_bytes() == b"model"
+        assert (hub.storage(remote.repo) / "refs" / revision).read_text() == remote.commit
         assert not partial.exists()
     finally:
         del os.environ["HF_HOME"]
@@ -110,8 +119,7 @@ async def test_store_false_answers_leave_the_file_when_the_service_stops(tmp_pat
     assert time.time() - started < 30
     with sqlite3.connect(tmp_path / "data" / "lmsp.sqlite3") as conn:
         assert conn.execute("SELECT count(*) FROM responses WHERE store = 0").fetchone()[0] == 0
-    files = b"".join(p.read_bytes() for p in (tmp_path / "data").glob("lmsp.sqlite3*"))
-    assert b"7351-PELICAN" not in files
+    assert b"7351-PELICAN" not in database_bytes(tmp_path / "data")
 
 
 def test_the_bytes_a_download_continues_from_outlast_a_later_cut(powercut: Any,
@@ -130,6 +138,28 @@ def test_the_bytes_a_download_continues_from_outlast_a_later_cut(powercut: Any,
     assert (cut_and_remount(powercut) / "model.incomplete").read_bytes() == b"x" * 10_000
 
 
+@pytest.mark.timeout(180)
+def test_a_store_false_prompt_leaves_every_database_file_within_two_minutes_while_the_app_runs(
+        tmp_path: Path, procs: Processes) -> None:
+    """The red team's P10: its rows went after about a minute, but their old pages stayed readable
+    in the -wal until a restart (or until writes happened to overwrite them). Apps keep reading."""
+    app = Headless(tmp_path / "data", procs, scripted_app(pace=1000.0)).start()
+    secret = f"The vault code is {uuid.uuid4().hex}."
+    status, answer = app.post("/v1/responses", {"input": secret, "store": False, "max_output_tokens": 5})
+    assert status == 200 and answer["status"] in ("completed", "incomplete"), answer
+    ended = time.monotonic()
+    assert secret.encode() in database_bytes(app.data_dir)
+
+    def gone() -> bool:
+        assert app.get("/v1/tasks")[0] == 200  # a reader now and then, as the dashboard is
+        return secret.encode() not in database_bytes(app.data_dir)
+
+    wait_until(gone, timeout=120 - (time.monotonic() - ended), interval=1.0, what="the prompt to leave the files")
+    print(f"the prompt left the files {time.monotonic() - ended:.0f} s after its answer")
+    assert app.get(f"/v1/responses/{answer['id']}")[0] == 404
+    assert app.proc is not None and app.proc.poll() is None
+
+
 def test_store_false_answers_a_start_purged_before_it_was_killed_leave_the_file_at_the_next(
         tmp_path: Path, procs: Processes) -> None:
     """The app SIGKILLed with a `store: false` answer in its WAL; the next start killed right after
@@ -146,11 +176,9 @@ def test_store_false_answers_a_start_purged_before_it_was_killed_leave_the_file_
                     "conn.execute('BEGIN IMMEDIATE'); assert retention.purge_unstored(conn, None, 0) == 1; "
                     "conn.execute('COMMIT'); os._exit(0)")
     subprocess.run([sys.executable, "-c", killed_start, str(app.data_dir / "lmsp.sqlite3")], check=True, cwd=ROOT)
-    files = b"".join(p.read_bytes() for p in app.data_dir.glob("lmsp.sqlite3*"))
-    assert b"7351-PELICAN" in files  # the deleted rows' old copies, in the WAL
+    assert b"7351-PELICAN" in database_bytes(app.data_dir)  # the deleted rows' old copies, in the WAL
     app.start()
-    files = b"".join(p.read_bytes() for p in app.data_dir.glob("lmsp.sqlite3*"))
-    assert b"7351-PELICAN" not in files
+    assert b"7351-PELICAN" not in database_bytes(app.data_dir)
 
 
 def test_a_download_continues_from_its_synced_bytes_after_a_reboot(tmp_path: Path,

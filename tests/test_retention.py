@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -13,9 +14,11 @@ import pytest
 
 from app.core.service import AppService
 from app.store import config, db
+from app.store.store import Store
 from app.tasks import machine
 from app.tasks.retention import purge
 from app.tasks.states import CANCELLED, CANCELLING, COMPLETED, FAILED, LOADING, QUEUED, RUNNING, TERMINAL, UNFINISHED
+from tests.helpers import poll
 
 pytestmark = pytest.mark.scripted  # the machine around inference, not inference: tests/scripted.py's engines
 
@@ -222,6 +225,60 @@ async def test_service_purge_removes_work_that_expired_while_it_ran(tmp_path: Pa
         assert (await read(svc, lambda c: left(c, unfinished)))["task"] == 1
     finally:
         await svc.stop()
+
+
+def database_bytes(svc: AppService) -> bytes:
+    """Every file of the database as it lies on the disk (the -wal and -shm too): what any program
+    of the user, or a backup, reads."""
+    return b"".join(p.read_bytes() for p in svc.store.path.parent.glob(f"{svc.store.path.name}*"))
+
+
+async def test_a_purge_leaves_no_copy_of_what_it_deleted_in_the_wal_once_readers_let_it(tmp_path: Path) -> None:
+    """The red team's P10: the WAL kept the deleted rows' old pages (readable in the file) until a
+    restart. A reader on an older snapshot delays its emptying to the next tick, no more."""
+    svc = AppService(tmp_path / "data")
+    await svc.start()
+    try:
+        secret = b"The vault code is 7351-PELICAN."
+        request = json.dumps({"input": secret.decode()})
+
+        def old_task_with_a_secret(conn: sqlite3.Connection) -> None:
+            task_id = add_task(conn, COMPLETED, finished_at=time.time() - 2 * WEEK)
+            conn.execute("UPDATE responses SET request = ? WHERE id = ?", (request, "resp_" + task_id[5:]))
+
+        await svc.store.write(old_task_with_a_secret)
+        assert secret in database_bytes(svc)
+        reader = sqlite3.connect(svc.store.path, isolation_level=None)  # another program, mid-read
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM responses").fetchone()
+        try:
+            assert (await svc.housekeeping.purge())["responses"] == 1
+            assert secret in database_bytes(svc)  # its snapshot still needs them
+        finally:
+            reader.close()
+        await poll(lambda: secret not in database_bytes(svc), timeout=15, interval=0.2,
+                   what="the deleted rows to leave the WAL")
+        assert Path(f"{svc.store.path}-wal").stat().st_size == 0
+        # With no reader in the way, a purge empties it at once.
+        await svc.store.write(old_task_with_a_secret)
+        assert (await svc.housekeeping.purge())["responses"] == 1
+        assert secret not in database_bytes(svc)
+    finally:
+        await svc.stop()
+
+
+async def test_the_wal_does_not_keep_the_size_of_a_large_delete(store: Store) -> None:
+    """A transaction writes as many pages as it changes into the WAL; once they are copied back, the
+    WAL shrinks to `db.WAL_SIZE_LIMIT` at the next write instead of keeping that size until a restart."""
+    wal = Path(f"{store.path}-wal")
+    blob = '"' + "x" * 100_000 + '"'
+    await store.write(lambda c: c.executemany("INSERT INTO service_config(key, value) VALUES (?, ?)",
+                                              [(f"big{i}", blob) for i in range(400)]))
+    await store.write(lambda c: c.execute("DELETE FROM service_config WHERE key LIKE 'big%'"))
+    assert wal.stat().st_size > 30_000_000
+    await store.write(config.save, {"after": 1})
+    assert wal.stat().st_size <= db.WAL_SIZE_LIMIT
+    assert await store.read(config.get_value, "after") == 1
 
 
 async def test_old_pairings_revoked_clients_and_uncollected_tokens_do_not_stay_forever(api: Any,

@@ -26,6 +26,13 @@ SQLITE_READONLY = 8
 SQLITE_CORRUPT = 11
 SQLITE_NOTADB = 26
 AUTO_VACUUM_INCREMENTAL = 2
+# What the WAL may keep of its size once a checkpoint has copied it all back (it keeps its largest
+# size otherwise, with old copies of deleted rows in it). Twice what `wal_autocheckpoint` lets it
+# grow to, so that a WAL of ordinary size is reused, not shrunk and grown again.
+WAL_SIZE_LIMIT = 8 * 1024 * 1024
+# The row (in `service_config`) that says the last run closed the database cleanly: the store's
+# close writes it, every start deletes it before the service answers anything.
+CLOSED_CLEANLY = "closed_cleanly"
 
 
 def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
@@ -43,6 +50,7 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA wal_autocheckpoint = 1000")
+        conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT}")
         # What is deleted is overwritten, not left in free pages: a `store: false` prompt or a
         # deleted response is gone from the file once the WAL is checkpointed.
         conn.execute("PRAGMA secure_delete = ON")
@@ -68,6 +76,7 @@ def latest_version() -> int:
 class Opened:
     conn: sqlite3.Connection
     recovered_from_corruption: str | None  # name of the file moved aside, if any
+    checked: bool  # whether `PRAGMA quick_check` ran: the last run did not close it cleanly
 
 
 def _utc_stamp() -> str:
@@ -106,23 +115,35 @@ def _check(conn: sqlite3.Connection) -> None:
         raise sqlite3.DatabaseError("database disk image is malformed: " + "; ".join(str(r[0]) for r in rows[:5]))
 
 
-def _probe(path: Path) -> int | None:
-    """Check an existing file through a read-only connection, before a writable one touches it.
+def _closed_cleanly(conn: sqlite3.Connection, version: int) -> bool:
+    """Whether the last run recorded its clean close (`service_config` is there from schema 1)."""
+    return version >= 1 and conn.execute("SELECT 1 FROM service_config WHERE key = ?", (CLOSED_CLEANLY,)
+                                         ).fetchone() is not None
+
+
+def _probe(path: Path) -> tuple[int | None, bool]:
+    """Check an existing file through a read-only connection, before a writable one touches it,
+    unless the last run closed it cleanly: `quick_check` reads the whole file (0.35 s at 280 MB),
+    and only a crash, a kill or a power cut in the middle of a write can have left it damaged.
 
     Closing a writable connection to a corrupt WAL database checkpoints its -wal into it and
     deletes the -wal and -shm, and opening one switches a rollback-journal file to WAL: a file
     that is to be moved aside, or refused as too new, must stay as it was found. Returns the
-    schema version, or None if there is no file or only a writer can read it (a hot journal).
+    schema version, or None if there is no file or only a writer can read it (a hot journal),
+    and whether it was checked.
     """
     if not path.exists():
-        return None
+        return None, False
     probe = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=10.0)
     try:
+        version = int(probe.execute("PRAGMA user_version").fetchone()[0])
+        if version > latest_version() or _closed_cleanly(probe, version):  # too new: refused untouched
+            return version, False
         _check(probe)
-        return int(probe.execute("PRAGMA user_version").fetchone()[0])
+        return version, True
     except sqlite3.OperationalError as exc:
         if (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF == SQLITE_READONLY:
-            return None
+            return None, False
         raise
     finally:
         probe.close()
@@ -139,13 +160,15 @@ def open_database(path: Path) -> Opened:
     """Open (creating if needed), check, and migrate the database at `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     aside = None
+    existed, started = path.exists(), time.monotonic()
     try:
-        version = _probe(path)
+        version, checked = _probe(path)
         if version is not None and version > latest_version():
             raise _too_new(path, version, latest_version())
         conn = connect(path)
         if version is None:
             _check(conn)
+            checked = True
     except sqlite3.DatabaseError as exc:
         if not _is_corruption(exc):
             raise StoreError("database_unavailable", f"The database {path} cannot be opened: {exc}") from exc
@@ -155,9 +178,33 @@ def open_database(path: Path) -> Opened:
             pass
         aside = move_aside(path)
         conn = connect(path)
+        checked = True
+    if existed:
+        log.info("database %s (%.2f s)", "checked after an unclean end" if checked
+                 else "closed cleanly by the last run: not checked", time.monotonic() - started)
     migrate(conn, path)
     _reclaimable(conn, path)
-    return Opened(conn, aside)
+    # Committed (and fsynced) before anything else runs: a crash or a power cut from here on
+    # leaves no record of a clean close, and the next start checks the file.
+    try:
+        conn.execute("DELETE FROM service_config WHERE key = ?", (CLOSED_CLEANLY,))
+    except sqlite3.Error as exc:
+        conn.close()
+        raise StoreError("database_unavailable", f"The database {path} cannot be written to: {exc}") from exc
+    return Opened(conn, aside, checked)
+
+
+def close(conn: sqlite3.Connection) -> None:
+    """Close the writer at a quit, after its last write: record the clean close (the next start
+    skips `quick_check`), then empty the WAL into the file. A record that cannot be written (a full
+    disk) only means that the next start checks."""
+    try:
+        conn.execute("INSERT INTO service_config(key, value) VALUES (?, 'true') ON CONFLICT(key) DO NOTHING",
+                     (CLOSED_CLEANLY,))
+    except sqlite3.Error as exc:
+        log.warning("could not record the database's clean close (%s): the next start checks it", exc)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
 
 
 def _reclaimable(conn: sqlite3.Connection, path: Path) -> None:

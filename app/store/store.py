@@ -90,18 +90,23 @@ class Store:
         """Run fn(conn, *args) on a read-only connection (WAL: readers never block the writer)."""
         return await asyncio.get_running_loop().run_in_executor(self._readers, self._read, fn, args)
 
-    async def checkpoint(self) -> None:
+    async def checkpoint(self, wait: float = 10.0) -> bool:
         """Copy the WAL into the database file and empty it, through a connection of its own (the
         writer's is for transactions): what deletes overwrote (`secure_delete`) is then gone from
-        the disk, not only from the database; the old copies in the WAL went with it."""
-        def truncate() -> None:
+        the disk, not only from the database; the old copies in the WAL went with it.
+
+        It needs the write lock and no reader on an older snapshot: it waits up to `wait` seconds
+        for them (writes wait meanwhile), then gives up. Returns whether the WAL was emptied."""
+        def truncate() -> bool:
             conn = db.connect(self.path)
             try:
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                conn.execute(f"PRAGMA busy_timeout = {int(wait * 1000)}")
+                busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
             finally:
                 conn.close()
+            return not busy
 
-        await asyncio.to_thread(truncate)
+        return await asyncio.to_thread(truncate)
 
     # -- the writer thread -------------------------------------------------------------------
 
@@ -199,11 +204,7 @@ class Store:
             self._queue.put(None)  # the writer commits what is queued before it, then ends
             await asyncio.to_thread(self._writer.join)
         if conn is not None:
-            def close_writer() -> None:
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                conn.close()
-
-            await asyncio.to_thread(close_writer)
+            await asyncio.to_thread(db.close, conn)
         self._readers.shutdown(wait=True)
         for reader in self._reader_conns:
             reader.close()

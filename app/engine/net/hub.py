@@ -15,7 +15,7 @@ each because `hf_hub_download` (2.4) cannot serve a durable task:
   tqdm stand-in that counts bytes for the task and raises to stop (cancel, shutdown).
 
 The finished file is placed exactly where the library puts it (blobs/<sha256>, the snapshot
-symlink, refs/<revision>) with the library's own cache writers, so `hf_hub_download(...,
+symlink, refs/<revision>), the symlink with the library's own writer, so `hf_hub_download(...,
 local_files_only=True)`, other tools, and our own discovery find it.
 
 Blocking: run everything here off the event loop.
@@ -45,7 +45,6 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.file_download import (
-    _cache_commit_hash_for_specific_revision,
     _create_symlink,
     _get_pointer_path,
     http_get,
@@ -345,12 +344,24 @@ def place(remote: Remote, partial: Path) -> Path:
     blob = blob_path(remote)
     durable.replace(partial, blob)
     pointer.parent.mkdir(parents=True, exist_ok=True)
-    # The library's own cache writers (private names, pinned by our <3 requirement): the
-    # relative snapshot symlink (a copy where symlinks are not allowed) and the ref file.
+    # The library's own writer of the relative snapshot symlink (a private name, pinned by our <3
+    # requirement), or of a copy where symlinks are not allowed.
     _create_symlink(str(blob), str(pointer), new_blob=True)
-    _cache_commit_hash_for_specific_revision(str(storage(remote.repo)), remote.revision, remote.commit)
-    # Their names last too, folders made on the way included: the model is registered next.
-    for folder in (pointer.parent, pointer.parent.parent, storage(remote.repo) / "refs", storage(remote.repo)):
-        if folder.is_dir():
-            durable.sync_dir(folder)
+    _lasting(pointer.parent, storage(remote.repo))  # the model is registered next
+    if remote.revision != remote.commit:
+        # refs/<revision> holds the commit, as the library writes it, but fsynced before its rename:
+        # the library's writer leaves the content to the page cache, and after a power cut the name
+        # could be there with nothing in it, for every tool that shares the cache to read.
+        ref = storage(remote.repo) / "refs" / remote.revision
+        durable.write(ref, remote.commit, 0o644)
+        _lasting(ref.parent.parent, storage(remote.repo))  # its own folder: durable.write
     return blob
+
+
+def _lasting(folder: Path, top: Path) -> None:
+    """Make the names in `folder` and in each folder above it up to `top` last: those made on the
+    way, too."""
+    for each in (folder, *folder.parents):
+        durable.sync_dir(each)
+        if each == top:
+            return
