@@ -42,13 +42,14 @@ class Failed(LmspError):
     STATUS = {"context_length_exceeded": 400, "invalid_request": 400, "not_found": 404, "model_changed": 409,
               "model_missing": 409, "model_load_failed": 422, "disk_full": 507, "upstream_error": 502,
               "upstream_unavailable": 503,
-              "unsupported_schema": 400}
+              "unsupported_schema": 400, "template_error": 400}
     TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
              422: "invalid_request_error"}
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(code, message or "The generation failed.", status=self.STATUS.get(code, 500),
-                         param="input" if code == "context_length_exceeded" else None, title="Generation failed")
+                         param="input" if code in ("context_length_exceeded", "template_error") else None,
+                         title="Generation failed")
         self.type = self.TYPES.get(self.status, "server_error")
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from app.engine.registry.gguf import Cancelled, GgufError, GgufInfo, inspect
+from app.engine.registry.gguf import MAX_TEMPLATE_BYTES, Cancelled, GgufError, GgufInfo, inspect
 
 # --- a tiny GGUF writer, so tests can build valid files and then break them on purpose ----------
 
@@ -153,9 +153,14 @@ def test_valid_small_file_is_read_back(tmp_path: Path) -> None:
     assert info.metadata["tokenizer.ggml.add_bos_token"] is True
     assert info.metadata["test.negative"] == -5
     assert info.metadata["tokenizer.ggml.token_type"] == (1, 3, 1, 1)  # short arrays of integers are kept
-    # Other arrays, over-long strings and the chat template are never kept.
+    # Other arrays, over-long strings and the chat template are not kept in the metadata; the
+    # template's text is kept on its own, up to its limit.
     for key in ("tokenizer.chat_template", "tokenizer.ggml.tokens", "test.nested", "test.long_text"):
         assert key not in info.metadata
+    assert info.chat_template == TEMPLATE
+    huge = make_gguf({**valid_kvs(), "tokenizer.chat_template": "x" * (MAX_TEMPLATE_BYTES + 1)}, valid_tensors())
+    info = inspect(write(tmp_path, huge, "huge.gguf"))
+    assert info.has_chat_template and info.chat_template is None and info.tensor_count == 3
 
 
 def test_minimal_and_version_2_files_are_accepted(tmp_path: Path) -> None:

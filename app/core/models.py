@@ -93,6 +93,12 @@ class Models:
             if models.file_status(row) == "available":
                 self._headers[row["digest"]] = await asyncio.to_thread(_inspect, row["path"])
 
+    async def chat_template(self, row: Any) -> str | None:
+        """The text of a local model's chat template (None: it has none, or over gguf.MAX_TEMPLATE_BYTES)."""
+        await self._read_headers([row])
+        info = self._headers.get(row["digest"])
+        return None if info is None else info.chat_template
+
     def header(self, model: dict[str, Any]) -> dict[str, Any] | None:
         """The GGUF metadata of a model listed or described here (None: remote, or unreadable)."""
         info = self._headers.get(model.get("digest") or "")

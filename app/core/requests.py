@@ -65,17 +65,24 @@ def _messages(value: Any) -> list[ChatMessage]:
         raise InvalidRequest("`input` must be a string or a non-empty list of messages.", param="input")
     if len(value) > MAX_ITEMS:
         raise InvalidRequest(f"`input` has {len(value)} items; at most {MAX_ITEMS} are allowed.", param="input")
-    out: list[ChatMessage] = []
+    turns: list[tuple[str, list[str]]] = []  # each turn's role and texts, joined once at the end
     calls: dict[str, str] = {}  # call_id -> the function of the first call with it, so far
     for i, item in enumerate(value):
         if isinstance(item, dict) and item.get("type") in CALL_ITEMS:
-            out.append(structured.item_message(item, calls, f"input[{i}]"))
+            said = structured.item_message(item, calls, f"input[{i}]")
+            # An assistant turn's calls (after its text), and then their results, are one turn
+            # each: chat templates that refuse roles that do not alternate (Mistral-Instruct's,
+            # Gemma's, Llama 2's) accept ordinary tool use.
+            if turns and turns[-1][0] == said["role"]:
+                turns[-1][1].append(said["content"])
+            else:
+                turns.append((said["role"], [said["content"]]))
             continue
         if not isinstance(item, dict) or item.get("role") not in ROLES:
             raise InvalidRequest(f"Each message needs a role, one of {sorted(ROLES)}.", param=f"input[{i}].role")
         role = "system" if item["role"] == "developer" else item["role"]
-        out.append({"role": role, "content": text_of(item.get("content"), f"input[{i}].content")})
-    return out
+        turns.append((role, [text_of(item.get("content"), f"input[{i}].content")]))
+    return [{"role": role, "content": "\n\n".join(texts)} for role, texts in turns]
 
 
 def parse(body: Any, convert: structured.Convert) -> ResponseRequest:

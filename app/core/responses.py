@@ -8,11 +8,11 @@ import functools
 import json
 import sqlite3
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from app.core import conversation, idempotency, requests
+from app.core import conversation, idempotency, requests, templates
 from app.core.auth import Client
 from app.core.ids import new_id
 from app.core.tasks import Tasks
@@ -41,7 +41,8 @@ class Created:
 
 class Responses:
     def __init__(self, store: Store, bus: EventBus, settings: Mapping[str, Any], scheduler: Scheduler, tasks: Tasks,
-                 grammars: GrammarWorker, off_loop: Callable[..., Any]) -> None:
+                 grammars: GrammarWorker, off_loop: Callable[..., Any],
+                 chat_template: Callable[[sqlite3.Row], Awaitable[str | None]]) -> None:
         self.store = store
         self.bus = bus
         self.settings = settings
@@ -49,6 +50,7 @@ class Responses:
         self.tasks = tasks
         self.grammars = grammars
         self.off_loop = off_loop  # reading a request, whose cost grows with it: on a reader thread
+        self.chat_template = chat_template  # a local model's (app/core/models.py)
 
     async def create_response(self, client: Client, body: Any, idempotency_key: str | None = None,
                               path: str = "/v1/responses", sent: Any = None) -> Created:
@@ -59,6 +61,7 @@ class Responses:
         completions): the key is bound to what was sent."""
         req = await self.off_loop(requests.parse, body, functools.partial(self.grammars.convert, app=client.id))
         model_id = req.model or models.DEFAULT_MODEL_ID
+        await self._check_template(client.id, model_id, req.request)
         on_restart = req.on_restart or (self.settings["default_on_restart"] if req.background else "fail")
         key = None
         if idempotency_key is not None:
@@ -73,6 +76,13 @@ class Responses:
             return Created(stored.status, stored.body, True)
         assert response is not None
         return Created(202 if req.background else 200, response, False)
+
+    async def _check_template(self, client_id: str, model_id: str, request: Request) -> None:
+        """Refuse a conversation the model's chat template refuses, before it is stored and
+        whatever engine would run it (app/core/templates.py)."""
+        found = await self.store.read(templates.subject, client_id, model_id, request)
+        if found is not None and (text := await self.chat_template(found[0])) is not None:
+            await self.off_loop(templates.check, text, found[1])
 
     async def _insert(self, offer: Offer | None, *args: Any) -> tuple[idempotency.Stored | None, dict[str, Any] | None]:
         """Commit a new response with its task, publish its events, then start what the claim in the

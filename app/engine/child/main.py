@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import re
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -43,6 +42,7 @@ from app.engine.child.threads import Threads
 from app.engine.constraints import grammar
 from app.engine.registry import memory, models
 from app.engine.request import ChatMessage, Request
+from app.engine.template import SLOTS, ChatTemplate, Refused
 
 if TYPE_CHECKING:
     from app.engine.child.embedder import Embedder
@@ -54,10 +54,6 @@ WARMUP = ("You are a helpful assistant. Read the following note and answer the q
           "second floor; bring the printed budget. Question: when and where is the meeting now?")
 WARMUP_CONTEXT = 256  # holds the warm-up's tokens
 
-
-# Stands in for each message's text while the chat template renders; NUL never comes from a template.
-SLOT = "\x00{}\x00"
-SLOTS = re.compile("\x00([0-9]+)\x00")
 
 
 def longest_piece(llm: Any) -> int:
@@ -94,7 +90,7 @@ class Child:
         self.conn = conn
         self.phase = phase  # a shared byte (multiprocessing's RawValue): one of OTHER, KERNELS, GRAMMAR
         self.llm: Any = None
-        self.formatter: Any = None
+        self.template: ChatTemplate | None = None
         self.embedder: Embedder | None = None  # made on the first embeddings request
         self.n_threads = 1
         self.threads: Threads | None = None  # how many of them decode, with the model
@@ -141,7 +137,6 @@ class Child:
 
     def load(self, msg: Message) -> None:
         from llama_cpp import Llama
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         from app.engine.child import backend
 
@@ -181,9 +176,7 @@ class Child:
         if template:
             def token_text(tok: int) -> str:
                 return llm._model.token_get_text(tok) if tok != -1 else ""
-            self.formatter = Jinja2ChatFormatter(template=template, eos_token=token_text(llm.token_eos()),
-                                                 bos_token=token_text(llm.token_bos()),
-                                                 add_generation_prompt=True)
+            self.template = ChatTemplate(template, token_text(llm.token_bos()), token_text(llm.token_eos()))
         self.llm = llm
         if parallel == 1:
             self.n_ctx = llm.n_ctx()
@@ -219,7 +212,7 @@ class Child:
         if self.batched is not None:
             self.batched.stop_all()
             self.batched.close()
-        self.embedder = self.llm = self.formatter = self.threads = self.batched = None
+        self.embedder = self.llm = self.template = self.threads = self.batched = None
         self.body, self.plan = [], []
 
     def embed(self, msg: Message) -> None:
@@ -246,10 +239,9 @@ class Child:
         Refuses, before tokenizing, a prompt whose bytes alone cannot fit the context;
         tokenizing watches for a cancel."""
         llm = self.llm
-        if self.formatter is not None:
-            rendered = self.formatter(messages=[{**m, "content": SLOT.format(i)} for i, m in enumerate(messages)])
-            pieces = SLOTS.split(rendered.prompt)  # template text, message index, template text, ...
-            tokens = [llm.token_bos()] if not rendered.added_special and llm._model.add_bos_token() else []
+        if self.template is not None:  # it writes the BOS token where it wants one, as llama-cpp-python's did
+            pieces = SLOTS.split(self.template.render(messages))  # template text, message index, template text, ...
+            tokens = []
         else:  # no template in the file: "role: text" lines
             pieces = [x for i, m in enumerate(messages) for x in (("\n" if i else "") + f"{m['role']}: ", str(i))]
             pieces.append("\nassistant: ")
@@ -308,7 +300,11 @@ class Child:
         if self.llm is None:
             self.conn.send({"ev": "error", "job": job, "code": "model_not_loaded", "message": "No model is loaded."})
             return None
-        prompt = self.prompt_tokens(request.prompt(), job)
+        try:
+            prompt = self.prompt_tokens(request.prompt(), job)
+        except Refused as exc:  # this request's error (most are refused before they get here: app/core/templates.py)
+            self.conn.send({"ev": "error", "job": job, "code": "template_error", "message": str(exc)})
+            return None
         if prompt is None:
             self.conn.send({"ev": "done", "job": job, "reason": "cancelled", "input_tokens": 0, "output_tokens": 0})
             return None

@@ -47,6 +47,10 @@ BLOCK_SIZES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (
                13: (256, 176), 14: (256, 210), 15: (256, 292), 24: (1, 1), 25: (1, 2),
                26: (1, 4), 27: (1, 8), 28: (1, 8), 30: (1, 2)}
 _CHUNK = 1 << 20
+# A chat template's text is kept up to this (real ones are a few KB, the largest known tens of
+# KB): the check made when a request is accepted renders it (app/core/templates.py). Past it the
+# engine alone renders it.
+MAX_TEMPLATE_BYTES = 1 << 20
 
 
 class GgufError(Exception):
@@ -69,6 +73,7 @@ class GgufInfo:
     file_size: int
     metadata: dict[str, Value]
     parameter_count: int = 0  # the elements of every tensor together
+    chat_template: str | None = None  # its text, if at most MAX_TEMPLATE_BYTES
 
 
 def _num(n: int) -> str:
@@ -264,22 +269,23 @@ def _parse(r: _Reader) -> GgufInfo:
 
     metadata: dict[str, Value] = {}
     seen: set[str] = set()
-    has_template, alignment = False, 32
+    has_template, template, alignment = False, None, 32
     for i in range(kv_count):
         key = r.name(f"key {i}")
         if key in seen:
             raise GgufError(f"duplicate metadata key {key!r}")
         seen.add(key)
         vtype = r.u32(f"type of {key!r}")
+        if key == "tokenizer.chat_template" and vtype == STRING:
+            has_template, template = True, _template(r)
+            continue
         value = _value(r, vtype, f"value of {key!r}")
         if key == "general.alignment":
             if vtype != 4 or not isinstance(value, int) or value == 0 or value & (value - 1):
                 raise GgufError(f"general.alignment must be a uint32 nonzero power of two, not {value!r}"
                                 f" of value type {vtype}")
             alignment = value
-        if key == "tokenizer.chat_template":
-            has_template = vtype == STRING  # never stored: it is big and only its presence matters
-        elif value is not None:
+        if value is not None and key != "tokenizer.chat_template":  # a template of another type is no template
             metadata[key] = value
 
     parameters = _check_tensors(r, tensor_count, alignment)
@@ -288,7 +294,16 @@ def _parse(r: _Reader) -> GgufInfo:
     ctx = metadata.get(f"{arch}.context_length") if arch else None
     ctx = ctx if type(ctx) is int and ctx > 0 else None  # bool is an int subclass: excluded
     return GgufInfo(version, tensor_count, kv_count, arch, model_name, ctx, has_template, r.size, metadata,
-                    parameters)
+                    parameters, template)
+
+
+def _template(r: _Reader) -> str | None:
+    """The chat template's text, unless it is longer than any real one (then only skipped)."""
+    n = r.str_len("value of 'tokenizer.chat_template'")
+    if n > MAX_TEMPLATE_BYTES:
+        r.skip(n, "value of 'tokenizer.chat_template'")
+        return None
+    return r.take(n, "value of 'tokenizer.chat_template'").decode("utf-8", "replace")
 
 
 def inspect(path: str | os.PathLike[str], cancel: threading.Event | None = None) -> GgufInfo:

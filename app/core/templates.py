@@ -1,0 +1,42 @@
+"""A conversation the model's chat template refuses is refused when its request is accepted
+(400 `template_error`, the template's own words), before a task exists and whatever engine would
+run it: Mistral-Instruct's, Gemma's and Llama 2's templates refuse roles that do not alternate,
+Gemma 1/2's any system message. The template is rendered as the engine child renders it
+(app/engine/template.py), over every message it would see: earlier turns of a conversation
+(`previous_response_id`) and a forced call's note included. What gets past (a template over
+gguf.MAX_TEMPLATE_BYTES, a request stored before this check) fails in the engine alone."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from app.core import conversation
+from app.engine import template
+from app.engine.request import Request
+from app.errors import InvalidRequest, LmspError
+
+
+def subject(conn: sqlite3.Connection, client_id: str, model_id: str,
+            request: Request) -> tuple[sqlite3.Row, Request] | None:
+    """The local model's row and the request as its engine would get it; None when there is
+    nothing to check here (a remote model), or something else is wrong that accepting the
+    request says in its own words (no such model, a conversation that cannot be continued)."""
+    row: sqlite3.Row | None = conn.execute("SELECT * FROM models WHERE id = ?", (model_id,)).fetchone()
+    if row is None or row["format"] == "remote":
+        return None
+    previous = request.previous_response_id
+    if previous is not None:
+        try:
+            request = conversation.continued(request, conversation.history(conn, client_id, previous))
+        except LmspError:
+            return None
+    return row, request
+
+
+def check(text: str, request: Request) -> None:
+    """InvalidRequest `template_error` if the template `text` refuses the request's prompt.
+    Costs time linear in the conversation: run it off the event loop."""
+    try:
+        template.compiled(text).render(request.prompt())
+    except template.Refused as exc:
+        raise InvalidRequest(str(exc), param="input", code="template_error") from exc

@@ -1,0 +1,92 @@
+"""A model's chat template (the Jinja text in its GGUF's `tokenizer.chat_template`), rendered as
+llama-cpp-python renders it (its `Jinja2ChatFormatter`: the same sandbox, options, extensions and
+functions), for the engine child and for the check made when a request is accepted
+(app/core/templates.py). Both render the same input, so what one refuses the other does.
+
+Templates may refuse a conversation: Mistral-Instruct's, Gemma's and Llama 2's call
+`raise_exception` when roles do not alternate, Gemma 1/2's on any system message. A refusal, or
+any other error of the template, is `Refused`: one request's error, never the engine's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from app.engine.request import ChatMessage
+
+# Stands in for each message's text while the template renders (the engine tokenizes the text
+# itself as plain text); NUL never comes from a template.
+SLOT = "\x00{}\x00"
+SLOTS = re.compile("\x00([0-9]+)\x00")
+
+
+class Refused(Exception):
+    """The template refused the conversation, or failed on it; str() says so to a person."""
+
+
+class _Generation(jinja2.ext.Extension):
+    """Hugging Face's `{% generation %}` tag, passed through (as llama-cpp-python does)."""
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        parser.stream.skip(1)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(form: str) -> str:
+    return datetime.now().strftime(form)
+
+
+def _raise_exception(message: str) -> None:
+    raise Refused(f"This model's chat template refuses this conversation: {message}")
+
+
+class ChatTemplate:
+    def __init__(self, text: str, bos_token: str = "", eos_token: str = "") -> None:
+        """`bos_token`, `eos_token`: the texts of the model's own tokens (the check made when a
+        request is accepted has none: what a template refuses never depends on them)."""
+        self.bos_token, self.eos_token = bos_token, eos_token
+        environment = ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
+                                                    extensions=[_Generation, jinja2.ext.loopcontrols])
+        environment.filters["tojson"] = _tojson
+        self.compiled: jinja2.Template | None = None
+        self.broken = ""  # why it did not compile: then it refuses every conversation
+        try:
+            self.compiled = environment.from_string(text)
+        except jinja2.TemplateError as exc:
+            self.broken = f"This model's chat template cannot be read: {exc}"
+
+    def render(self, messages: list[ChatMessage]) -> str:
+        """The prompt, each message's text as its SLOT. Refused if the template refuses it."""
+        if self.compiled is None:
+            raise Refused(self.broken)
+        try:
+            return self.compiled.render(
+                messages=[{**m, "content": SLOT.format(i)} for i, m in enumerate(messages)],
+                eos_token=self.eos_token, bos_token=self.bos_token, raise_exception=_raise_exception,
+                add_generation_prompt=True, functions=None, function_call=None, tools=None, tool_choice=None,
+                strftime_now=_strftime_now)
+        except Refused:
+            raise
+        except Exception as exc:  # whatever else a template does wrong (a sandbox refusal, a bad type)
+            raise Refused(f"This model's chat template failed on this conversation: {type(exc).__name__}: {exc}") \
+                from exc
+
+
+@functools.lru_cache(maxsize=16)
+def compiled(text: str) -> ChatTemplate:
+    """The template compiled once for the checks (a model's text is the same for every request)."""
+    return ChatTemplate(text)
