@@ -179,7 +179,14 @@ def refusing_upstream(message: str) -> Iterator[str]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    with upstream(Refusing) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def upstream(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """The base URL (`…/v1`) of a server on loopback answering with `handler`, for as long as the block runs."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

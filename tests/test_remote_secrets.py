@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from tests.conftest import Headless, wait_until
-from tests.helpers import http, pair_sync
+from tests.helpers import http, pair_sync, upstream
 
 KEY = "sk-upstream-N11-0123456789abcdef"
 PASSWORD = "pw-N11-in-the-url"
@@ -47,17 +45,8 @@ class Quoting(BaseHTTPRequestHandler):
             self._send(200, f"data: {said}\n\n".encode(), "text/event-stream")
 
 
-@contextlib.contextmanager
-def quoting_upstream() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Quoting)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+def quoting_upstream() -> contextlib.AbstractContextManager[str]:
+    return upstream(Quoting)
 
 
 def test_an_upstream_that_quotes_the_key_has_it_neither_shown_stored_nor_logged(headless: Headless) -> None:
