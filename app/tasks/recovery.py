@@ -100,8 +100,8 @@ def recover(conn: sqlite3.Connection, kind: str) -> dict[str, int]:
     _plan(conn, kind)
     # A forced function call's output item is parsed by Python (calls.item): moved one by one.
     for task in conn.execute("SELECT t.id, t.status, t.on_restart, t.attempt, t.started_at FROM recovery_moves m "
-                             "JOIN tasks t ON t.id = m.task_id JOIN responses r ON r.id = t.response_id "
-                             "WHERE r.request ->> '$.call'").fetchall():
+                             "CROSS JOIN tasks t ON t.id = m.task_id CROSS JOIN responses r ON r.id = t.response_id "
+                             "WHERE r.request ->> '$.call'").fetchall():  # the moves first: see _move_all
         conn.execute("DELETE FROM recovery_moves WHERE task_id = ?", (task["id"],))
         _move(conn, task)
     _move_all(conn)
@@ -160,8 +160,11 @@ def _move_all(conn: sqlite3.Connection) -> None:
     """Each task of recovery_moves: its event appended, its row moved, the output of a requeued one
     deleted. Python only gathers the output texts the events carry."""
     texts: defaultdict[str, list[str]] = defaultdict(list)
-    for task_id, text in conn.execute("SELECT o.task_id, o.text FROM task_output o JOIN recovery_moves m "
-                                      "ON m.task_id = o.task_id AND m.status <> 'queued' ORDER BY o.task_id, o.chunk"):
+    # The moves first (CROSS JOIN keeps SQLite's order): the planner, knowing nothing of the temp
+    # table, read the whole task_output table instead, 0.64 s of a 1 GB history at every start.
+    for task_id, text in conn.execute("SELECT o.task_id, o.text FROM recovery_moves m CROSS JOIN task_output o "
+                                      "ON o.task_id = m.task_id WHERE m.status <> 'queued' "
+                                      "ORDER BY o.task_id, o.chunk"):
         texts[task_id].append(text)
     conn.executemany("UPDATE recovery_moves SET output_text = ? WHERE task_id = ?",
                      [("".join(parts), task_id) for task_id, parts in texts.items()])
