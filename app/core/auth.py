@@ -10,7 +10,7 @@ import sqlite3
 import time
 from dataclasses import dataclass
 
-from app.tasks.limits import PARTY_SHARE, app_key
+from app.tasks.limits import app_key, party_share
 
 SCOPES = ("models:read", "models:write", "responses:read", "responses:write",
           "tasks:read", "tasks:cancel", "metrics:read", "admin")
@@ -43,7 +43,7 @@ class Client:
 
     def share(self, limit: int) -> int:
         """This request's sender's part of a per-client `limit`: all of it, or a party's part."""
-        return limit if self.party is None else max(1, limit // PARTY_SHARE)
+        return limit if self.party is None else party_share(limit)
 
 
 OWNER = Client(OWNER_ID, "Owner", frozenset({"admin"}))  # the desktop app acts as the owner

@@ -72,9 +72,8 @@ class Housekeeping:
 
     async def _run(self, tick: float = 5.0) -> None:
         """Retention every ten minutes, `store: false` responses every half minute, the WAL emptied
-        after either deleted something; idle models
-        unloaded after `model_idle_ttl_seconds`; remote endpoints no task uses probed every half
-        minute."""
+        after either deleted something; idle models unloaded after `model_idle_ttl_seconds`;
+        remote endpoints no task uses probed every half minute."""
         last_purge = last_unstored = time.monotonic()
         last_upstreams = -UPSTREAM_CHECK_SECONDS  # the first tick checks them: health for the Models tab
         while True:

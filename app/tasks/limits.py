@@ -29,6 +29,13 @@ APP = "r.client_id || COALESCE(char(31) || r.party, '')"
 
 def app_key(client_id: str, party: str | None) -> str:
     return client_id if party is None else f"{client_id}\x1f{party}"
+
+
+def party_share(limit: int, least: int = 1) -> int:
+    """One party's part of a per-client `limit`, never below `least`."""
+    return max(least, limit // PARTY_SHARE)
+
+
 _UNFINISHED = ", ".join(f"'{status}'" for status in UNFINISHED)
 
 
@@ -72,7 +79,7 @@ def _check_queue(conn: sqlite3.Connection, settings: dict[str, Any], client_id: 
     per_client = settings["max_queued_tasks_per_client"]
     if party is not None:
         theirs = _party_usage(conn, client_id, party)[0]
-        if theirs >= max(1, per_client // PARTY_SHARE):
+        if theirs >= party_share(per_client):
             raise TooManyRequests("too_many_queued_tasks", f"This app already has {theirs} unfinished tasks, its "
                                   f"limit (setting max_queued_tasks_per_client / {PARTY_SHARE}, each app's part of "
                                   "the client the apps without a token share). Try again when some have finished.",
@@ -99,7 +106,7 @@ def _check_bytes(conn: sqlite3.Connection, settings: dict[str, Any], client_id: 
         (everyone, settings["max_request_bytes"], None, "All clients'", "setting max_request_bytes")]
     later = "Delete finished responses (DELETE /v1/responses/{id}) or wait until retention removes them."
     if party is not None:
-        checks.insert(0, (_party_usage(conn, client_id, party)[1], max(MIB, per_client // PARTY_SHARE),
+        checks.insert(0, (_party_usage(conn, client_id, party)[1], party_share(per_client, MIB),
                           (client_id, party), "This app's", f"setting max_request_bytes_per_client / {PARTY_SHARE}, "
                           "each app's part of the client the apps without a token share"))
         later = "They are not kept: each leaves a minute after its answer."
