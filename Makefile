@@ -12,22 +12,18 @@ LLAMA_VERSION := 0.3.36
 LLAMA_CMAKE   := -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON
 WHEELS        ?= $(HOME)/.cache/lmsp-tray/wheels/llama-$(LLAMA_VERSION)-portable
 LLAMA_WHEEL   := $(WHEELS)/.built
-# Test-only: llama.cpp's own OpenAI-compatible server, from the llama.cpp llama-cpp-python
-# vendors (same version as the wheel), an upstream for the remote-endpoint tests. No AMX
-# kernels in this build (GGML_NATIVE=OFF: AVX2 at most), so it runs on CPUs where they crash.
-LLAMA_SERVER_DIR ?= $(HOME)/.cache/lmsp-tray/llama-server-$(LLAMA_VERSION)
-LLAMA_SERVER     := $(LLAMA_SERVER_DIR)/llama-server
-SERVER_CMAKE := -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
-LLAMA_SERVER_CMAKE := $(SERVER_CMAKE) -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF
-# Bench-only (tests/bench/test_parallel.py, `make bench`, never `make test`): the same server
-# built with the wheel's own flags, every CPU variant a shared library the binary picks at run
-# time, so the bench compares LMSP with llama-server on the same kernels (the AVX2-only build
-# above would flatter LMSP). The libraries are kept next to the binary, found by $$ORIGIN.
-LLAMA_PEER_DIR ?= $(HOME)/.cache/lmsp-tray/llama-server-portable-$(LLAMA_VERSION)
-LLAMA_PEER     := $(LLAMA_PEER_DIR)/llama-server
-LLAMA_PEER_CMAKE := $(SERVER_CMAKE) $(LLAMA_CMAKE) -DBUILD_SHARED_LIBS=ON \
-  -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON
+# llama.cpp, built once: the `llama-server` every loaded model runs in (LMSP §18), and
+# `llama-quantize` (the tests requantize the default model with it), from the llama.cpp that
+# llama-cpp-python $(LLAMA_VERSION)'s source release vendors (the pin). Portable: every x86-64 CPU
+# variant a shared library the binary picks at run time (GGML_BACKEND_DL), found next to it
+# ($$ORIGIN), so the app, the frozen app and the bench's bare peer run the same kernels on any CPU.
+# No web UI, no HTTPS.
+LLAMA_DIR ?= $(HOME)/.cache/lmsp-tray/llama.cpp-$(LLAMA_VERSION)
+LLAMA_SERVER := $(LLAMA_DIR)/llama-server
+LLAMA_CMAKE := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON \
+  -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+  -DLLAMA_OPENSSL=OFF
 
 # Qt's platform plugins and the virtual screen + tray host the GUI tests use.
 APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbcommon-x11-0 \
@@ -49,35 +45,21 @@ OLLAMA_JS := tests/ollama_js/node_modules/.installed
 
 .PHONY: run test lint bench package system-deps clean llama-server llama-server-portable
 
-# --no-cache-dir: pip's own wheel cache does not know CMAKE_ARGS and could hand back a
-# native build made elsewhere.
-$(LLAMA_WHEEL):
-	mkdir -p $(WHEELS)
-	CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PYTHON) -m pip wheel --no-deps \
-	  --no-cache-dir --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_VERSION) -w $(WHEELS)
-	touch $@
-
-# $(call build-llama-server,FOLDER,CMAKE FLAGS): llama-server from the llama.cpp llama-cpp-python
-# vendors, into FOLDER with the shared libraries it was built with (none when static; their
-# version links kept as links); the sources and the build folder are removed once it is there.
-define build-llama-server
-	rm -rf $(1)/src $(1)/build
-	mkdir -p $(1)/src
-	$(PYTHON) -m pip download --quiet --no-deps --no-binary llama-cpp-python \
-	  llama-cpp-python==$(LLAMA_VERSION) -d $(1)/src
-	tar -xzf $(1)/src/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(1)/src
-	cmake -S $(1)/src/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp -B $(1)/build $(2)
-	cmake --build $(1)/build --target llama-server -j$$(nproc)
-	find $(1)/build/bin -name '*.so*' -exec cp -P {} $(1)/ \;
-	cp $(1)/build/bin/llama-server $(1)/llama-server.tmp && mv $(1)/llama-server.tmp $(1)/llama-server
-	rm -rf $(1)/src $(1)/build
-endef
-
+# The sources and the build folder are removed once the programs and their libraries are in
+# $(LLAMA_DIR) (the libraries' version links kept as links). The binary goes in last, under a
+# temporary name first: its presence means the build is whole.
 $(LLAMA_SERVER):
-	$(call build-llama-server,$(LLAMA_SERVER_DIR),$(LLAMA_SERVER_CMAKE))
-
-$(LLAMA_PEER):
-	$(call build-llama-server,$(LLAMA_PEER_DIR),$(LLAMA_PEER_CMAKE))
+	rm -rf $(LLAMA_DIR)/src $(LLAMA_DIR)/build
+	mkdir -p $(LLAMA_DIR)/src
+	$(PYTHON) -m pip download --quiet --no-deps --no-binary llama-cpp-python \
+	  llama-cpp-python==$(LLAMA_VERSION) -d $(LLAMA_DIR)/src
+	tar -xzf $(LLAMA_DIR)/src/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(LLAMA_DIR)/src
+	cmake -S $(LLAMA_DIR)/src/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp -B $(LLAMA_DIR)/build $(LLAMA_CMAKE)
+	cmake --build $(LLAMA_DIR)/build --target llama-server llama-quantize -j$$(nproc)
+	find $(LLAMA_DIR)/build/bin -name '*.so*' -exec cp -P {} $(LLAMA_DIR)/ \;
+	cp $(LLAMA_DIR)/build/bin/llama-quantize $(LLAMA_DIR)/
+	cp $(LLAMA_DIR)/build/bin/llama-server $(LLAMA_DIR)/llama-server.tmp && mv $(LLAMA_DIR)/llama-server.tmp $@
+	rm -rf $(LLAMA_DIR)/src $(LLAMA_DIR)/build
 
 $(BIN)/.installed: pyproject.toml $(LLAMA_WHEEL)
 	$(PYTHON) -m venv $(VENV)
