@@ -172,8 +172,8 @@ def has_screen() -> bool:
 
 def fill_standard_streams() -> None:
     """A launcher may start the app with standard input, output or error closed: the next file
-    opened would take that number, and stderr's writes (ours, and llama.cpp's in the engine
-    child, which inherits it) would land in it (seen: the log file, every line twice). The
+    opened would take that number, and stderr's writes (ours, and those of a process started
+    with it) would land in it (seen: the log file, every line twice). The
     null device takes the number instead."""
     for fd in (0, 1, 2):
         try:
@@ -183,7 +183,7 @@ def fill_standard_streams() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # In a frozen app the engine child (spawn) and multiprocessing's resource tracker are this
+    # In a frozen app the grammar worker (spawn) and multiprocessing's resource tracker are this
     # same executable: run them and exit here, before the command line is parsed. No-op otherwise.
     multiprocessing.freeze_support()
     args = parse_args(argv)

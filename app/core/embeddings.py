@@ -1,8 +1,8 @@
 """`POST /v1/embeddings` (LMSP §12): vectors for texts, from any registered model.
 
 Synchronous, not a durable task: nothing is stored, and the caller waits for the answer, as
-with OpenAI. The engine child computes it (the event loop only awaits), in its turn on the same
-engine lock as generations: between two generations, never at the same time as one.
+with OpenAI. A llama-server of its own computes it (the event loop only awaits), beside the
+engine's generations (llama.cpp serves embeddings only in a server started for them).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 `tool_choice`, and the `function_call` / `function_call_output` input items.
 
 What comes out is stored with the request: the fields echoed in the response object and, when
-the output is constrained, the `constraint` the engine child turns into a grammar. A forced
+the output is constrained, the `constraint` the engine sends llama.cpp as a grammar. A forced
 call (`tool_choice` `required` or a named function) is generated as one JSON object
 `{"name": ..., "arguments": {...}}` (see app/tasks/calls.py), so a single grammar covers the
 choice of function and its arguments.

@@ -1,7 +1,7 @@
 """A conversation the model's chat template refuses is refused when its request is accepted
 (400 `template_error`, the template's own words), before a task exists and whatever engine would
 run it: Mistral-Instruct's, Gemma's and Llama 2's templates refuse roles that do not alternate,
-Gemma 1/2's any system message. The template is rendered as the engine child renders it
+Gemma 1/2's any system message. The template is rendered as the engine renders it
 (app/engine/template.py), over every message it would see: earlier turns of a conversation
 (`previous_response_id`) and a forced call's note included. What gets past (a template over
 gguf.MAX_TEMPLATE_BYTES, a request stored before this check) fails in the engine alone."""

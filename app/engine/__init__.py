@@ -1,1 +1,1 @@
-"""Inference: llama.cpp in a child process, and the model registry."""
+"""Inference: llama.cpp's own server, one process per loaded model, remote endpoints, and the model registry."""

@@ -1,8 +1,8 @@
 """A generation request: what a response asks the model for, in the one form it keeps from the
-parser (app/core/requests.py) to the engine child or a remote endpoint.
+parser (app/core/requests.py) to the local engine or a remote endpoint.
 
 It is stored with its response as JSON (`to_json`) and read back (`from_json`) by the runner,
-which hands it to the engine as it is: over the pipe to the child (pickled) or as the body of a
+which hands it to the engine as it is: to the local engine, which renders its prompt, or as the body of a
 remote endpoint's request. What a response echoes of it (app/tasks/records.py) and a
 conversation's earlier turns (app/core/conversation.py) are read from it too. The task's own
 columns (model, `max_output_tokens`, `background`, `store`, metadata) are not in it.

@@ -1,6 +1,6 @@
 """A model's chat template (the Jinja text in its GGUF's `tokenizer.chat_template`), rendered as
 llama-cpp-python renders it (its `Jinja2ChatFormatter`: the same sandbox, options, extensions and
-functions), for the engine child and for the check made when a request is accepted
+functions), for the engine (app/engine/parent/prompt.py) and for the check made when a request is accepted
 (app/core/templates.py). Both render the same input, so what one refuses the other does.
 
 Templates may refuse a conversation: Mistral-Instruct's, Gemma's and Llama 2's call

@@ -10,7 +10,7 @@ transaction:
     running          failed      queued      running (continues from the snapshot)
     cancelling       cancelled   cancelled   cancelled
 
-The same rules move a running task whose engine child died beneath it (`after_engine_death`).
+The same rules move a running task whose engine died beneath it (`after_engine_death`).
 A queued task that had run (it gave its slot to another app's task, output kept: its
 `started_at` says so) is moved as a running one: `retry` starts it again from nothing, `resume`
 leaves it queued to continue from its output.
@@ -77,7 +77,7 @@ def _requeue(conn: sqlite3.Connection, task: sqlite3.Row, status: str) -> list[m
 
 
 def after_engine_death(conn: sqlite3.Connection, task_id: str) -> list[machine.Event] | None:
-    """A running task whose engine child died, by its `on_restart`: `resume` stays running (its
+    """A running task whose engine died, by its `on_restart`: `resume` stays running (its
     next run continues from what it wrote), `retry` is queued again from nothing. None: it is to
     fail (`fail`), or it is no longer running (a cancel came)."""
     task = conn.execute("SELECT id, status, on_restart, attempt FROM tasks WHERE id = ?", (task_id,)).fetchone()

@@ -8,7 +8,8 @@ since any of them can be entered: an optional one too, a model may start it. `[]
 are refused too: llama.cpp reads them as the empty text, a JSON schema's regex as no character
 and as any character.
 
-`dead_end` expects a grammar llama.cpp has parsed (app/engine/constraints/grammar.py checks that first).
+`dead_end` reads a grammar as llama.cpp's parser does, and fails where that one would (an escape
+it does not know, such as `\\s`): app/engine/constraints/grammar.py refuses the schema then.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A constraint is `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema",
 "schema": {...}, "gbnf": "..."}`. The server converts a schema with `convert` before it accepts
 a request, in a worker process with a time budget (app/engine/constraints/grammar_worker.py), and stores
-the grammar in the constraint: the engine child (`gbnf`) does not convert it again.
+the grammar in the constraint: the engine (`gbnf`) does not convert it again.
 
 llama-cpp-python's `json_schema_to_gbnf` raises on some schemas but silently ignores many
 keywords (`minimum`, `multipleOf`, `uniqueItems`, unknown `format`s, `not`, ...), and in most
@@ -17,12 +17,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import sys
 from functools import cache
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from app import paths
 from app.engine.constraints.gbnf import dead_end
 from app.engine.request import Constraint
 
@@ -53,14 +52,12 @@ Converted = tuple[str | None, str]  # (why the grammar cannot enforce a schema, 
 
 @cache
 def _converter() -> ModuleType:
-    """llama_cpp.llama_grammar, which needs only the standard library. In the engine child the
-    package is loaded anyway; in the app it is read alone, without loading llama.cpp's libraries."""
-    package = importlib.util.find_spec("llama_cpp")
-    source = Path(list(package.submodule_search_locations or [""])[0], "llama_grammar.py") if package else None
-    if "llama_cpp" in sys.modules or source is None or not source.is_file():  # loaded, or frozen: import it
-        import llama_cpp.llama_grammar
-
-        return llama_cpp.llama_grammar
+    """llama-cpp-python's `llama_grammar` module (standard library only), from the source release
+    the llama.cpp build is pinned to: `make` puts it beside llama-server (paths.llama_server)."""
+    server = paths.llama_server()
+    source = server.parent / "llama_grammar.py" if server else None
+    if source is None or not source.is_file():
+        raise RuntimeError("the JSON schema converter (llama_grammar.py beside llama-server) is not installed")
     spec = importlib.util.spec_from_file_location("lmsp_llama_grammar", source)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -91,8 +88,8 @@ def convert_all(schemas: list[Any]) -> list[Converted]:
 
 
 def convert(schema: Any) -> Converted:
-    """(why the grammar cannot enforce `schema`, "") or (None, its grammar). Loads llama.cpp:
-    run it in the grammar worker, whose budget bounds what the limits here do not."""
+    """(why the grammar cannot enforce `schema`, "") or (None, its grammar). Run it in the
+    grammar worker, whose budget bounds what the limits here do not."""
     try:
         reason = too_large(schema) or _check(schema, "#")
     except (TypeError, AttributeError, RecursionError):  # e.g. a list where a schema object belongs
@@ -105,25 +102,11 @@ def convert(schema: Any) -> Converted:
         return f"the grammar converter rejects it ({exc or type(exc).__name__})", ""
     if len(text) > MAX_GRAMMAR:
         return f"its grammar has {len(text)} characters, more than {MAX_GRAMMAR}", ""
-    if not _llama_parses(text):
-        return ("llama.cpp cannot parse its grammar (a `pattern` with an escape it does not know, "
-                "such as `\\s` or `\\.`?)"), ""
     try:
         reason = dead_end(text)
     except (AssertionError, IndexError, KeyError, ValueError):  # grammar syntax the converter does not write
         reason = "its grammar could not be checked"
     return (reason, "") if reason else (None, text)
-
-
-def _llama_parses(text: str) -> bool:
-    """Whether llama.cpp's own parser takes the grammar (no vocabulary is needed for that)."""
-    import llama_cpp
-
-    sampler = llama_cpp.llama_sampler_init_grammar(None, text.encode(), b"root")
-    if not sampler:
-        return False
-    llama_cpp.llama_sampler_free(sampler)
-    return True
 
 
 def too_large(schema: Any) -> str | None:

@@ -1,10 +1,9 @@
 """Schemas converted to grammars in a process of their own, within a time budget.
 
-llama-cpp-python's converter costs O(n²) to O(n³) on some schemas (900 properties: 37 s), and
-llama.cpp's grammar parser is native code run on what a client sent: neither belongs on the
-event loop, nor in the engine. The worker does both (`grammar.convert`); schemas that take it
-longer than BUDGET are refused, and the worker is killed and started again for the next ones.
-A crash in llama.cpp's parser takes only the worker with it.
+llama-cpp-python's converter costs O(n²) to O(n³) on some schemas (900 properties: 37 s): that
+belongs neither on the event loop nor in the engine. The worker converts (`grammar.convert`);
+schemas that take it longer than BUDGET are refused, and the worker is killed and started again
+for the next ones.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import ctypes
 import hashlib
 import json
 import multiprocessing
-import os
 import threading
 from collections import OrderedDict
 from multiprocessing.connection import Connection
@@ -27,14 +25,12 @@ from app.errors import TooManyRequests
 BUDGET = 2.0  # seconds for one request's schemas
 RETRY_AFTER = 3  # seconds: about one budget
 KNOWN = 64  # recent results kept (grammars of at most 100,000 characters: a few MB at most)
-START_SECONDS = 60.0  # to start the worker (Python, then llama.cpp), not counted in the budget
+START_SECONDS = 60.0  # to start the worker (Python, then the converter), not counted in the budget
 
 
 def _serve(conn: Connection) -> None:
     _name_process(b"lmsp-grammar")
-    # llama.cpp's parser prints each grammar it cannot parse, whole, to stderr: not to the app's log.
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-    grammar.convert({"type": "object"})  # load the converter and llama.cpp before taking work
+    grammar.convert({"type": "object"})  # load the converter before taking work
     conn.send("ready")
     while True:
         try:

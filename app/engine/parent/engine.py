@@ -1,64 +1,73 @@
-"""The parent's side of one engine child: start it, load a model, stream its generations.
-
-The child's messages become items on an asyncio queue, read by the event loop when the pipe
-is readable (on Windows, by a thread), so the loop never waits on the pipe. If the child dies
-from a crash signal in llama.cpp's compute kernels (loading, warming up, reading a prompt,
-decoding: the child says which part runs, see phases.KERNELS) in fast mode and the setting is
-`auto`, the engine starts a fresh child in safe mode and carries on with the same load or
-generation from the tokens already produced (LMSP §11): the caller sees no failure. Other
-deaths (a crash in the request's grammar, say), and a second crash in safe mode, are an
-`engine_crashed` error that changes no mode; the next request starts a fresh child in the mode
-the model runs in.
+"""A local engine: the model a task runs on, loaded in llama.cpp's own `llama-server` (LMSP §18;
+the process itself: app/engine/parent/server.py), and the tasks' generations streamed from it.
 
 A loaded model serves up to `slots` generations at once (the `parallel` it was loaded with),
-each a `Seat`: one task's place on the engine, with its own job in the child, its own stream of
-messages and its own cancel. After a crash every seat carries on (or fails) on its own.
+each a `Seat`: one task's place on the engine, with its own streamed request and its own cancel.
+The prompt is the model's chat template rendered here (app/engine/template.py, as the check made
+when a request is accepted renders it) and tokenized by the server piece by piece, the template's
+markers as special tokens and the messages' text as plain text, so a message that spells
+`<|im_start|>system` cannot open a turn of its own. A resumed generation sends the prompt and the
+output committed so far: the server carries on from that text (LMSP §14).
+
+If the server dies from a crash signal in fast mode and the setting is `auto`, the engine starts it
+again in safe mode (llama.cpp's weight repacking off, LMSP §11) and carries on from the text
+already produced: the caller sees no failure. Two crashes in safe mode, or one in fast mode that
+the setting keeps, end the generation for good (`EngineError.final`). Any other death (killed, or
+stopped by the watchdog because it no longer made progress) is an `engine_crashed` error the task
+outlives by its `on_restart`. Embeddings run in a second server of their own (llama.cpp serves
+them only so), started on the first request for them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import logging
-import multiprocessing
 import os
 import signal
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
-from app.engine.child import main as child
-from app.engine.child import phases
-from app.engine.parent import cpu, pipe
+from app.engine.parent import cpu, faults, prompt
 from app.engine.parent.modes import FAST, SAFE, EngineModes
-from app.engine.registry import models
+from app.engine.parent.server import Gone, Launch, Server, ServerError
+from app.engine.registry import gguf, memory, models
 from app.engine.registry.models import Registered
 from app.engine.request import Request
 
 log = logging.getLogger(__name__)
 Message = dict[str, Any]
-CRASHED = pipe.CRASHED
+CRASHED = {"code": "engine_crashed", "message": "The inference engine stopped unexpectedly; the task stopped."}
 # Deaths that point at llama.cpp's own code, not at someone killing the process (SIGKILL from the
-# out-of-memory killer, SIGTERM). Which code is what the child said it ran (phases.PHASES): in the
-# compute kernels, fast mode's paths may be at fault, and every one of these signals counts:
-# SIGSEGV/SIGBUS (AMX on Sapphire Rapids), SIGILL (AMX a virtual machine reports but refuses),
-# SIGFPE, and SIGABRT (a GGML_ASSERT in a repacking kernel). Elsewhere none counts: there
-# SIGABRT is mostly a C++ exception with nowhere to go, as when a request's grammar runs out of
-# ways to continue ("Unexpected empty grammar stack"), and safe mode would run the same code.
+# out-of-memory killer or the watchdog, SIGTERM): SIGSEGV/SIGBUS (AMX on Sapphire Rapids), SIGILL
+# (AMX a virtual machine reports but refuses), SIGFPE, and SIGABRT (a GGML_ASSERT in a kernel).
 CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 SAFE_CRASH_BUDGET = 2  # crashes in safe mode that end one load or generation
+STALL_SECONDS = 60.0  # a server with generations that runs no decode step for this long is stuck
+WATCH_SECONDS = 10.0
+# A decode error aborts every generation of the server (llama.cpp's abort_all_slots), the one
+# whose grammar reached a dead end and the others alike: they carry on from their text, a
+# generation under a grammar at most this many times (it may be the one at fault).
+ABORTS = 2
+DEAD_END = "The schema allows no further text here (e.g. a `pattern` that matches nothing)."
+
+
+class Died(Exception):
+    """The server ended before it was ready."""
+
+    def __init__(self, server: Server) -> None:
+        super().__init__(server.name)
+        self.server = server
 
 
 class EngineError(Exception):
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None, final: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param  # the request field at fault, if the request was
+        self.final = final  # the engine already spent the crashes a task may cost: no retry
 
 
 @dataclass(frozen=True)
@@ -66,9 +75,9 @@ class Generation:
     """One run of a request: the request as stored, its task's limit, and where to pick up from (resume)."""
     request: Request
     max_tokens: int | None
-    prefix_ids: list[int] = field(default_factory=list)  # the output so far: its token ids (local engines)
+    prefix_ids: list[int] = field(default_factory=list)  # the output so far: the token ids streamed
     prefix_text: str = ""                # its text
-    prefix_tokens: int = 0               # and how many tokens it counted (a remote one has no ids)
+    prefix_tokens: int = 0               # and how many tokens it counted
 
 
 Waiting = Callable[[str], Awaitable[None]]  # told why a task waits for its engine, before each pause
@@ -82,22 +91,22 @@ class Runs(Protocol):
         """Get ready to run `gen` on the model of this `models` row; True when it had to be loaded."""
 
     def generate(self, gen: Generation) -> AsyncIterator[Message]:
-        """`chunk` messages (`ids`, `text`, and `tokens` where there are no ids), a `reset` when the
-        output starts again from nothing, then one `done`. Raises EngineError."""
+        """`chunk` messages (`ids`, `text`, `tokens`), a `reset` when the output starts again from
+        nothing, then one `done`. Raises EngineError."""
 
     def cancel(self) -> None:
         """Stop what runs: `generate` ends with a `done` of reason `cancelled`."""
 
 
 class Seat:
-    """One task's place on a local engine (`Runs`): the model it opened, its job in the child, its cancel."""
+    """One task's place on a local engine (`Runs`): the model it opened, its stream, its cancel."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.name = engine.name
         self.file: Registered | None = None  # the model `open` loaded: its generation's
-        self.cancelled = False  # a cancel came, perhaps before the child had the job
-        self.job: str | None = None  # its job in the child, while it has one
+        self.cancelled = False
+        self.stopped = asyncio.Event()  # set by a cancel: the stream is left at once
 
     async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
         self.file = models.registered(model)
@@ -107,15 +116,13 @@ class Seat:
         return self.engine.generate(self, gen)
 
     def cancel(self) -> None:
-        """Ask its generation to stop; it ends with reason `cancelled` within a token."""
+        """Stop its generation: the server frees the slot after the decode step in flight."""
         self.cancelled = True
-        if self.job:
-            self.engine.tell_child({"op": "cancel", "job": self.job})
+        self.stopped.set()
 
 
 class Engine:
-    """A local engine: one llama.cpp child process."""
-    _ids = itertools.count(1)
+    """A local engine: one llama-server for the model its tasks run, one more for embeddings."""
 
     def __init__(self, name: str, modes: EngineModes, n_threads: int | None = None) -> None:
         self.name = name
@@ -124,34 +131,27 @@ class Engine:
         self.parallel = 1  # generations the next load serves at once (the pool's `parallel`)
         self.slots = 1     # those the loaded model serves (the `parallel` it was loaded with)
         self.file: Registered | None = None  # the model file loaded
-        self.refused: set[Registered] = set()  # files the child found not to be what was registered
+        self.refused: set[Registered] = set()  # files found not to be what was registered
         self.mode: str | None = None          # the mode the loaded model runs in
-        self.cpu_variant: str | None = None   # which libggml-cpu-<variant> the child picked
-        self._proc: multiprocessing.process.BaseProcess | None = None
-        self._conn: Connection | None = None
-        self._inbox: asyncio.Queue[Message] = asyncio.Queue()  # the child's messages about no generation
-        self._jobs: dict[str, asyncio.Queue[Message]] = {}    # each generation's, by its job in the child
-        self._drained = asyncio.Event()  # no generation in the child
+        self.cpu_variant: str | None = None   # which libggml-cpu-<variant> llama.cpp picked
+        self.template: prompt.Prompter | None = None
+        self._server: Server | None = None
+        self._embedder: tuple[Registered, Server, int] | None = None  # its file, server, embedding size
+        self._lock = asyncio.Lock()  # one load at a time
+        self._embed_lock = asyncio.Lock()
+        self._running = 0  # generations streaming now
+        self._drained = asyncio.Event()
         self._drained.set()
-        self._lock = asyncio.Lock()  # one load, job start or embedding at a time
-        self._death: asyncio.Future[None] | None = None  # the last child's, reaped
-        self._embedding: str | None = None  # the child's embedding job, while it has one
-        self._left: set[str] = set()  # embedding jobs whose clients left
+        self._watch: asyncio.Task[None] | None = None
         self._last_used = time.monotonic()
-        self.exit_signal: int | None = None  # how the last child died, if by a signal
-        self.exit_phase = phases.OTHER        # and what it was doing (phases.PHASES)
-        self.exit_mode = FAST                 # in which mode
-        self._phase: Any = None               # the byte the child says that in
-        self._mode_asked = FAST  # the mode of the last load asked for
 
     @property
     def model_path(self) -> str | None:
-        """The path of the model loaded, if any."""
         return self.file.path if self.file else None
 
     def ready(self) -> Registered | None:
         """The model file loaded, if loading it now would find nothing to do (loaded, in the
-        mode it runs in and with the slots asked for, by a live child)."""
+        mode it runs in and with the slots asked for, by a live server)."""
         if (self.file is not None and self.alive and self.mode == self.modes.mode(self.file.digest)
                 and self.slots == self.parallel):
             return self.file
@@ -159,290 +159,298 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.is_alive()
+        return self._server is not None and self._server.alive
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
+        return self._server.pid if self._server else None
 
     def seat(self) -> Seat:
         return Seat(self)
 
-    def _start(self) -> None:
-        loop = asyncio.get_running_loop()
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that runs Qt and threads
-        parent, kid = ctx.Pipe()
-        # Windows' pipes are handles, not descriptors to put in place of its stderr.
-        errors, their_errors = ctx.Pipe(duplex=False) if os.name == "posix" else (None, None)
-        self._phase = ctx.RawValue("B", phases.OTHER)
-        proc = ctx.Process(target=child.main, args=(kid, their_errors, self._phase), name=f"lmsp-{self.name}",
-                           daemon=True)
-        proc.start()
-        kid.close()
-        if errors is not None and their_errors is not None:
-            their_errors.close()
-            threading.Thread(target=pipe.relay, args=(errors, self.name), name=f"lmsp-{self.name}-stderr",
-                             daemon=True).start()
-        log.info("%s: started inference process %s", self.name, proc.pid)
-        self._proc, self._conn, self._inbox, self.file = proc, parent, asyncio.Queue(), None
-
-        if os.name == "posix":  # the pipe is a socket the loop watches: no thread to wake it per token
-            loop.add_reader(parent.fileno(), pipe.drain, loop, parent, self._deliver)
-        else:  # Windows' named pipes are no selectable sockets: a thread reads them
-            threading.Thread(target=pipe.pump, args=(loop, parent, self._deliver), name=f"lmsp-{self.name}-pipe",
-                             daemon=True).start()
-
-    def _deliver(self, msg: Message) -> None:
-        """A message of the child, to the generation it is about, else to whoever talks to the child.
-        Its death, to everyone: it is reaped once, whoever hears of it first waits for that."""
-        if msg is CRASHED:
-            self._death = asyncio.ensure_future(self._reap(self._proc))
-            for queue in self._jobs.values():
-                queue.put_nowait(CRASHED)
-        if "job" not in msg:
-            self._inbox.put_nowait(msg)
-        elif msg["job"] in self._jobs:  # else a late word of a generation nobody reads any more
-            self._jobs[msg["job"]].put_nowait(msg)
-
-    def _send(self, msg: Message) -> None:
-        if not self.alive or self._conn is None:
-            self._start()
-        assert self._conn is not None
+    async def _start(self, file: Registered, mode: str, embedding: bool = False) -> tuple[Server, gguf.GgufInfo]:
+        """A server with `file` loaded and answering (for embeddings: pooled); EngineError when the
+        file is not the one registered or does not fit, Died when the server ended while loading."""
+        parallel = 1 if embedding else self.parallel
         try:
-            self._conn.send(msg)
-        except (BrokenPipeError, OSError) as exc:
-            raise EngineError(CRASHED["code"], CRASHED["message"]) from exc
+            fd, path, info = await asyncio.to_thread(_verified, file, parallel)
+        except models.FileChanged as exc:
+            self.refused.add(file)
+            raise EngineError("model_changed", str(exc)) from exc
+        except (OSError, gguf.GgufError, MemoryError) as exc:
+            raise EngineError("model_load_failed", str(exc)) from exc
+        started = time.monotonic()
+        pooling = prompt.pooling(info) if embedding else None
+        server = Server(self.name, Launch(path, os.path.basename(file.path), file.context_length, parallel,
+                                          self.n_threads, mode == SAFE, pooling, fd))
+        try:
+            server.start()
+        except (OSError, ServerError) as exc:
+            await server.stop()
+            raise EngineError("model_load_failed", str(exc)) from exc
+        finally:
+            os.close(fd)  # the server has its own copy
+        faults.fault("warmup", server)
+        try:
+            await server.ready()
+        except (Gone, ServerError) as exc:
+            log.warning("%s: llama-server did not come up: %s", self.name, exc)
+            await server.stop()
+            raise Died(server) from None
+        self.cpu_variant = server.backend or self.cpu_variant
+        log.info("%s: loaded %s in %s mode, %d at once, in %.2f s (llama.cpp CPU backend: %s)", self.name,
+                 file.path, mode, parallel, time.monotonic() - started, self.cpu_variant or "native")
+        return server, info
 
-    async def _next(self, queue: asyncio.Queue[Message] | None = None) -> Message:
-        msg = await (queue or self._inbox).get()
-        if msg is CRASHED and self._death is not None:
-            await asyncio.shield(self._death)
-        return msg
-
-    async def _reap(self, proc: multiprocessing.process.BaseProcess | None) -> None:
-        if proc is None or proc is not self._proc:
-            return
-        await asyncio.get_running_loop().run_in_executor(None, proc.join, 1)
-        code = proc.exitcode
-        self.exit_signal = -code if code is not None and code < 0 else None
-        self.exit_phase, self.exit_mode = self._phase.value, self._mode_asked
-        log.warning("%s process exited with code %s", self.name, code)
-        if proc is self._proc:
-            self._proc = self._conn = None
-            self.file = self.mode = None
-
-    async def _survive(self, crashes: list[str], stage: str, file: Registered) -> None:
-        """After the child died: decide whether to carry on (in safe mode) or fail.
-        `crashes` holds the modes the child crashed in during this one request."""
-        sig, phase = self.exit_signal, self.exit_phase
-        path, mode = file.path, self.exit_mode
-        name = signal.Signals(sig).name if sig else "no signal"
-        detail = (f"{self.name}: inference process killed by {name} while {stage} {path} in {mode} mode, "
-                  f"{phases.PHASES[phase]} (CPU: {cpu.summary()}; "
-                  f"llama.cpp CPU backend: {self.cpu_variant or 'native'})")
-        log.error("%s", detail)
+    async def _survive(self, crashes: list[str], stage: str, file: Registered, server: Server) -> None:
+        """After the server died: decide whether to carry on (in safe mode) or fail. `crashes`
+        holds the modes it crashed in during this one request."""
+        code = await server.exited()
+        sig = -code if code < 0 else None
+        mode = SAFE if server.launch.safe else FAST
+        name = signal.Signals(sig).name if sig else f"exit code {code}"
+        log.error("%s: llama-server %s while %s %s in %s mode (CPU: %s; llama.cpp CPU backend: %s)",
+                  self.name, name, stage, file.path, mode, cpu.summary(), self.cpu_variant or "native")
         if sig not in CRASH_SIGNALS:
             raise EngineError(CRASHED["code"], CRASHED["message"])
-        if phase != phases.KERNELS:
-            # Not fast mode's doing: safe mode runs the same code, and the cause may well be this
-            # request (its grammar). It fails alone; the next request gets a fresh child, in the
-            # mode the model runs in.
-            raise EngineError("engine_crashed", f"The inference engine crashed ({name}) {phases.PHASES[phase]}, "
-                              "so this task stopped. Safe mode would not avoid that, and the model's engine mode "
-                              "is unchanged; the next request gets a fresh engine. The log has the details.")
         crashes.append(mode)
         if mode == FAST and self.modes.auto:
-            if self.modes.mode(file.digest) == FAST:  # not yet said by another generation of that child
+            if self.modes.mode(file.digest) == FAST:  # not yet said by another generation of that server
                 await self.modes.fall_back(file.digest, (
                     f"The inference engine crashed ({name}) in fast mode on this CPU while {stage} this model; "
-                    "it now runs in safe mode (llama.cpp's weight repacking and AMX kernels off), a little slower."))
+                    "it now runs in safe mode (llama.cpp's weight repacking off), a little slower."))
             log.warning("%s: continuing in safe mode", self.name)
             return
         if mode == FAST:
             raise EngineError("engine_crashed", f"The inference engine crashed ({name}). The setting engine_mode "
-                              "is 'fast'; set it to 'auto' or 'safe' to let LMSP Tray avoid the crash.")
+                              "is 'fast'; set it to 'auto' or 'safe' to let LMSP Tray avoid the crash.", final=True)
         if crashes.count(SAFE) >= SAFE_CRASH_BUDGET:
             raise EngineError("engine_crashed", f"The inference engine crashed ({name}) {SAFE_CRASH_BUDGET} times "
                               "on this model, even in safe mode, so this task stopped. Other models may still "
-                              "work; the log has the details.")
+                              "work; the log has the details.", final=True)
         log.warning("%s: crashed in safe mode; trying once more with a fresh process", self.name)
 
     async def _load(self, file: Registered, crashes: list[str]) -> Message:
-        """Load in the mode the model should run in; survive a crash as `_survive` decides.
-        The child loads the file only if it still is the one validated at registration."""
+        """Load in the mode the model should run in; survive a crash as `_survive` decides."""
         while True:
             if self.ready() == file:
                 return {"ev": "loaded", "cached": True}
             mode = self.modes.mode(file.digest)
-            # Until it has loaded, nothing is: a failed load must not leave the old path behind.
-            self.file = self.mode = None
-            self._mode_asked = mode
-            self._send({"op": "load", "file": file, "n_ctx": file.context_length, "n_threads": self.n_threads,
-                        "safe": mode == SAFE, "parallel": self.parallel})
-            msg = await self._next()
-            if msg is not CRASHED and msg["ev"] == "backend":
-                self.cpu_variant = msg["cpu_variant"]
-                msg = await self._next()
-            if msg is CRASHED:
-                await self._survive(crashes, "loading and warming up", file)
+            await self._drop()
+            try:
+                server, info = await self._start(file, mode)
+            except Died as died:
+                code = await died.server.exited()
+                if code >= 0:  # it refused the file (llama.cpp's loader says why), no crash
+                    raise EngineError("model_load_failed", died.server.why(code)) from None
+                await self._survive(crashes, "loading", file, died.server)
                 continue
-            if msg["ev"] != "loaded":
-                if msg["code"] == "model_changed":
-                    self.refused.add(file)
-                raise EngineError(msg["code"], msg["message"])
-            self.file, self.mode, self.slots = file, mode, msg["parallel"]
-            log.info("%s: loaded %s in %s mode, %d at once, in %.2f s (warm-up %.2f s; llama.cpp CPU backend: %s)",
-                     self.name, file.path, mode, self.slots, msg["load_seconds"], msg.get("warmup_seconds", 0.0),
-                     self.cpu_variant or "native")
+            self.template = await prompt.Prompter.of(server, info)
+            self._server, self.file, self.mode, self.slots = server, file, mode, self.parallel
             self._last_used = time.monotonic()
-            return msg
+            return {"ev": "loaded", "cached": False}
 
-    @contextlib.asynccontextmanager
-    async def _turn(self, file: Registered) -> AsyncIterator[None]:
-        """Hold the lock, once no generation runs unless `file` is ready as it is: another model
-        (an embedding's) or other slots are loaded only between generations."""
-        while True:
-            await self._lock.acquire()
-            if not self._jobs or self.ready() == file:
-                break
-            self._lock.release()
-            await self._drained.wait()
-        try:
-            yield
-        finally:
-            self._lock.release()
+    async def _drop(self) -> None:
+        """Stop the generation server, if any: nothing is loaded until the next one is."""
+        server, self._server, self.file, self.mode, self.template = self._server, None, None, None, None
+        if server is not None:
+            await server.stop()
 
     async def load(self, file: Registered) -> Message:
         """Load `file` unless it is already loaded. Raises EngineError on failure (`model_changed`
         when the file at its path is no longer the one registered)."""
-        async with self._turn(file):
+        while True:
+            await self._lock.acquire()
+            if not self._running or self.ready() == file:
+                break
+            self._lock.release()
+            await self._drained.wait()  # another model, or other slots, only between generations
+        try:
             return await self._load(file, [])
+        finally:
+            self._lock.release()
 
     async def unload(self) -> None:
         """Let the model go (the pool asks only while no generation runs)."""
         async with self._lock:
-            if self.alive and self.model_path is not None:
-                self._send({"op": "unload"})
-                await self._next()
-            self.file = self.mode = None
-
-    async def _begin(self, seat: Seat, file: Registered, crashes: list[str], queue: asyncio.Queue[Message],
-                     gen: Generation, ids: list[int], emitted: int) -> str | None:
-        """Start the seat's generation in the child, `file` loaded first (again, after a crash);
-        its job, or None when a cancel came first."""
-        async with self._lock:
-            # An embedding may have had the lock since `open` and loaded its own model: the task's
-            # comes back first (nothing to do when it is still loaded).
-            await self._load(file, crashes)
-            if seat.cancelled:  # before the child had this job (a reload, a restart after a crash)
-                return None
-            job = seat.job = f"job{next(self._ids)}"
-            self._jobs[job] = queue
-            self._drained.clear()
-            self._send({"op": "generate", "job": job, "request": gen.request, "max_tokens": gen.max_tokens,
-                        "prefix_ids": ids, "emitted_chars": emitted})
-            return job
-
-    def _forget(self, seat: Seat) -> None:
-        """The seat's job in the child is over (it ended, or the child died)."""
-        if seat.job is not None:
-            self._jobs.pop(seat.job, None)
-            seat.job = None
-        if not self._jobs:
-            self._drained.set()
+            await self._drop()
+        await self._stop_embedder()
 
     async def generate(self, seat: Seat, gen: Generation) -> AsyncIterator[Message]:
-        """Yield `chunk` messages, then one `done`. Raises EngineError on failure.
-        A crash that `_survive` forgives is invisible here: the model is loaded again and
-        the generation continues from the tokens already yielded."""
+        """Yield `chunk` messages, then one `done`. Raises EngineError on failure. A crash that
+        `_survive` forgives, or an abort of every generation the server runs, is invisible here:
+        the generation carries on from the text already yielded."""
         file = seat.file
         if file is None:
             raise EngineError("model_not_loaded", "No model is loaded.")
         crashes: list[str] = []
-        ids, emitted = list(gen.prefix_ids), len(gen.prefix_text)
-        queue: asyncio.Queue[Message] = asyncio.Queue()
+        text, count, aborts = gen.prefix_text, gen.prefix_tokens or len(gen.prefix_ids), 0
+        if text and gen.request.constraint:
+            # llama.cpp's grammar starts with the output, not with text given in the prompt: the
+            # structured answer starts again, so that it is whole.
+            yield {"ev": "reset", "resume_mode": "retry"}
+            text, count = "", 0
         while True:
-            if await self._begin(seat, file, crashes, queue, gen, ids, emitted) is None:
-                yield {"ev": "done", "reason": "cancelled", "input_tokens": 0, "output_tokens": 0}
+            server = await self._begin(seat, file, crashes)
+            if server is None:
+                yield {"ev": "done", "reason": "cancelled", "input_tokens": 0, "output_tokens": count}
                 return
             try:
-                while True:
-                    msg = await self._next(queue)
-                    if msg is CRASHED:
-                        break
-                    if msg["ev"] in ("done", "error"):
-                        self._forget(seat)  # before the yield: the task stops iterating at `done`
-                    if msg["ev"] == "error":
-                        raise EngineError(msg["code"], msg["message"])
+                async for msg in self._stream(seat, server, gen.request, gen.max_tokens, text, count):
                     if msg["ev"] == "chunk":
-                        ids.extend(msg["ids"])
-                        emitted += len(msg["text"])
-                    # Idle time counts from the last message, before its yield: the runner stops
-                    # iterating at `done`, so nothing after that yield runs.
+                        text, count = text + msg["text"], count + msg["tokens"]
                     self._last_used = time.monotonic()
                     yield msg
                     if msg["ev"] == "done":
                         return
+            except ServerError as exc:  # every generation of the server was aborted (a decode error)
+                aborts += bool(gen.request.constraint)
+                log.warning("%s: the server aborted a generation: %s", self.name, exc)
+                if aborts > ABORTS:
+                    raise EngineError("unsupported_schema", DEAD_END) from None
+                continue
+            except Gone:
+                if server.alive:
+                    continue  # the connection broke, not the server: carry on from the text
+                await self._survive(crashes, "generating with", file, server)
             finally:
-                self._forget(seat)
-            await self._survive(crashes, "generating with", file)
+                self._running -= 1
+                if not self._running:
+                    self._drained.set()
+
+    async def _begin(self, seat: Seat, file: Registered, crashes: list[str]) -> Server | None:
+        """The server to run the seat's generation on, `file` loaded first (again, after a crash);
+        None when a cancel came first."""
+        async with self._lock:
+            await self._load(file, crashes)
+            if seat.cancelled or self._server is None:
+                return None
+            self._running += 1
+            self._drained.clear()
+            if self._watch is None or self._watch.done():
+                self._watch = asyncio.ensure_future(self._watchdog(self._server))
+            return self._server
+
+    async def _stream(self, seat: Seat, server: Server, request: Request, max_tokens: int | None,
+                      text: str, count: int) -> AsyncIterator[Message]:
+        """One streamed completion: the prompt, and `text` (`count` tokens) already produced."""
+        assert self.template is not None
+        ids, more = await self.template.ids(server, request, text)  # EngineError if it cannot fit
+        room = self.template.n_ctx - len(ids)  # the context left for the output, what was produced included
+        limit = min(max_tokens or room, room)
+        prompt_tokens = len(ids)
+        n_predict = min(limit - count, room - len(more))  # the text again may be a token more or less
+        if n_predict <= 0:
+            yield {"ev": "done", "reason": "length", "input_tokens": prompt_tokens, "output_tokens": count}
+            return
+        body = prompt.body(request, ids + more, n_predict)
+        pump: asyncio.Queue[Message | BaseException] = asyncio.Queue()
+        reader = asyncio.ensure_future(_pump(server, body, pump))
+        faults.fault("prompt", server)
+        faults.fault("token", server, count)
+        stopped = asyncio.ensure_future(seat.stopped.wait())
+        stopped.add_done_callback(lambda _: reader.cancel())
+        produced = 0
+        try:
+            while True:
+                event = await pump.get()
+                if isinstance(event, BaseException):
+                    if isinstance(event, asyncio.CancelledError):
+                        yield {"ev": "done", "reason": "cancelled", "input_tokens": prompt_tokens,
+                               "output_tokens": count}
+                        return
+                    raise event
+                tokens = event.get("tokens_predicted", produced) - produced
+                produced += tokens
+                count += tokens
+                faults.fault("token", server, count)
+                if event.get("content") or tokens:
+                    yield {"ev": "chunk", "ids": list(event.get("tokens") or []), "text": event.get("content", ""),
+                           "tokens": tokens}
+                if event.get("stop"):
+                    yield {"ev": "done", "reason": "length" if event.get("stop_type") == "limit" else "stop",
+                           "input_tokens": prompt_tokens,
+                           "cached_tokens": min(prompt_tokens, event.get("timings", {}).get("cache_n", 0)),
+                           "output_tokens": count}
+                    return
+        finally:
+            stopped.cancel()
+            reader.cancel()
+
+    async def _watchdog(self, server: Server) -> None:
+        """While generations run on `server`, its decode counter must move: one that stays still
+        for STALL_SECONDS is killed (its tasks then move by their `on_restart`)."""
+        last, since = None, time.monotonic()
+        while self._running and server is self._server and server.alive:
+            await asyncio.sleep(WATCH_SECONDS)
+            now = await server.progress()
+            if now != last or not self._running:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since > STALL_SECONDS:
+                log.error("%s: llama-server made no progress for %.0f s with generations running: killed",
+                          self.name, STALL_SECONDS)
+                server.kill()
+                return
 
     async def embed(self, file: Registered, texts: list[str], dimensions: int | None) -> Message:
-        """Embed `texts` with the model in `file`, loading it if needed. It waits its turn: with the
-        model the generations run, the child embeds between two of their steps (between two
-        generations when it serves one at a time); another model waits for them to end. The `embedded` message,
-        with `fresh` set if the model had to be loaded. Raises EngineError.
-        Cancelled (its client left), it stops the child at its next batch (within a second); the
-        lock is held until the child has said so, so that nobody takes its answer for their own."""
-        job = f"embed{next(self._ids)}"
-        work = asyncio.ensure_future(self._embed(job, file, texts, dimensions))
+        """Embed `texts` with the model in `file`, in a server of its own (started, or replaced by
+        one for this model, first). The `embedded` message, with `fresh` set if the model had to
+        be loaded. Raises EngineError. Cancelled (its client left), the server stops the request."""
+        async with self._embed_lock:
+            fresh = self._embedder is None or self._embedder[0] != file or not self._embedder[1].alive
+            if fresh:
+                await self._stop_embedder()
+                try:
+                    server, info = await self._start(file, self.modes.mode(file.digest), embedding=True)
+                except Died as died:
+                    raise EngineError("embeddings_unavailable", died.server.why(await died.server.exited())) from None
+                self._embedder = (file, server, prompt.embedding_size(info))
+            assert self._embedder is not None
+            _, server, size = self._embedder
         try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            self._left.add(job)
-            if self._embedding == job:
-                self.tell_child({"op": "cancel", "job": job})
-            work.add_done_callback(lambda done: done.cancelled() or done.exception())  # nobody waits for it
-            raise
-
-    async def _embed(self, job: str, file: Registered, texts: list[str], dimensions: int | None) -> Message:
-        async with self._turn(file):
-            try:
-                loaded = None if job in self._left else await self._load(file, [])
-                if loaded is None or job in self._left:  # its client left before the child had it
-                    return {"ev": "cancelled"}
-                self._embedding = job
-                self._send({"op": "embed", "job": job, "texts": texts, "dimensions": dimensions})
-                msg = await self._next()
-            finally:
-                self._left.discard(job)
-                self._embedding = None
+            msg = await prompt.embed(server, texts, dimensions, size, file.context_length)
+        except (Gone, ServerError) as exc:
+            raise EngineError("embeddings_unavailable", f"The embedding engine failed: {exc}") from None
         if msg["ev"] == "error":
             raise EngineError(msg["code"], msg["message"], msg.get("param"))
         self._last_used = time.monotonic()
-        return {**msg, "fresh": not loaded.get("cached")}
+        return {**msg, "fresh": fresh}
+
+    async def _stop_embedder(self) -> None:
+        if self._embedder is not None:
+            server, self._embedder = self._embedder[1], None
+            await server.stop()
 
     def idle_for(self) -> float:
         return time.monotonic() - self._last_used
 
-    def tell_child(self, msg: Message) -> None:
-        """Send if there is a child to hear it (a cancel for a job it finished is ignored)."""
-        if self._conn is not None and self.alive:
-            try:
-                self._conn.send(msg)
-            except OSError:
-                pass
-
     async def stop(self) -> None:
-        if self._proc is None:
-            return
-        proc = self._proc
-        try:
-            if self._conn is not None:
-                self._conn.send({"op": "shutdown"})
-        except OSError:
-            pass
-        await asyncio.get_running_loop().run_in_executor(None, proc.join, 3)
-        if proc.is_alive():
-            proc.kill()
-        self._proc = self._conn = None
+        await asyncio.gather(self._drop(), self._stop_embedder())
+
+
+async def _pump(server: Server, body: dict[str, Any], into: asyncio.Queue[Message | BaseException]) -> None:
+    """The server's events into a queue, then whatever ended them (an error, or the cancel)."""
+    try:
+        async for event in server.stream("/completion", body):
+            into.put_nowait(event)
+    except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
+        into.put_nowait(exc)
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+
+
+def _verified(file: Registered, parallel: int) -> tuple[int, str, gguf.GgufInfo]:
+    """The model file opened (and a path naming that open file), if it is the one registered and
+    fits in memory with `parallel` contexts (refused before llama.cpp takes the memory: what does not
+    fit is an OOM kill), with its header. Blocking."""
+    fd, path = models.open_verified(file)
+    try:
+        info = gguf.inspect(path)
+        too_big = memory.shortfall(os.path.basename(file.path), memory.model_memory(
+            file.size_bytes, info.metadata, file.context_length, parallel), memory.available_bytes())
+        if too_big is not None:
+            raise MemoryError(too_big)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, path, info

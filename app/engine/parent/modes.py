@@ -1,10 +1,10 @@
 """How llama.cpp runs each model on this CPU (LMSP §11, "Local engine modes").
 
 `fast` lets llama.cpp use its extra buffer types (weight repacking, Intel AMX kernels); `safe`
-loads with `use_extra_bufts = false`. Those fast paths crash on some CPUs (a SIGSEGV in
+loads with `use_extra_bufts = false` (llama-server's `--no-repack`). Those fast paths crash on some CPUs (a SIGSEGV in
 `ggml_backend_amx_mul_mat` on Sapphire Rapids), so in `auto` an engine that dies from such a
 signal in llama.cpp's compute kernels (app/engine/parent/engine.py decides) falls back to safe for that
-model, and the choice is remembered per model digest, CPU and llama-cpp-python release. It is
+model, and the choice is remembered per model digest, CPU and llama.cpp release (the pin it is built from). It is
 not for ever: a decision made under another release does not apply (an update may have fixed
 the crash), and the person can ask for fast mode again (`forget`); if it still crashes, the
 engine falls back again and says so.
@@ -12,14 +12,13 @@ engine falls back again and says so.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import sqlite3
 import time
 from collections.abc import Callable
-from functools import cache
 from typing import Any
 
+from app import paths
 from app.engine.parent import cpu
 from app.events import EventBus
 from app.store.store import Store
@@ -29,14 +28,9 @@ FAST, SAFE = "fast", "safe"
 SETTING_REASON = "Chosen in the settings (engine_mode)."
 
 
-@cache
 def llama_version() -> str:
-    """The llama-cpp-python release the engine runs (it pins the llama.cpp it builds), read from
-    its metadata (the frozen app carries it too) so that this process never loads llama.cpp."""
-    try:
-        return importlib.metadata.version("llama-cpp-python")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+    """The llama.cpp the engine runs: the pin it is built from (paths.LLAMA_CPP)."""
+    return paths.LLAMA_CPP
 
 
 def _remembered(conn: sqlite3.Connection, cpu_key: str, llama: str) -> dict[str, tuple[str, str | None]]:

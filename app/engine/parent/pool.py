@@ -1,4 +1,4 @@
-"""The engine pool: the one owner of the local engines (one llama.cpp child each).
+"""The engine pool: the one owner of the local engines (one llama-server each).
 
 It makes them (`resize`), says which is idle, which has a slot free beside its running tasks
 and which holds a model, lends a slot of one to a task (`lease`, by task id, until `release`)

@@ -367,10 +367,10 @@ class Generations(Kind):
             await self.write(writes.cancelled, job.task_id)  # a cancel was accepted meanwhile
 
     async def _outlive(self, task_id: str, failure: EngineError) -> bool:
-        """After its engine child died beneath it, the task runs again as its `on_restart` says
+        """After its engine (a llama-server, a remote endpoint) died beneath it, the task runs again as its `on_restart` says
         (as after a restart of the service), its room freed for the next claim; False when it fails."""
         deaths = self.deaths.get(task_id, 0)
-        if failure.code != "engine_crashed" or deaths >= ENGINE_DEATHS or self._stopping:
+        if failure.code != "engine_crashed" or failure.final or deaths >= ENGINE_DEATHS or self._stopping:
             return False
         if await self.write(recovery.after_engine_death, task_id) is None:
             return False

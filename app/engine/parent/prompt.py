@@ -1,0 +1,153 @@
+"""What a llama-server is sent: a request's prompt as token ids and its sampling (`Prompter`, `body`),
+and texts to embed (`embed`).
+
+The chat template is rendered here, as the check made when a request is accepted renders it
+(app/engine/template.py), with each message's text as a slot; the server tokenizes the pieces, the
+template's own markers as special tokens and the messages' text as plain text. The pieces are
+tokenized at once (the server has a thread per connection), the template's remembered: they recur.
+Embeddings: vectors of the model's pooling (the mean of the token embeddings where the file names
+none), L2-normalised by the server, cut to `dimensions` and normalised again here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import numpy as np
+
+from app.engine.constraints import grammar
+from app.engine.registry import gguf
+from app.engine.request import ChatMessage, Request
+from app.engine.template import SLOTS, ChatTemplate, Refused
+
+Message = dict[str, Any]
+KNOWN = 256  # template pieces remembered as tokens
+BUDGET_CONTEXTS = 8  # a request's inputs together hold at most this many contexts' worth of tokens
+# The sampler chain of llama.cpp's own defaults reduced to what a request sets (greedy at
+# temperature 0): every other sampler llama-server would add is switched off explicitly.
+SAMPLERS = ["top_k", "top_p", "min_p", "temperature"]
+NEUTRAL = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "repeat_last_n": 0,
+           "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+           "top_n_sigma": -1.0, "mirostat": 0, "n_probs": 0, "ignore_eos": False, "n_keep": 0}
+
+
+def _error(code: str, message: str, param: str | None = None) -> Exception:
+    from app.engine.parent.engine import EngineError  # the engine's error, raised for it
+
+    return EngineError(code, message, param)
+
+
+class Prompter:
+    """A loaded model's prompt maker: its chat template (None: "role: text" lines), the tokens the
+    model puts first by itself where there is no template, each slot's context."""
+
+    def __init__(self, template: ChatTemplate | None, first: list[int], n_ctx: int) -> None:
+        self.template = template
+        self.first = first
+        self.n_ctx = n_ctx
+        self._known: dict[str, list[int]] = {}
+
+    @classmethod
+    async def of(cls, server: Any, info: gguf.GgufInfo) -> Prompter:
+        props = json.loads(await server.get("/props"))
+        template = None
+        if info.has_chat_template:  # the file's own text; the server's copy where it is too long to read here
+            template = ChatTemplate(info.chat_template or props.get("chat_template", ""),
+                                    props.get("bos_token", ""), props.get("eos_token", ""))
+        first = await tokenize(server, "", special=True, add=True)
+        return cls(template, first, int(props["default_generation_settings"]["n_ctx"]))
+
+    async def ids(self, server: Any, request: Request, text: str) -> tuple[list[int], list[int]]:
+        """The prompt's tokens, and those of `text` (the output so far). EngineError when the
+        template refuses the conversation or the prompt cannot fit the context."""
+        messages = request.prompt()
+        if self.template is not None:  # it writes the BOS token where it wants one
+            try:
+                pieces = SLOTS.split(self.template.render(messages))  # template, message index, template, ...
+            except Refused as exc:  # most are refused when accepted: app/core/templates.py
+                raise _error("template_error", str(exc)) from None
+            first: list[int] = []
+        else:
+            pieces = [x for i, m in enumerate(messages) for x in (("\n" if i else "") + f"{m['role']}: ", str(i))]
+            pieces.append("\nassistant: ")
+            first = self.first
+        parts = await asyncio.gather(*(self._piece(server, messages, k, p) for k, p in enumerate(pieces)),
+                                     tokenize(server, text) if text else _none())
+        ids = first + [t for part in parts[:-1] for t in part]
+        if len(ids) >= self.n_ctx:
+            raise _error("context_length_exceeded", f"The input is {len(ids)} tokens; the model's context "
+                                                     f"holds {self.n_ctx}.")
+        return ids, parts[-1]
+
+    async def _piece(self, server: Any, messages: list[ChatMessage], k: int, piece: str) -> list[int]:
+        if k % 2:
+            return await tokenize(server, messages[int(piece)]["content"]) if messages[int(piece)]["content"] else []
+        if piece not in self._known:
+            if len(self._known) >= KNOWN:
+                self._known.clear()
+            self._known[piece] = await tokenize(server, piece, special=True) if piece else []
+        return self._known[piece]
+
+
+async def _none() -> list[int]:
+    return []
+
+
+async def tokenize(server: Any, text: str, special: bool = False, add: bool = False) -> list[int]:
+    answer = await server.post("/tokenize", {"content": text, "add_special": add, "parse_special": special})
+    return [int(t) for t in answer["tokens"]]
+
+
+def body(request: Request, ids: list[int], n_predict: int) -> dict[str, Any]:
+    """A streamed `/completion` of `ids`, sampled as the request asks."""
+    sent = {"prompt": ids, "n_predict": n_predict, "stream": True, "cache_prompt": True, "samplers": SAMPLERS,
+            "temperature": float(request.temperature), "top_p": float(request.top_p),
+            "seed": -1 if request.seed is None else request.seed, "stop": request.stop, **NEUTRAL}
+    if request.constraint:
+        sent["grammar"] = grammar.gbnf(request.constraint)
+    return sent
+
+
+def pooling(info: gguf.GgufInfo) -> int:
+    """The model's own pooling type (0: none, then the mean is taken)."""
+    value = info.metadata.get(f"{info.architecture}.pooling_type", 0)
+    return int(value) if isinstance(value, int) else 0
+
+
+def embedding_size(info: gguf.GgufInfo) -> int:
+    value = info.metadata.get(f"{info.architecture}.embedding_length", 0)
+    return int(value) if isinstance(value, int) else 0
+
+
+async def embed(server: Any, texts: list[str], dimensions: int | None, size: int, limit: int) -> Message:
+    """{"ev": "embedded", "vectors": little-endian float32 bytes, row after row, "dims", "tokens"},
+    or an error naming what does not fit: an input longer than the context, or all of them over the
+    request's budget. Tokens are counted only where the bytes say they might not fit (a token is at
+    least a byte, and two more may be added)."""
+    if dimensions is not None and dimensions > size:
+        return {"ev": "error", "code": "invalid_request", "param": "dimensions",
+                "message": f"`dimensions` must be at most {size} for this model."}
+    budget = BUDGET_CONTEXTS * limit
+    most = [len(t.encode()) + 2 for t in texts]
+    if sum(most) > budget or max(most, default=0) > limit:
+        counts = await asyncio.gather(*(tokenize(server, t, add=True) for t in texts))
+        total = 0
+        for i, n in enumerate(map(len, counts)):
+            if n > limit:
+                return {"ev": "error", "code": "context_length_exceeded", "param": f"input[{i}]",
+                        "message": f"input[{i}] is {n} tokens or more; the model's context holds {limit}."}
+            total += n
+            if total > budget:
+                return {"ev": "error", "code": "too_many_tokens", "param": "input",
+                        "message": f"The inputs are more than {budget} tokens together (input[0] to input[{i}] "
+                                   f"alone are {total}); send at most {budget} per request."}
+    answer = await server.post("/v1/embeddings", {"input": texts, "encoding_format": "float"})
+    rows = sorted(answer["data"], key=lambda row: row["index"])
+    vectors = np.array([row["embedding"] for row in rows], dtype=np.float64).reshape(len(texts), -1)
+    vectors = vectors[:, :dimensions or vectors.shape[1]]
+    vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    return {"ev": "embedded", "vectors": vectors.astype("<f4").tobytes(), "dims": vectors.shape[1],
+            "tokens": int(answer.get("usage", {}).get("prompt_tokens", 0))}
+

@@ -1,0 +1,293 @@
+"""One `llama-server` process (LMSP §18): a model loaded by llama.cpp's own server, spoken to over
+HTTP on a Unix socket only this user can reach, with a key of its own.
+
+Every option that decides memory or behaviour is passed (`arguments`): nothing is left to the
+server's defaults, which suit a machine given over to one model, not a desktop (the training
+context, four slots, an 8 GiB prompt cache, threads that busy-wait while idle). The key travels in
+the environment, never on the command line, and options or keys the user's environment sets for
+llama.cpp (`LLAMA_ARG_*`) are not passed on.
+
+It never outlives the app: on Linux the kernel kills it when the app's main thread ends, however
+it ends; everywhere it holds a pipe from the app on its standard input and exits when that closes
+(llama.cpp's own router protocol: `LLAMA_SERVER_ROUTER_PORT` set, the state lines on its standard
+output, `cmd_router_to_child:exit` to stop). Ready means the model answered a real request, not
+that the process listens. `progress` reads its decode counter, which the engine's watchdog compares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from app import paths
+
+log = logging.getLogger(__name__)
+STATE = "cmd_child_to_router:state:"
+EXIT = b"cmd_router_to_child:exit\n"
+# Host memory for prompts llama.cpp keeps after their slot moved on (a conversation's next turn
+# finds its history there): enough for a few long chats of a small model, not a server's 8 GiB.
+CACHE_RAM_MIB = 512
+UBATCH = 512  # prompt tokens one decode step reads: what a cancel or another slot's token waits for at most
+# llama.cpp's OpenMP threads spin before they sleep: what decoding on an idle machine wants, but
+# beside another busy program spinning is what stalls decoding. Fewer spins than libgomp's 300,000.
+SPIN_COUNT = "100000"
+# Inference keeps every core busy; the service and the GUI must still answer at once. A slightly
+# lower priority lets their threads run the moment they wake (more starves decoding whenever other
+# programs keep the cores busy: nice 10 gave 6 tokens/s beside two, nice 3 19, nice 0 26).
+NICENESS = 3
+POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's pooling types, by their GGUF number
+PR_SET_PDEATHSIG = 1
+BACKEND = "loaded CPU backend from"  # the line that names the CPU variant's library
+TAIL = 20  # lines of its output kept, for the error when it fails to load
+
+
+class ServerError(Exception):
+    """The server answered an error (`status`: its HTTP status), or failed to start."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Gone(Exception):
+    """The process ended (or the connection broke) while a request was under way."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What one server is started for: the model (at `path`, opened as `fd` where that is passed on),
+    each slot's context, the slots, the threads, safe mode, and embeddings (with the model's pooling)."""
+    path: str
+    alias: str
+    n_ctx: int
+    parallel: int
+    threads: int
+    safe: bool
+    pooling: int | None = None  # None: a generation server; else embeddings, pooled this way (0: by mean)
+    fd: int | None = None
+
+
+def arguments(binary: str, launch: Launch, socket: str) -> list[str]:
+    """The command line: every option that decides memory or behaviour, explicitly."""
+    t = str(launch.threads)
+    args = [binary, "--model", launch.path, "--alias", launch.alias, "--host", socket, "--port", "0",
+            "--threads", t, "--threads-batch", t, "--poll", "0", "--prio", "0",
+            "--n-gpu-layers", "0", "--fit", "off", "--no-webui", "--metrics", "--slots", "--warmup",
+            "--repack" if not launch.safe else "--no-repack", "--log-verbosity", "3", "--log-colors", "off"]
+    if launch.pooling is None:
+        args += ["--ctx-size", str(launch.n_ctx * launch.parallel), "--parallel", str(launch.parallel),
+                 "--no-kv-unified", "--batch-size", "2048", "--ubatch-size", str(UBATCH),
+                 "--cache-ram", str(CACHE_RAM_MIB), "--cache-reuse", "0", "--jinja", "--reasoning-format", "none"]
+    else:  # each input in one batch, as pooling needs
+        args += ["--embedding", "--pooling", POOLING.get(launch.pooling, "mean"), "--ctx-size", str(launch.n_ctx),
+                 "--parallel", "1", "--batch-size", str(launch.n_ctx), "--ubatch-size", str(launch.n_ctx),
+                 "--cache-ram", "0"]
+    return args
+
+
+def environment(key: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "LLAMA_API_KEY"))}
+    env.update(LLAMA_API_KEY=key, LLAMA_SERVER_ROUTER_PORT="0", GOMP_SPINCOUNT=SPIN_COUNT)
+    env.setdefault("HOME", os.path.expanduser("~"))  # llama.cpp reads it while parsing its options
+    return env
+
+
+def _in_child() -> None:
+    """Run in the server's process before it starts (POSIX): killed with the app's main thread,
+    which started it (Linux), and a little below the app's priority."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.nice(NICENESS)
+
+
+class Server:
+    """One llama-server process, started by `start` on the event loop's thread."""
+
+    def __init__(self, name: str, launch: Launch) -> None:
+        self.name = name
+        self.launch = launch
+        self.key = secrets.token_urlsafe(32)
+        self.folder = tempfile.mkdtemp(prefix="lmsp-")  # private (0700): the socket's
+        self.socket = os.path.join(self.folder, "llama.sock")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.tail: deque[str] = deque(maxlen=TAIL)
+        self.backend: str | None = None  # the libggml-cpu-<variant> llama.cpp picked for this CPU
+        self.facts: dict[str, Any] = {}  # what its ready line said of the model (n_ctx, n_ctx_train, ...)
+        self._ready: asyncio.Future[dict[str, Any]] | None = None
+        self.ended: asyncio.Future[int] | None = None  # its exit code, once it ended
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        binary = paths.llama_server()
+        if binary is None:
+            raise ServerError("llama-server is not installed: `make run` builds it (LMSP_LLAMA_SERVER says where "
+                              "another one is).")
+        loop = asyncio.get_running_loop()
+        self._ready, self.ended = loop.create_future(), loop.create_future()
+        fds = (self.launch.fd,) if self.launch.fd is not None else ()
+        self.proc = subprocess.Popen(  # noqa: S603 - our own build, options we chose
+            arguments(str(binary), self.launch, self.socket), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, env=environment(self.key), pass_fds=fds,
+            preexec_fn=_in_child if os.name == "posix" else None)
+        log.info("%s: started llama-server %s for %s", self.name, self.proc.pid, self.launch.alias)
+        threading.Thread(target=self._read, args=(loop, self.proc), name=f"lmsp-{self.name}-out", daemon=True).start()
+
+    def _read(self, loop: asyncio.AbstractEventLoop, proc: subprocess.Popen[bytes]) -> None:
+        """Its output, line by line, into the log (and `tail`); its state lines to `_ready`; its end to `ended`."""
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip()
+            if line.startswith(STATE):
+                with contextlib.suppress(ValueError):
+                    state = json.loads(line[len(STATE):])
+                    if state.get("state") == "ready":
+                        loop.call_soon_threadsafe(_settle, self._ready, state.get("payload", {}))
+            elif line:
+                if BACKEND in line:
+                    self.backend = line.rsplit("libggml-cpu-", 1)[-1].split(".")[0]
+                self.tail.append(line)
+                log.debug("%s: %s", self.name, line)
+        code = proc.wait()
+        loop.call_soon_threadsafe(_settle, self.ended, code)
+        loop.call_soon_threadsafe(_fail, self._ready, Gone(self.why(code)))
+
+    def why(self, code: int) -> str:
+        """What its end says: the signal or exit code, and its last lines of output."""
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        errors = [line for line in self.tail if " E " in line or "error" in line.lower()]
+        return f"llama-server {how}" + (f": {errors[-1]}" if errors else "")
+
+    async def exited(self) -> int:
+        """Its exit code (negative: the signal that killed it), once it has ended."""
+        return await asyncio.shield(self.ended) if self.ended is not None else 0
+
+    async def ready(self) -> None:
+        """Wait until the model is loaded and has answered one token. Raises Gone if it ended first."""
+        assert self._ready is not None
+        self.facts = await self._ready
+        if self.launch.pooling is None:
+            async for _ in self.stream("/completion", {"prompt": [0], "n_predict": 1, "stream": True,
+                                                        "cache_prompt": False}):
+                pass
+        else:
+            await self.post("/embedding", {"content": [0], "embd_normalize": -1})
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=self.socket, limit=0),
+                headers={"Authorization": f"Bearer {self.key}"}, timeout=aiohttp.ClientTimeout(total=None))
+        return self._session
+
+    async def post(self, path: str, body: dict[str, Any]) -> Any:
+        """One request, its JSON answer. Raises ServerError (an error answer) or Gone."""
+        try:
+            async with self.session().post("http://llama" + path, json=body) as resp:
+                answer = await resp.json(content_type=None)
+        except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
+            raise Gone(str(exc)) from exc
+        if resp.status != 200:
+            raise ServerError(_message(answer), resp.status)
+        return answer
+
+    async def get(self, path: str) -> str:
+        try:
+            async with self.session().get("http://llama" + path) as resp:
+                return await resp.text()
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise Gone(str(exc)) from exc
+
+    async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """A streamed request's events. Leaving the loop early closes the connection: the server
+        stops that generation (after the decode step in flight). Raises ServerError or Gone."""
+        try:
+            async with self.session().post("http://llama" + path, json=body) as resp:
+                if resp.status != 200:
+                    raise ServerError(_message(await resp.json(content_type=None)), resp.status)
+                async for line in resp.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise ServerError(_message(event), 500)
+                    yield event
+        except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
+            raise Gone(str(exc)) from exc
+
+    async def progress(self) -> int | None:
+        """Decode steps it has run so far (its `/metrics`), None if it does not answer."""
+        try:
+            text = await asyncio.wait_for(self.get("/metrics"), 10)
+        except (TimeoutError, Gone):
+            return None
+        found = next((line.split()[-1] for line in text.splitlines() if line.startswith("llamacpp:n_decode_total")),
+                     None)
+        return int(float(found)) if found else None
+
+    def kill(self) -> None:
+        if self.alive and self.proc is not None:
+            self.proc.kill()
+
+    async def stop(self, grace: float = 3.0) -> None:
+        """Ask it to exit, kill it after `grace` seconds; then forget its socket."""
+        if self.proc is not None and self.ended is not None:
+            if self.alive and self.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self.proc.stdin.write(EXIT)
+                    self.proc.stdin.flush()
+            try:
+                await asyncio.wait_for(asyncio.shield(self.ended), grace)
+            except TimeoutError:
+                self.kill()
+                await self.ended
+            with contextlib.suppress(OSError):
+                if self.proc.stdin is not None:
+                    self.proc.stdin.close()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _message(answer: Any) -> str:
+    error = answer.get("error") if isinstance(answer, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    return str(error or answer)
+
+
+def _settle(future: asyncio.Future[Any] | None, value: Any) -> None:
+    if future is not None and not future.done():
+        future.set_result(value)
+
+
+def _fail(future: asyncio.Future[Any] | None, exc: Exception) -> None:
+    if future is not None and not future.done():
+        future.set_exception(exc)
+        future.exception()  # nobody may be waiting (a load already done): not an unretrieved error
