@@ -50,6 +50,7 @@ WATCH_SECONDS = 10.0
 # whose grammar reached a dead end and the others alike: they carry on from their text, a
 # generation under a grammar at most this many times (it may be the one at fault).
 ABORTS = 2
+GONE_SECONDS = 2.0  # a broken stream: how long its server may take to be seen ending
 DEAD_END = "The schema allows no further text here (e.g. a `pattern` that matches nothing)."
 
 
@@ -193,6 +194,8 @@ class Engine:
         faults.fault("warmup", server)
         try:
             await server.ready()
+            if not embedding:
+                self.template = await prompt.Prompter.of(server, info)
         except (Gone, ServerError) as exc:
             log.warning("%s: llama-server did not come up: %s", self.name, exc)
             await server.stop()
@@ -238,14 +241,13 @@ class Engine:
             mode = self.modes.mode(file.digest)
             await self._drop()
             try:
-                server, info = await self._start(file, mode)
+                server, _ = await self._start(file, mode)
             except Died as died:
                 code = await died.server.exited()
                 if code >= 0:  # it refused the file (llama.cpp's loader says why), no crash
                     raise EngineError("model_load_failed", died.server.why(code)) from None
                 await self._survive(crashes, "loading", file, died.server)
                 continue
-            self.template = await prompt.Prompter.of(server, info)
             self._server, self.file, self.mode, self.slots = server, file, mode, self.parallel
             self._last_used = time.monotonic()
             return {"ev": "loaded", "cached": False}
@@ -310,8 +312,11 @@ class Engine:
                     raise EngineError("unsupported_schema", DEAD_END) from None
                 continue
             except Gone:
-                if server.alive:
-                    continue  # the connection broke, not the server: carry on from the text
+                if not await server.ends_within(GONE_SECONDS):  # the connection broke, not the server
+                    aborts += 1
+                    if aborts > ABORTS:
+                        raise EngineError(CRASHED["code"], CRASHED["message"]) from None
+                    continue  # carry on from the text
                 await self._survive(crashes, "generating with", file, server)
             finally:
                 self._running -= 1

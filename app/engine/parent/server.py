@@ -187,6 +187,16 @@ class Server:
         """Its exit code (negative: the signal that killed it), once it has ended."""
         return await asyncio.shield(self.ended) if self.ended is not None else 0
 
+    async def ends_within(self, seconds: float) -> bool:
+        """Whether it has ended, or does within `seconds` (a broken stream may come a little before)."""
+        if self.ended is None:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(self.ended), seconds)
+        except TimeoutError:
+            return False
+        return True
+
     async def ready(self) -> None:
         """Wait until the model is loaded and has answered one token. Raises Gone if it ended first."""
         assert self._ready is not None

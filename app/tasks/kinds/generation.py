@@ -367,8 +367,9 @@ class Generations(Kind):
             await self.write(writes.cancelled, job.task_id)  # a cancel was accepted meanwhile
 
     async def _outlive(self, task_id: str, failure: EngineError) -> bool:
-        """After its engine (a llama-server, a remote endpoint) died beneath it, the task runs again as its `on_restart` says
-        (as after a restart of the service), its room freed for the next claim; False when it fails."""
+        """After its engine (a llama-server, a remote endpoint) died beneath it, the task runs again as
+        its `on_restart` says (as after a restart of the service), its room freed for the next claim;
+        False when it fails (the engine said it already spent the crashes a task may cost: `final`)."""
         deaths = self.deaths.get(task_id, 0)
         if failure.code != "engine_crashed" or failure.final or deaths >= ENGINE_DEATHS or self._stopping:
             return False
