@@ -2,8 +2,8 @@
 in safe mode, remembers it, and says so; a model that crashes even in safe mode fails its task
 and nothing loops.
 
-The crashes are real: LMSP_ENGINE_FAULT, read only by the engine child, makes it kill itself
-with SIGSEGV at a chosen point, as llama.cpp's AMX kernels do on some Intel CPUs. Without it,
+The crashes are real: LMSP_ENGINE_FAULT, read only by the engine (app/engine/parent/faults.py),
+kills its llama-server with SIGSEGV at a chosen point, as llama.cpp's AMX kernels do on some Intel CPUs. Without it,
 on a CPU whose fast paths really crash, the same code paths run (the warm-up finds it)."""
 
 from __future__ import annotations
@@ -217,11 +217,11 @@ async def test_a_model_llama_cpp_cannot_load_leaves_the_others_usable(api: Any, 
     assert resp.status == 200 and (await resp.json())["status"] == "loaded"
 
 
-def test_the_fault_switch_is_for_the_engine_child_only() -> None:
-    """Nothing but the child reads it: a user's environment never makes the service crash."""
+def test_the_fault_switch_is_read_in_one_place_only() -> None:
+    """Nothing but the engine's fault injection reads it: a user's environment never makes it crash."""
     root = Path(__file__).resolve().parent.parent / "app"
     readers = [str(p.relative_to(root)) for p in root.rglob("*.py") if "LMSP_ENGINE_FAULT" in p.read_text()]
-    assert readers == ["engine/child/faults.py"]
+    assert readers == ["engine/parent/faults.py"]
     assert "LMSP_ENGINE_FAULT" not in os.environ
 
 

@@ -212,8 +212,9 @@ class Engine:
         sig = -code if code < 0 else None
         mode = SAFE if server.launch.safe else FAST
         name = signal.Signals(sig).name if sig else f"exit code {code}"
-        log.error("%s: llama-server %s while %s %s in %s mode (CPU: %s; llama.cpp CPU backend: %s)",
-                  self.name, name, stage, file.path, mode, cpu.summary(), self.cpu_variant or "native")
+        how = f"killed by {name}" if sig else f"ended with {name}"
+        log.error("%s: inference process %s while %s %s in %s mode (CPU: %s; llama.cpp CPU backend: %s)",
+                  self.name, how, stage, file.path, mode, cpu.summary(), self.cpu_variant or "native")
         if sig not in CRASH_SIGNALS:
             raise EngineError(CRASHED["code"], CRASHED["message"])
         crashes.append(mode)
@@ -246,7 +247,7 @@ class Engine:
                 code = await died.server.exited()
                 if code >= 0:  # it refused the file (llama.cpp's loader says why), no crash
                     raise EngineError("model_load_failed", died.server.why(code)) from None
-                await self._survive(crashes, "loading", file, died.server)
+                await self._survive(crashes, "loading and warming up", file, died.server)
                 continue
             self._server, self.file, self.mode, self.slots = server, file, mode, self.parallel
             self._last_used = time.monotonic()
@@ -388,7 +389,7 @@ class Engine:
         last, since = None, time.monotonic()
         while self._running and server is self._server and server.alive:
             await asyncio.sleep(WATCH_SECONDS)
-            now = await server.progress()
+            now = await server.progress(WATCH_SECONDS)
             if now != last or not self._running:
                 last, since = now, time.monotonic()
             elif time.monotonic() - since > STALL_SECONDS:

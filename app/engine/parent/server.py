@@ -155,7 +155,7 @@ class Server:
             arguments(str(binary), self.launch, self.socket), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, env=environment(self.key), pass_fds=fds,
             preexec_fn=_in_child if os.name == "posix" else None)
-        log.info("%s: started llama-server %s for %s", self.name, self.proc.pid, self.launch.alias)
+        log.info("%s: started inference process %s (llama-server, %s)", self.name, self.proc.pid, self.launch.alias)
         threading.Thread(target=self._read, args=(loop, self.proc), name=f"lmsp-{self.name}-out", daemon=True).start()
 
     def _read(self, loop: asyncio.AbstractEventLoop, proc: subprocess.Popen[bytes]) -> None:
@@ -250,10 +250,10 @@ class Server:
         except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
             raise Gone(str(exc)) from exc
 
-    async def progress(self) -> int | None:
-        """Decode steps it has run so far (its `/metrics`), None if it does not answer."""
+    async def progress(self, within: float) -> int | None:
+        """Decode steps it has run so far (its `/metrics`), None if it does not answer `within` seconds."""
         try:
-            text = await asyncio.wait_for(self.get("/metrics"), 10)
+            text = await asyncio.wait_for(self.get("/metrics"), within)
         except (TimeoutError, Gone):
             return None
         found = next((line.split()[-1] for line in text.splitlines() if line.startswith("llamacpp:n_decode_total")),
