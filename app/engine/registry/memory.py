@@ -126,11 +126,9 @@ def most_parallel(memory: Callable[[int], Memory], available: int, limit: int) -
                 if (total := memory(p).total_bytes) is not None and total <= available), default=0)
 
 
-def refusal(name: str, path: str, weights_bytes: int, context_length: int, parallel: int) -> str | None:
-    """Why the model `name` at `path` must not be loaded with `parallel` sequences of
-    `context_length`: it would not fit in the memory available now (None: it fits, or that is not
-    known). Blocking (reads the header): for the engine, just before llama.cpp loads the file."""
-    metadata = header(path)
-    if metadata is None:
-        return None  # llama.cpp's loader says what is wrong with the file
+def refusal(name: str, metadata: Mapping[str, Any], weights_bytes: int, context_length: int,
+            parallel: int) -> str | None:
+    """Why the model `name` (its header's `metadata`) must not be loaded with `parallel` sequences
+    of `context_length`: it would not fit in the memory available now (None: it fits, or that is
+    not known). For the engine, just before llama.cpp loads the file."""
     return shortfall(name, model_memory(weights_bytes, metadata, context_length, parallel), available_bytes())
