@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from app.display import human_size
-from app.engine.registry import gguf
 
 F16 = 2  # bytes of one key or value element in the cache
 # llama.cpp rounds a context's cells up to a multiple of this (1000 cells are allocated as 1024).
@@ -81,15 +80,6 @@ def model_memory(weights_bytes: int, metadata: Mapping[str, Any], context_length
     """A model whose file has `weights_bytes` (mapped, so about what its weights take), served
     `parallel` sequences of `context_length` tokens at once in one context."""
     return Memory(weights_bytes, kv_bytes(metadata, parallel * context_length), parallel)
-
-
-def header(path: str) -> dict[str, Any] | None:
-    """The metadata of the GGUF file at `path` (milliseconds: the header only); None if it cannot
-    be read, as a file that changed since it was registered. Blocking."""
-    try:
-        return gguf.inspect(path).metadata
-    except gguf.GgufError:
-        return None
 
 
 def available_bytes() -> int | None:
