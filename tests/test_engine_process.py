@@ -81,7 +81,8 @@ async def test_a_server_that_makes_no_progress_is_killed_and_its_task_carries_on
     monkeypatch.setattr(engine_module, "WATCH_SECONDS", 0.5)
     caplog.set_level(logging.INFO)
     created = await start_background(api, {"input": "Write the numbers from 1 to 1000 separated by commas.",
-                                           "max_output_tokens": 60, "temperature": 0})
+                                           "max_output_tokens": 60, "temperature": 0,
+                                           "on_restart": "resume"})
     task_id = created["task"]["id"]
     await wait_status(api, task_id, {"running"}, timeout=120)
     engine = service.pool.engines[0]

@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -31,6 +32,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -53,7 +55,7 @@ SPIN_COUNT = "100000"
 NICENESS = 3
 POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's pooling types, by their GGUF number
 PR_SET_PDEATHSIG = 1
-BACKEND = "loaded CPU backend from"  # the line that names the CPU variant's library
+BACKEND = re.compile(r"libggml-cpu-(\w+)\.(?:so|dll|dylib)")  # the CPU variant's library, as loaded
 TAIL = 20  # lines of its output kept, for the error when it fails to load
 
 
@@ -129,7 +131,6 @@ class Server:
         self.socket = os.path.join(self.folder, "llama.sock")
         self.proc: subprocess.Popen[bytes] | None = None
         self.tail: deque[str] = deque(maxlen=TAIL)
-        self.backend: str | None = None  # the libggml-cpu-<variant> llama.cpp picked for this CPU
         self.facts: dict[str, Any] = {}  # what its ready line said of the model (n_ctx, n_ctx_train, ...)
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self.ended: asyncio.Future[int] | None = None  # its exit code, once it ended
@@ -138,6 +139,15 @@ class Server:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+    @property
+    def backend(self) -> str | None:
+        """The libggml-cpu-<variant> llama.cpp picked for this CPU, where the system says (Linux)."""
+        try:
+            found = BACKEND.search(Path(f"/proc/{self.pid}/maps").read_text())
+        except OSError:
+            return None
+        return found[1] if found else None
 
     @property
     def alive(self) -> bool:
@@ -169,8 +179,6 @@ class Server:
                     if state.get("state") == "ready":
                         loop.call_soon_threadsafe(_settle, self._ready, state.get("payload", {}))
             elif line:
-                if BACKEND in line:
-                    self.backend = line.rsplit("libggml-cpu-", 1)[-1].split(".")[0]
                 self.tail.append(line)
                 log.debug("%s: %s", self.name, line)
         code = proc.wait()
