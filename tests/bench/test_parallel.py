@@ -1,8 +1,7 @@
 """Benchmarks of issue 38 (not in the default run): several clients at once on one loaded model.
 
-The peer is llama.cpp's own `llama-server` with `--parallel N` (continuous batching), built by
-`make llama-server-portable` from the llama.cpp llama-cpp-python vendors with the wheel's own
-CMake flags, so that both pick the same CPU kernels at run time. Same model (the default SmolLM2),
+The peer is llama.cpp's own `llama-server` with `--parallel N` (continuous batching): the app's
+own build (`make`), so that both pick the same CPU kernels at run time. Same model (the default SmolLM2),
 same context per slot (the app's CONTEXT: llama-server gets N x CONTEXT for N slots), same threads
 (all cores: the app's one engine has them), same prompts, greedy. Where the app's engine runs in
 safe mode on this CPU (fast mode crashes: AMX on Sapphire Rapids; tests.bench.test_throughput.
@@ -26,8 +25,6 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from importlib.metadata import version
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,13 +32,9 @@ import pytest
 from app.engine.registry.models import CONTEXT
 from tests.bench.test_streaming import Stream, chat_body, direct_stream, metric, ms, pct, service_stream, sse
 from tests.bench.test_throughput import fast_works
-from tests.conftest import Headless, Upstream, cpu_seconds, wait_until
+from tests.conftest import LLAMA_SERVER, Headless, Upstream, cpu_seconds, wait_until
 
-# Built by `make llama-server-portable` (which `make bench` runs first, and sets LMSP_LLAMA_PEER).
-PEER = Path(os.environ.get("LMSP_LLAMA_PEER") or Path.home() / ".cache" / "lmsp-tray"
-            / f"llama-server-portable-{version('llama-cpp-python')}" / "llama-server")
-pytestmark = [pytest.mark.timeout(3600), pytest.mark.skipif(
-    not PEER.is_file(), reason=f"no {PEER}: `make llama-server-portable` builds it")]
+pytestmark = pytest.mark.timeout(3600)
 
 TOKENS = 200
 CLIENTS = (1, 2, 4, 8)
@@ -100,9 +93,8 @@ def serve(svc: Headless, parallel: int) -> Side:
 
 def peer(upstreams: Any, parallel: int) -> Upstream:
     """llama-server with `parallel` slots of the app's context each, warm."""
-    safe = () if fast_works() else ("--no-repack",)
-    up: Upstream = upstreams(1, kind="llama-server", threads=os.cpu_count() or 1, server=PEER, options=(
-        "--parallel", str(parallel), "--ctx-size", str(parallel * CONTEXT), "--cont-batching", *safe))[0]
+    up: Upstream = upstreams(1, threads=os.cpu_count() or 1, parallel=parallel, fast=fast_works(), options=(
+        "--ctx-size", str(parallel * CONTEXT), "--cont-batching"))[0]
     direct_stream(up, 8)
     return up
 
@@ -147,7 +139,7 @@ def test_aggregate_decode_with_1_2_4_8_clients_vs_llama_server(headless: Headles
         up.kill()
     one = ours[1].rate
     print(f"\n[bench] aggregate decode, N streaming clients x {TOKENS} tokens at once, distinct prompts sharing a "
-          f"prefix; LMSP `parallel` = N, llama-server --parallel N ({PEER.parent.name}, "
+          f"prefix; LMSP `parallel` = N, llama-server --parallel N ({LLAMA_SERVER.resolve().parent.name}, "
           f"{'fast' if fast_works() else 'safe: --no-repack'}), best of {ROUNDS}:"
           f"\n  {'N':>2} | {'LMSP tok/s':>10} | {'llama-server':>12} | {'ratio':>5} | {'x LMSP@1':>8} | "
           f"{'fsyncs/token':>12} | {'CPU ms/token':>12}")

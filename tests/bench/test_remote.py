@@ -1,7 +1,8 @@
 """Benchmarks of issue 12 (not in the default run): remote models (LMSP §11) against real
-upstreams on loopback, one thread each (llama-cpp-python's server, and llama.cpp's
-`llama-server` when `make llama-server` built it). Every figure has its baseline from the same
-run: the same request streamed straight to the same upstream, or the same tasks on one upstream."""
+upstreams on loopback, one thread each: llama.cpp's `llama-server`, and the same behind
+tests/openai_upstream.py, a plain OpenAI-compatible server, on which the service cannot continue an
+answer. Every figure has its baseline from the same run: the same request streamed straight to the
+same upstream, or the same tasks on one upstream."""
 
 from __future__ import annotations
 
@@ -17,17 +18,15 @@ import pytest
 
 from tests.bench.test_streaming import TOKENS, Stream, direct_stream, ms, pct, service_stream, sse
 from tests.bench.test_throughput import PROMPT
-from tests.conftest import LLAMA_SERVER, Headless, Upstream, wait_until
+from tests.conftest import Headless, Upstream, wait_until
 from tests.test_remote import remote
 
 ROUNDS = 6       # streams each way, alternating which goes first
 KILLS = 3        # failovers
 CONCURRENT = 4   # tasks at once for the aggregate figure
 
-NAMES = {"python": "llama_cpp.server", "llama-server": "llama-server"}
-KINDS = [pytest.param("python", id="llama_cpp.server"),
-         pytest.param("llama-server", id="llama-server", marks=pytest.mark.skipif(
-             not LLAMA_SERVER.is_file(), reason=f"no {LLAMA_SERVER}: `make llama-server` builds it"))]
+NAMES = {"openai": "a plain OpenAI-compatible server (llama-server behind a proxy)", "llama-server": "llama-server"}
+KINDS = ["openai", "llama-server"]
 
 
 def register(svc: Headless, model_id: str, *ups: Upstream) -> None:
@@ -146,7 +145,7 @@ class Failover:
 
 
 def test_failover_time_when_the_streaming_upstream_is_killed(headless: Headless, upstreams: Any) -> None:
-    ups = upstreams(2)
+    ups = upstreams(2, kind="openai")  # the answer starts again: `output_reset` marks the failover
     headless.start()
     register(headless, "big", *ups)
     service_stream(headless, model="big")  # warm: the service's connections
@@ -166,7 +165,7 @@ def test_failover_time_when_the_streaming_upstream_is_killed(headless: Headless,
 
     first = statistics.median(s.first for s in baseline)
     gap = statistics.median(g for s in baseline for g in s.gaps)
-    print(f"\n[bench] failover, 2 llama_cpp.server upstreams (1 thread each), SIGKILL of the one streaming "
+    print(f"\n[bench] failover, 2 plain OpenAI-compatible upstreams (1 thread each), SIGKILL of the one streaming "
           f"after 10 deltas, median of {KILLS} (from the kill):"
           f"\n  service saw the stream break      {ms(median('detect'))}  (its log, 1 ms resolution)"
           f"\n  other endpoint streaming          {ms(median('reconnect'))}  (its log)"
@@ -216,8 +215,8 @@ def direct_aggregate(ups: list[Upstream]) -> tuple[float, int]:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_aggregate_throughput_two_upstreams_vs_one(headless: Headless, upstreams: Any, kind: str) -> None:
-    # llama_cpp.server queues concurrent requests (no interrupting); llama-server runs them in its slots.
-    ups = upstreams(2, kind=kind, interrupt=False)
+    # One slot each: an upstream queues a second request behind the first.
+    ups = upstreams(2, kind=kind)
     headless.start()
     register(headless, "one", ups[0])
     register(headless, "two", *ups)

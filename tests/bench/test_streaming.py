@@ -164,32 +164,28 @@ def paired(runs: list[Stream], bare: list[Stream]) -> str:
 
 
 def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless, upstreams: Any) -> None:
-    """With a peer for scale: llama-cpp-python's own server, same model, threads and mode,
-    streamed straight (a server with no durability at all: what serving over HTTP costs here)."""
+    """With a peer for scale: llama.cpp's own `llama-server`, the app's own build, same model,
+    threads and mode, streamed straight (a server with no durability at all: what serving over
+    HTTP costs here), and compared with its own unstreamed decode as well."""
     fast = fast_works()
     llm = bare_llama(fast)
     peer, = upstreams(1, threads=os.cpu_count() or 1, fast=fast)
-    # A second peer for scale: llama.cpp's own server, in C++, also with no durability. Its build
-    # is not llama-cpp-python's, so it is compared with its own unstreamed decode as well.
-    native, = upstreams(1, kind="llama-server", threads=os.cpu_count() or 1)
     headless.start()
     headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 4})  # the model loaded
     direct_stream(peer)  # warm
-    direct_stream(native)
-    bare, served, peered, natived, native_plain = [], [], [], [], []
+    bare, served, peered, peer_plain = [], [], [], []
     for _ in range(ROUNDS):  # interleaved, so that all of them see the same machine
         bare.append(bare_stream(llm))
         served.append(service_stream(headless))
         peered.append(direct_stream(peer))
-        natived.append(direct_stream(native))
-        native_plain.append(server_timed_decode(native))
+        peer_plain.append(server_timed_decode(peer))
 
     def summary(runs: list[Stream]) -> tuple[float, float, float, float, int]:
         gaps = [g for r in runs for g in r.gaps]
         return (statistics.median(r.first for r in runs), statistics.median(gaps), pct(gaps, 0.99),
                 statistics.median(r.decode for r in runs), runs[0].tokens)
 
-    b, s, p, n = summary(bare), summary(served), summary(peered), summary(natived)
+    b, s, p = summary(bare), summary(served), summary(peered)
     deltas = statistics.median(len(r.gaps) + 1 for r in served)
     print(f"\n[bench] {TOKENS}-token stream, median of {ROUNDS} (bare llama-cpp-python | through the service, SSE):"
           f"\n  first text    {ms(b[0])} | {ms(s[0])}  (service - bare {ms(s[0] - b[0])})"
@@ -200,12 +196,10 @@ def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless, upst
           f"\n  service process CPU per token (decoding's cores are shared with it): "
           f"{statistics.median(r.cpu or 0.0 for r in served) * 1000:.2f} ms; the reading client's: "
           f"{statistics.median(r.reader or 0.0 for r in served) * 1000:.2f} ms"
-          f"\n  peer, llama-cpp-python's own server ({'fast' if fast else 'safe'} mode, straight): first text "
+          f"\n  peer, llama.cpp's llama-server ({'fast' if fast else 'safe'} mode, straight): first text "
           f"{ms(p[0])} (- bare {ms(p[0] - b[0])}), gap median {ms(p[1])}, p99 {ms(p[2])}, decode {p[3]:.1f} "
-          f"tokens/s (ratio to bare {paired(peered, bare)}; the service's decode / the peer's {s[3] / p[3]:.3f})"
-          f"\n  peer, llama.cpp's llama-server (straight): first text {ms(n[0])}, gap median {ms(n[1])}, p99 "
-          f"{ms(n[2])}, decode {n[3]:.1f} tokens/s (ratio to bare {n[3] / b[3]:.3f}; to its own unstreamed "
-          f"decode {n[3] / statistics.median(native_plain):.3f})"
+          f"tokens/s (ratio to bare {paired(peered, bare)}; the service's decode / the peer's {s[3] / p[3]:.3f}; "
+          f"to its own unstreamed decode {p[3] / statistics.median(peer_plain):.3f})"
           f"\n  the disk alone, one SQLite commit (synchronous=FULL) in the data directory: "
           f"{disk_commits(headless.data_dir)}")
 
@@ -232,7 +226,7 @@ def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless, upst
         per_request[name] = (time.perf_counter() - start) / SHORT
     print(f"[bench] {SHORT} sequential 2-token foreground requests: bare {ms(per_request['bare'])} | service "
           f"{ms(per_request['service'])} per request (+{ms(per_request['service'] - per_request['bare'])}); "
-          f"peer, llama-cpp-python's own server: {ms(per_request['peer'])} "
+          f"peer, llama-server: {ms(per_request['peer'])} "
           f"(+{ms(per_request['peer'] - per_request['bare'])})")
 
 

@@ -1,5 +1,5 @@
 """Remote models from the desktop app (LMSP §11): the Add / Edit window against real
-OpenAI-compatible upstreams (llama-cpp-python's server on loopback), the Models tab's row with
+OpenAI-compatible upstreams (llama.cpp's llama-server on loopback), the Models tab's row with
 its endpoints' health, the tray's entry, Remove."""
 
 from __future__ import annotations
