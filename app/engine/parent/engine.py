@@ -197,7 +197,8 @@ class Engine:
             if not embedding:
                 self.template = await prompt.Prompter.of(server, info)
         except (Gone, ServerError) as exc:
-            log.warning("%s: llama-server did not come up: %s", self.name, exc)
+            if isinstance(exc, ServerError):  # it answered, with an error (its end is logged where it is judged)
+                log.warning("%s: llama-server did not come up: %s", self.name, exc)
             await server.stop()
             raise Died(server) from None
         self.cpu_variant = server.backend or self.cpu_variant
