@@ -11,7 +11,9 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The pin: app/paths.py's LLAMA_CPP says the same (tests/test_packaging.py checks).
 LLAMA_VERSION := 0.3.36
 # llama.cpp, built once: the `llama-server` every loaded model runs in (LMSP §18), and
-# `llama-quantize` (the tests requantize the default model with it), from the llama.cpp that
+# `llama-quantize` (the tests requantize the default model with it), and beside them
+# llama-cpp-python's JSON-schema-to-grammar converter (`llama_grammar.py`, standard library only:
+# app/engine/constraints/grammar.py loads it), from the llama.cpp that
 # llama-cpp-python $(LLAMA_VERSION)'s source release vendors (the pin). Portable: every x86-64 CPU
 # variant a shared library the binary picks at run time (GGML_BACKEND_DL), found next to it
 # ($$ORIGIN), so the app, the frozen app and the bench's bare peer run the same kernels on any CPU.
@@ -61,6 +63,7 @@ $(LLAMA_SERVER):
 	cmake --build $(LLAMA_DIR)/build --target llama-server llama-quantize -j$$(nproc)
 	find $(LLAMA_DIR)/build/bin -name '*.so*' -exec cp -P {} $(LLAMA_DIR)/ \;
 	cp $(LLAMA_DIR)/build/bin/llama-quantize $(LLAMA_DIR)/
+	cp $(LLAMA_DIR)/src/llama_cpp_python-$(LLAMA_VERSION)/llama_cpp/llama_grammar.py $(LLAMA_DIR)/
 	cp $(LLAMA_DIR)/build/bin/llama-server $(LLAMA_DIR)/llama-server.tmp && mv $(LLAMA_DIR)/llama-server.tmp $@
 	rm -rf $(LLAMA_DIR)/src $(LLAMA_DIR)/build
 
