@@ -119,7 +119,8 @@ async def test_try_fast_mode_again_through_the_api_and_after_a_restart(
         before = processes_started(caplog)
         resp = await api.post("/v1/responses", json={**SAY_HI, "model": FAST})
         assert resp.status == 200 and (await resp.json())["output_text"].strip()
-        assert second.pool.engines[0].mode == "fast" and processes_started(caplog) == before
+        # A server started for fast mode (the safe one was let go): it runs, nothing crashes.
+        assert second.pool.engines[0].mode == "fast" and processes_started(caplog) == before + 1
         assert await remembered(second) == []
         # Asking again changes nothing, and says so the same way.
         resp = await api.delete(f"/v1/models/{FAST}/engine-mode")

@@ -289,12 +289,12 @@ class Engine:
             raise EngineError("model_not_loaded", "No model is loaded.")
         crashes: list[str] = []
         text, count, aborts = gen.prefix_text, gen.prefix_tokens or len(gen.prefix_ids), 0
-        if text and gen.request.constraint:
-            # llama.cpp's grammar starts with the output, not with text given in the prompt: the
-            # structured answer starts again, so that it is whole.
-            yield {"ev": "reset", "resume_mode": "retry"}
-            text, count = "", 0
         while True:
+            if text and gen.request.constraint:
+                # llama.cpp's grammar starts with the output, not with text given in the prompt:
+                # a structured answer starts again, so that it is whole.
+                yield {"ev": "reset", "resume_mode": "retry"}
+                text, count = "", 0
             server = await self._begin(seat, file, crashes)
             if server is None:
                 yield {"ev": "done", "reason": "cancelled", "input_tokens": 0, "output_tokens": count}
