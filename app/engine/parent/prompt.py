@@ -73,6 +73,12 @@ class Prompter:
             pieces = [x for i, m in enumerate(messages) for x in (("\n" if i else "") + f"{m['role']}: ", str(i))]
             pieces.append("\nassistant: ")
             first = self.first
+        # Every piece with text is a token at least: a prompt of more pieces than the context holds
+        # is refused unread (200,000 messages would be as many requests to the server).
+        least = len(first) + sum(bool(messages[int(p)]["content"] if k % 2 else p) for k, p in enumerate(pieces))
+        if least >= self.n_ctx:
+            raise _error("context_length_exceeded", f"The input is at least {least} tokens; the model's context "
+                                                     f"holds {self.n_ctx}.")
         parts = await asyncio.gather(*(self._piece(server, messages, k, p) for k, p in enumerate(pieces)),
                                      tokenize(server, text) if text else _none())
         ids = first + [t for part in parts[:-1] for t in part]
