@@ -219,7 +219,10 @@ class Server:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=self.socket, limit=0),
+                # A connection a request: llama.cpp's HTTP server closes idle kept-alive ones on its
+                # own schedule, and a request sent on one it just closed fails (a Unix socket costs
+                # little to open).
+                connector=aiohttp.UnixConnector(path=self.socket, limit=0, force_close=True),
                 headers={"Authorization": f"Bearer {self.key}"}, timeout=aiohttp.ClientTimeout(total=None))
         return self._session
 
