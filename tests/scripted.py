@@ -74,6 +74,7 @@ class ScriptedEngine:
         self.file: Registered | None = None
         self.mode: str | None = None
         self.refused: set[Registered] = set()
+        self.embeds: Registered | None = None  # it computes no embeddings
         self.parallel = self.slots = 1
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = asyncio.Lock()
@@ -149,7 +150,7 @@ class ScriptedEngine:
             yield msg
 
     async def _answer(self, seat: ScriptedSeat, gen: Generation, file: Registered) -> AsyncIterator[Message]:
-        """The child's generation (app/engine/child/main.py `generate`), scripted: chunks held back
+        """A generation as the engine streams it, scripted: chunks held back
         while they could still become a stop sequence, the last one marked `last`."""
         script, start = self.script, len(gen.prefix_ids or [])
         prompt = sum(tokens(str(m.get("content", ""))) + 4 for m in gen.request.prompt())

@@ -159,6 +159,11 @@ class Engine:
         return None
 
     @property
+    def embeds(self) -> Registered | None:
+        """The model file its embedding server holds, if it has one."""
+        return self._embedder[0] if self._embedder else None
+
+    @property
     def alive(self) -> bool:
         return self._server is not None and self._server.alive
 
@@ -174,7 +179,7 @@ class Engine:
         file is not the one registered or does not fit, Died when the server ended while loading."""
         parallel = 1 if embedding else self.parallel
         try:
-            fd, path, info = await asyncio.to_thread(_verified, file, parallel)
+            fd, path, info = await asyncio.to_thread(memory.opened, file, parallel)
         except models.FileChanged as exc:
             self.refused.add(file)
             raise EngineError("model_changed", str(exc)) from exc
@@ -352,7 +357,7 @@ class Engine:
             return
         body = prompt.body(request, ids + more, n_predict)
         pump: asyncio.Queue[Message | BaseException] = asyncio.Queue()
-        reader = asyncio.ensure_future(_pump(server, body, pump))
+        reader = asyncio.ensure_future(server.pump("/completion", body, pump))
         faults.fault("prompt", server)
         faults.fault("token", server, count)
         stopped = asyncio.ensure_future(seat.stopped.wait())
@@ -434,30 +439,3 @@ class Engine:
     async def stop(self) -> None:
         await asyncio.gather(self._drop(), self._stop_embedder())
 
-
-async def _pump(server: Server, body: dict[str, Any], into: asyncio.Queue[Message | BaseException]) -> None:
-    """The server's events into a queue, then whatever ended them (an error, or the cancel)."""
-    try:
-        async for event in server.stream("/completion", body):
-            into.put_nowait(event)
-    except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
-        into.put_nowait(exc)
-        if isinstance(exc, asyncio.CancelledError):
-            raise
-
-
-def _verified(file: Registered, parallel: int) -> tuple[int, str, gguf.GgufInfo]:
-    """The model file opened (and a path naming that open file), if it is the one registered and
-    fits in memory with `parallel` contexts (refused before llama.cpp takes the memory: what does not
-    fit is an OOM kill), with its header. Blocking."""
-    fd, path = models.open_verified(file)
-    try:
-        info = gguf.inspect(path)
-        too_big = memory.refusal(os.path.basename(file.path), info.metadata, file.size_bytes, file.context_length,
-                                 parallel)
-        if too_big is not None:
-            raise MemoryError(too_big)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, path, info

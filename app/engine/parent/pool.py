@@ -181,7 +181,7 @@ class EnginePool:
         return None if until is None else max(0.0, until - time.monotonic())
 
     def _expired(self, engine: Engine, ttl: float) -> bool:
-        path = engine.model_path
+        path = engine.model_path or (engine.embeds.path if engine.embeds else None)  # an embedding server's, alone
         if path is None or self.busy(engine):
             return False
         if path in self._kept:

@@ -261,6 +261,17 @@ class Server:
         except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
             raise Gone(str(exc)) from exc
 
+    async def pump(self, path: str, body: dict[str, Any], into: asyncio.Queue[Any]) -> None:
+        """A streamed request's events into a queue, then whatever ended them (an error, or the
+        cancel of this coroutine's task): its reader raises that."""
+        try:
+            async for event in self.stream(path, body):
+                into.put_nowait(event)
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            into.put_nowait(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
     async def progress(self, within: float) -> int | None:
         """Decode steps it has run so far (its `/metrics`), None if it does not answer `within` seconds."""
         try:

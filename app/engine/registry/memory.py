@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from app.display import human_size
+from app.engine.registry import gguf, models
+from app.engine.registry.models import Registered
 
 F16 = 2  # bytes of one key or value element in the cache
 # llama.cpp rounds a context's cells up to a multiple of this (1000 cells are allocated as 1024).
@@ -122,3 +124,20 @@ def refusal(name: str, metadata: Mapping[str, Any], weights_bytes: int, context_
     of `context_length`: it would not fit in the memory available now (None: it fits, or that is
     not known). For the engine, just before llama.cpp loads the file."""
     return shortfall(name, model_memory(weights_bytes, metadata, context_length, parallel), available_bytes())
+
+
+def opened(file: Registered, parallel: int) -> tuple[int, str, gguf.GgufInfo]:
+    """The model file opened (and a path naming that open file), if it is the one registered and
+    fits in memory with `parallel` contexts (refused before llama.cpp takes the memory: what does not
+    fit is an OOM kill), with its header. Raises FileChanged, OSError, GgufError, MemoryError (it
+    does not fit: the message says so). Blocking; the caller closes the descriptor."""
+    fd, path = models.open_verified(file)
+    try:
+        info = gguf.inspect(path)
+        too_big = refusal(os.path.basename(file.path), info.metadata, file.size_bytes, file.context_length, parallel)
+        if too_big is not None:
+            raise MemoryError(too_big)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, path, info
