@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+import httpx2
 
 from app import paths
 
@@ -134,7 +134,7 @@ class Server:
         self.facts: dict[str, Any] = {}  # what its ready line said of the model (n_ctx, n_ctx_train, ...)
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self.ended: asyncio.Future[int] | None = None  # its exit code, once it ended
-        self._session: aiohttp.ClientSession | None = None
+        self._client: httpx2.AsyncClient | None = None
 
     @property
     def pid(self) -> int | None:
@@ -216,50 +216,50 @@ class Server:
         else:
             await self.post("/embedding", {"content": [0], "embd_normalize": -1})
 
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                # A connection a request: llama.cpp's HTTP server closes idle kept-alive ones on its
-                # own schedule, and a request sent on one it just closed fails (a Unix socket costs
-                # little to open).
-                connector=aiohttp.UnixConnector(path=self.socket, limit=0, force_close=True),
-                headers={"Authorization": f"Bearer {self.key}"}, timeout=aiohttp.ClientTimeout(total=None))
-        return self._session
+    def client(self) -> httpx2.AsyncClient:
+        if self._client is None:
+            # A connection a request: llama.cpp's HTTP server closes idle kept-alive ones on its own
+            # schedule, and a request sent on one it just closed fails (a Unix socket costs little to open).
+            transport = httpx2.AsyncHTTPTransport(uds=self.socket, limits=httpx2.Limits(
+                max_connections=None, max_keepalive_connections=0))
+            self._client = httpx2.AsyncClient(transport=transport, base_url="http://llama",
+                                              timeout=httpx2.Timeout(None),
+                                              headers={"Authorization": f"Bearer {self.key}"})
+        return self._client
 
     async def post(self, path: str, body: dict[str, Any]) -> Any:
         """One request, its JSON answer. Raises ServerError (an error answer) or Gone."""
         try:
-            async with self.session().post("http://llama" + path, json=body) as resp:
-                answer = await resp.json(content_type=None)
-        except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
-            raise Gone(str(exc)) from exc
-        if resp.status != 200:
-            raise ServerError(_message(answer), resp.status)
+            resp = await self.client().post(path, json=body)
+            answer = resp.json()
+        except (httpx2.TransportError, ValueError) as exc:
+            raise Gone(str(exc) or type(exc).__name__) from exc
+        if resp.status_code != 200:
+            raise ServerError(_message(answer), resp.status_code)
         return answer
 
     async def get(self, path: str) -> str:
         try:
-            async with self.session().get("http://llama" + path) as resp:
-                return await resp.text()
-        except (aiohttp.ClientError, ConnectionError) as exc:
-            raise Gone(str(exc)) from exc
+            return (await self.client().get(path)).text
+        except httpx2.TransportError as exc:
+            raise Gone(str(exc) or type(exc).__name__) from exc
 
     async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """A streamed request's events. Leaving the loop early closes the connection: the server
         stops that generation (after the decode step in flight). Raises ServerError or Gone."""
         try:
-            async with self.session().post("http://llama" + path, json=body) as resp:
-                if resp.status != 200:
-                    raise ServerError(_message(await resp.json(content_type=None)), resp.status)
-                async for line in resp.content:
-                    if not line.startswith(b"data: "):
+            async with self.client().stream("POST", path, json=body) as resp:
+                if resp.status_code != 200:
+                    raise ServerError(_message(json.loads(await resp.aread())), resp.status_code)
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: "):
                         continue
                     event = json.loads(line[6:])
                     if "error" in event:
                         raise ServerError(_message(event), 500)
                     yield event
-        except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
-            raise Gone(str(exc)) from exc
+        except (httpx2.TransportError, ValueError) as exc:
+            raise Gone(str(exc) or type(exc).__name__) from exc
 
     async def pump(self, path: str, body: dict[str, Any], into: asyncio.Queue[Any]) -> None:
         """A streamed request's events into a queue, then whatever ended them (an error, or the
@@ -301,9 +301,9 @@ class Server:
             with contextlib.suppress(OSError):
                 if self.proc.stdin is not None:
                     self.proc.stdin.close()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
