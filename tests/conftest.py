@@ -234,13 +234,12 @@ class Headless:
         return self.proc.wait(timeout=30)
 
     def engine_pids(self) -> list[int]:
-        """The engine children: multiprocessing's spawned processes (not its resource tracker, nor
-        the grammar worker)."""
+        """The engines' processes: llama-server (a scripted engine's: tests/scripted.py's CHILD)."""
         assert self.proc is not None
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(pid) for pid in out.split() if (args := Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
-                and (b"--multiprocessing-fork" in args or args[:-1] == [a.encode() for a in scripted.CHILD])
-                and Path(f"/proc/{pid}/comm").read_text().strip() != "lmsp-grammar"]
+                and (Path(args[0].decode()).name == "llama-server"
+                     or args[:-1] == [a.encode() for a in scripted.CHILD])]
 
 
 
