@@ -15,7 +15,7 @@ import pytest
 
 from app import paths
 from app.display import human_size
-from app.engine.registry import memory
+from app.engine.registry import gguf, memory
 from app.engine.registry.models import DEFAULT_MODEL_ID
 from tests.helpers import expect_error
 
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.skipif(MODEL is None, reason="the default model (llm-s
 def needs(parallel: int) -> int:
     """Bytes the default model takes with `parallel` sequences of its 4096 tokens."""
     assert MODEL is not None
-    header = memory.header(str(MODEL))
+    header = gguf.inspect(MODEL).metadata
     assert header is not None
     return MODEL.stat().st_size + (memory.kv_bytes(header, parallel * 4096) or 0)
 
