@@ -312,7 +312,10 @@ class Engine:
                     yield msg
                     if msg["ev"] == "done":
                         return
-            except ServerError as exc:  # every generation of the server was aborted (a decode error)
+            except ServerError as exc:
+                if exc.status == 400:  # the request itself, refused before it ran (a grammar llama.cpp cannot parse)
+                    raise _refused(gen.request, exc) from None
+                # Else every generation of the server was aborted (a decode error): carry on.
                 aborts += bool(gen.request.constraint)
                 log.warning("%s: the server aborted a generation: %s", self.name, exc)
                 if aborts > ABORTS:
@@ -439,3 +442,8 @@ class Engine:
     async def stop(self) -> None:
         await asyncio.gather(self._drop(), self._stop_embedder())
 
+
+def _refused(request: Request, exc: ServerError) -> EngineError:
+    if request.constraint:
+        return EngineError("unsupported_schema", f"llama.cpp could not parse this schema's grammar: {exc}")
+    return EngineError("invalid_request", f"llama.cpp refused the request: {exc}")
