@@ -120,9 +120,9 @@ def test_a_schema_the_grammar_cannot_express_is_refused_and_nothing_is_stored(he
 
 @pytest.mark.parametrize("parallel", [1, 4])
 def test_a_resumed_task_still_ends_with_the_same_valid_json(headless: Headless, parallel: int) -> None:
-    """A resumed task's grammar picks up where its committed text left it: the JSON stays valid.
-    Identical to an uninterrupted run with one task at a time; with several (`parallel` 4) the
-    committed text is kept word for word and the rest may differ (README, Recovery)."""
+    """A resumed task's grammar picks up where its committed text left it: the JSON stays valid,
+    the committed text is kept word for word and the rest may differ from an uninterrupted run's
+    (README, Recovery)."""
     schema = {"type": "object", "properties": {"fruits": {"type": "array", "items": {"type": "string"},
                                                           "minItems": 12, "maxItems": 12}},
               "required": ["fruits"], "additionalProperties": False}
@@ -146,8 +146,6 @@ def test_a_resumed_task_still_ends_with_the_same_valid_json(headless: Headless, 
     final = wait_until(lambda: (r := headless.get(f"/v1/responses/{created['id']}")[1])["status"] == "completed"
                        and r, timeout=120)
     assert len(committed) > 20 and final["output_text"].startswith(committed)
-    if parallel == 1:
-        assert final["output_text"] == reference["output_text"]
     jsonschema.validate(json.loads(final["output_text"]), schema)
     events = _events(headless, task_id)
     assert {e["attempt"] for e in events} == {1}

@@ -295,11 +295,6 @@ class Engine:
         crashes: list[str] = []
         text, count, aborts = gen.prefix_text, gen.prefix_tokens or len(gen.prefix_ids), 0
         while True:
-            if text and gen.request.constraint:
-                # llama.cpp's grammar starts with the output, not with text given in the prompt:
-                # a structured answer starts again, so that it is whole.
-                yield {"ev": "reset", "resume_mode": "retry"}
-                text, count = "", 0
             server = await self._begin(seat, file, crashes)
             if server is None:
                 yield {"ev": "done", "reason": "cancelled", "input_tokens": 0, "output_tokens": count}
@@ -358,7 +353,7 @@ class Engine:
         if n_predict <= 0:
             yield {"ev": "done", "reason": "length", "input_tokens": prompt_tokens, "output_tokens": count}
             return
-        body = prompt.body(request, ids + more, n_predict)
+        body = prompt.body(request, ids + more, n_predict, text)
         pump: asyncio.Queue[Message | BaseException] = asyncio.Queue()
         reader = asyncio.ensure_future(server.pump("/completion", body, pump))
         faults.fault("prompt", server)

@@ -106,13 +106,19 @@ async def tokenize(server: Any, text: str, special: bool = False, add: bool = Fa
     return [int(t) for t in answer["tokens"]]
 
 
-def body(request: Request, ids: list[int], n_predict: int) -> dict[str, Any]:
-    """A streamed `/completion` of `ids`, sampled as the request asks."""
+def body(request: Request, ids: list[int], n_predict: int, text: str) -> dict[str, Any]:
+    """A streamed `/completion` of `ids` (ending with `text`, the output so far), sampled as the
+    request asks."""
     sent = {"prompt": ids, "n_predict": n_predict, "stream": True, "cache_prompt": True, "samplers": SAMPLERS,
             "temperature": float(request.temperature), "top_p": float(request.top_p),
             "seed": -1 if request.seed is None else request.seed, "stop": request.stop, **NEUTRAL}
     if request.constraint:
         sent["grammar"] = grammar.gbnf(request.constraint)
+        if text:
+            # The grammar first reads the output so far (llama.cpp feeds a `generation_prompt` to a
+            # grammar of the kinds it makes itself: "tool_calls" is the one its API names), so a
+            # resumed structured answer carries on from it and still ends as valid JSON.
+            sent.update(grammar_type="tool_calls", generation_prompt=text)
     return sent
 
 
