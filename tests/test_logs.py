@@ -136,17 +136,17 @@ def test_a_stderr_nobody_reads_stops_nothing(headless: Headless) -> None:
         assert status == 200 and time.monotonic() - started < (60 if n == 0 else 10), f"request {n} took too long"
     file = headless.data_dir / "logs" / "lmsp-tray.log"
     wait_until(lambda: file.read_text().count(": left the engine") == tasks, timeout=10)
-    # A fresh engine child: what llama.cpp prints on its stderr as it loads goes to the log,
-    # not into the full pipe, where the child would wait for room that never comes.
+    # A fresh engine: what llama-server prints as it loads goes to the log, not into the full
+    # pipe, where it would wait for room that never comes.
     # Two loads so far where fast mode crashes on this CPU (AMX) and the engine went on in safe mode.
-    loads = file.read_text().count("engine0: load_backend: loaded CPU backend")
+    loads = file.read_text().count("llama_server: model loaded")
     killed = headless.engine_pids()
     for pid in killed:
         os.kill(pid, signal.SIGKILL)
     wait_until(lambda: all(gone(pid) for pid in killed))  # else the request finds it dying: engine_crashed
     status, answer = headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 1})
     assert status == 200, answer
-    assert file.read_text().count("engine0: load_backend: loaded CPU backend") == loads + 1
+    assert loads and file.read_text().count("llama_server: model loaded") == loads + 1
     started = time.monotonic()
     assert headless.terminate() == 0
     assert time.monotonic() - started < 10

@@ -137,7 +137,8 @@ class Engine:
         self.cpu_variant: str | None = None   # which libggml-cpu-<variant> llama.cpp picked
         self.template: prompt.Prompter | None = None
         self._server: Server | None = None
-        self._embedder: tuple[Registered, Server, int] | None = None  # its file, server, embedding size
+        # The embedding server's model file, the server, the model's embedding size and token bytes.
+        self._embedder: tuple[Registered, Server, int, int] | None = None
         self._lock = asyncio.Lock()  # one load at a time
         self._embed_lock = asyncio.Lock()
         self._running = 0  # generations streaming now
@@ -414,11 +415,11 @@ class Engine:
                     server, info = await self._start(file, self.modes.mode(file.digest), embedding=True)
                 except Died as died:
                     raise EngineError("embeddings_unavailable", died.server.why(await died.server.exited())) from None
-                self._embedder = (file, server, prompt.embedding_size(info))
+                self._embedder = (file, server, prompt.embedding_size(info), info.token_bytes)
             assert self._embedder is not None
-            _, server, size = self._embedder
+            _, server, size, token_bytes = self._embedder
         try:
-            msg = await prompt.embed(server, texts, dimensions, size, file.context_length)
+            msg = await prompt.embed(server, texts, dimensions, size, file.context_length, token_bytes)
         except (Gone, ServerError) as exc:
             raise EngineError("embeddings_unavailable", f"The embedding engine failed: {exc}") from None
         if msg["ev"] == "error":

@@ -12,6 +12,7 @@ none), L2-normalised by the server, cut to `dimensions` and normalised again her
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from typing import Any
 
@@ -25,6 +26,7 @@ from app.engine.template import SLOTS, ChatTemplate, Refused
 Message = dict[str, Any]
 KNOWN = 256  # template pieces remembered as tokens
 BUDGET_CONTEXTS = 8  # a request's inputs together hold at most this many contexts' worth of tokens
+GROUP = 16  # inputs tokenized at once while counting
 # The sampler chain of llama.cpp's own defaults reduced to what a request sets (greedy at
 # temperature 0): every other sampler llama-server would add is switched off explicitly.
 SAMPLERS = ["top_k", "top_p", "min_p", "temperature"]
@@ -43,10 +45,11 @@ class Prompter:
     """A loaded model's prompt maker: its chat template (None: "role: text" lines), the tokens the
     model puts first by itself where there is no template, each slot's context."""
 
-    def __init__(self, template: ChatTemplate | None, first: list[int], n_ctx: int) -> None:
+    def __init__(self, template: ChatTemplate | None, first: list[int], n_ctx: int, token_bytes: int) -> None:
         self.template = template
         self.first = first
         self.n_ctx = n_ctx
+        self.token_bytes = token_bytes  # gguf.GgufInfo.token_bytes: a text's least tokens, from its bytes
         self._known: dict[str, list[int]] = {}
 
     @classmethod
@@ -57,7 +60,7 @@ class Prompter:
             template = ChatTemplate(info.chat_template or props.get("chat_template", ""),
                                     props.get("bos_token", ""), props.get("eos_token", ""))
         first = await tokenize(server, "", special=True, add=True)
-        return cls(template, first, int(props["default_generation_settings"]["n_ctx"]))
+        return cls(template, first, int(props["default_generation_settings"]["n_ctx"]), info.token_bytes)
 
     async def ids(self, server: Any, request: Request, text: str) -> tuple[list[int], list[int]]:
         """The prompt's tokens, and those of `text` (the output so far). EngineError when the
@@ -73,9 +76,10 @@ class Prompter:
             pieces = [x for i, m in enumerate(messages) for x in (("\n" if i else "") + f"{m['role']}: ", str(i))]
             pieces.append("\nassistant: ")
             first = self.first
-        # Every piece with text is a token at least: a prompt of more pieces than the context holds
-        # is refused unread (200,000 messages would be as many requests to the server).
-        least = len(first) + sum(bool(messages[int(p)]["content"] if k % 2 else p) for k, p in enumerate(pieces))
+        # A prompt that cannot fit is refused unread: 200,000 messages would be as many requests to
+        # the server, 8 MiB of text millions of token ids to read back.
+        texts = (messages[int(p)]["content"] if k % 2 else p for k, p in enumerate(pieces))
+        least = len(first) + sum(self.least(t) for t in texts)
         if least >= self.n_ctx:
             raise _error("context_length_exceeded", f"The input is at least {least} tokens; the model's context "
                                                      f"holds {self.n_ctx}.")
@@ -86,6 +90,13 @@ class Prompter:
             raise _error("context_length_exceeded", f"The input is {len(ids)} tokens; the model's context "
                                                      f"holds {self.n_ctx}.")
         return ids, parts[-1]
+
+    def least(self, text: str) -> int:
+        """The fewest tokens `text` can be: a token a piece of text at least, and no token stands for
+        more bytes than the longest of the vocabulary."""
+        if not text:
+            return 0
+        return max(1, len(text.encode()) // self.token_bytes) if self.token_bytes else 1
 
     async def _piece(self, server: Any, messages: list[ChatMessage], k: int, piece: str) -> list[int]:
         if k % 2:
@@ -133,33 +144,63 @@ def embedding_size(info: gguf.GgufInfo) -> int:
     return int(value) if isinstance(value, int) else 0
 
 
-async def embed(server: Any, texts: list[str], dimensions: int | None, size: int, limit: int) -> Message:
+async def embed(server: Any, texts: list[str], dimensions: int | None, size: int, limit: int,
+                token_bytes: int) -> Message:
     """{"ev": "embedded", "vectors": little-endian float32 bytes, row after row, "dims", "tokens"},
     or an error naming what does not fit: an input longer than the context, or all of them over the
-    request's budget. Tokens are counted only where the bytes say they might not fit (a token is at
-    least a byte, and two more may be added)."""
+    request's budget. What the bytes alone say is refused unread (`token_bytes`: see
+    gguf.GgufInfo); tokens are counted only where they leave a doubt, a few inputs at a time and no
+    further than the first that does not fit."""
     if dimensions is not None and dimensions > size:
         return {"ev": "error", "code": "invalid_request", "param": "dimensions",
                 "message": f"`dimensions` must be at most {size} for this model."}
-    budget = BUDGET_CONTEXTS * limit
-    most = [len(t.encode()) + 2 for t in texts]
-    if sum(most) > budget or max(most, default=0) > limit:
-        counts = await asyncio.gather(*(tokenize(server, t, add=True) for t in texts))
-        total = 0
-        for i, n in enumerate(map(len, counts)):
-            if n > limit:
-                return {"ev": "error", "code": "context_length_exceeded", "param": f"input[{i}]",
-                        "message": f"input[{i}] is {n} tokens or more; the model's context holds {limit}."}
-            total += n
-            if total > budget:
-                return {"ev": "error", "code": "too_many_tokens", "param": "input",
-                        "message": f"The inputs are more than {budget} tokens together (input[0] to input[{i}] "
-                                   f"alone are {total}); send at most {budget} per request."}
-    answer = await server.post("/v1/embeddings", {"input": texts, "encoding_format": "float"})
-    rows = sorted(answer["data"], key=lambda row: row["index"])
-    vectors = np.array([row["embedding"] for row in rows], dtype=np.float64).reshape(len(texts), -1)
-    vectors = vectors[:, :dimensions or vectors.shape[1]]
-    vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    sizes = [len(t.encode()) for t in texts]
+    least = [max(1, n // token_bytes) if token_bytes else 1 for n in sizes]
+    most = [n + 2 for n in sizes]  # a token is a byte of text at least, and two may be added
+    refused = _over(least, limit, "or more")
+    if refused is None and (max(most, default=0) > limit or sum(most) > BUDGET_CONTEXTS * limit):
+        refused = await _counted(server, texts, limit)
+    if refused is not None:
+        return refused
+    answer = await server.post("/v1/embeddings", {"input": texts, "encoding_format": "base64"})
+    # Decoded and normalised off the event loop: 2,048 vectors are megabytes of base64.
+    vectors = await asyncio.to_thread(_vectors, answer["data"], len(texts), dimensions)
     return {"ev": "embedded", "vectors": vectors.astype("<f4").tobytes(), "dims": vectors.shape[1],
             "tokens": int(answer.get("usage", {}).get("prompt_tokens", 0))}
 
+
+def _vectors(rows: list[dict[str, Any]], n: int, dimensions: int | None) -> Any:
+    """The rows' vectors (base64 float32), cut to `dimensions` and L2-normalised again."""
+    ordered = sorted(rows, key=lambda row: row["index"])
+    vectors = np.array([np.frombuffer(base64.b64decode(row["embedding"]), dtype="<f4") for row in ordered],
+                       dtype=np.float64).reshape(n, -1)
+    vectors = vectors[:, :dimensions or vectors.shape[1]]
+    vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    return vectors
+
+
+def _over(counts: list[int], limit: int, hedge: str, upto: int | None = None) -> Message | None:
+    """The error for the first input over the context, or for the inputs over the request's budget."""
+    budget, total = BUDGET_CONTEXTS * limit, 0
+    for i, n in enumerate(counts):
+        if n > limit:
+            return {"ev": "error", "code": "context_length_exceeded", "param": f"input[{i}]",
+                    "message": f"input[{i}] is {n} tokens {hedge}; the model's context holds {limit}."}
+        total += n
+        if total > budget:
+            return {"ev": "error", "code": "too_many_tokens", "param": "input",
+                    "message": f"The inputs are more than {budget} tokens together (input[0] to input[{i}] "
+                               f"alone are {total}); send at most {budget} per request."}
+    return None
+
+
+async def _counted(server: Any, texts: list[str], limit: int) -> Message | None:
+    """The inputs' tokens counted, GROUP at a time, until one of them or their sum does not fit."""
+    counts: list[int] = []
+    for start in range(0, len(texts), GROUP):
+        counts += [len(ids) for ids in await asyncio.gather(
+            *(tokenize(server, t, add=True) for t in texts[start:start + GROUP]))]
+        refused = _over(counts, limit, "long")
+        if refused is not None:
+            return refused
+    return None

@@ -57,6 +57,8 @@ POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's pooling typ
 PR_SET_PDEATHSIG = 1
 BACKEND = re.compile(r"libggml-cpu-(\w+)\.(?:so|dll|dylib)")  # the CPU variant's library, as loaded
 TAIL = 20  # lines of its output kept, for the error when it fails to load
+# The level letter llama.cpp's log puts after each line's time ("0.00.021.190 I srv ...").
+LEVELS = {"D": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR}
 
 
 class ServerError(Exception):
@@ -169,18 +171,23 @@ class Server:
         threading.Thread(target=self._read, args=(loop, self.proc), name=f"lmsp-{self.name}-out", daemon=True).start()
 
     def _read(self, loop: asyncio.AbstractEventLoop, proc: subprocess.Popen[bytes]) -> None:
-        """Its output, line by line, into the log (and `tail`); its state lines to `_ready`; its end to `ended`."""
+        """Its output, line by line, into the log (and `tail`); its state lines to `_ready`; its end to
+        `ended`. What it says as it loads is logged, what it says of each request only at debug
+        level; its warnings and errors always."""
         assert proc.stdout is not None
+        loaded = False
         for raw in proc.stdout:
             line = raw.decode("utf-8", "replace").rstrip()
             if line.startswith(STATE):
                 with contextlib.suppress(ValueError):
                     state = json.loads(line[len(STATE):])
                     if state.get("state") == "ready":
+                        loaded = True
                         loop.call_soon_threadsafe(_settle, self._ready, state.get("payload", {}))
             elif line:
                 self.tail.append(line)
-                log.debug("%s: %s", self.name, line)
+                level = LEVELS.get(line.split(" ", 2)[1] if " " in line else "", logging.INFO)
+                log.log(logging.DEBUG if loaded and level == logging.INFO else level, "%s: %s", self.name, line)
         code = proc.wait()
         loop.call_soon_threadsafe(_settle, self.ended, code)
         loop.call_soon_threadsafe(_fail, self._ready, Gone(self.why(code)))

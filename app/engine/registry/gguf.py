@@ -74,6 +74,9 @@ class GgufInfo:
     metadata: dict[str, Value]
     parameter_count: int = 0  # the elements of every tensor together
     chat_template: str | None = None  # its text, if at most MAX_TEMPLATE_BYTES
+    # The longest token's text in bytes (0: no vocabulary): no token stands for more bytes of text
+    # than its written form has, so a text of B bytes is at least B / this many tokens.
+    token_bytes: int = 0
 
 
 def _num(n: int) -> str:
@@ -88,6 +91,7 @@ class _Reader:
         self._f, self.size, self._cancel = f, size, cancel
         self._buf, self._off, self._base = b"", 0, 0
         self.walk_left = MAX_WALKED  # strings and arrays in arrays this header may still have
+        self.longest = 0  # the longest string of the last array of strings read
 
     @property
     def pos(self) -> int:
@@ -123,25 +127,31 @@ class _Reader:
         else:  # drop the window; the next take() seeks, so a huge skip costs nothing
             self._base, self._buf, self._off = self.pos + n, b"", 0
 
-    def skip_strings(self, count: int, what: str) -> None:
-        """`count` strings, skipped. The one loop whose length the file chooses, so it runs over the
-        window's bytes directly (a cancel is noticed at each new window, every megabyte at most);
-        a string that crosses the window's edge takes the careful path."""
+    def skip_strings(self, count: int, what: str) -> int:
+        """`count` strings, skipped; the length of the longest. The one loop whose length the file
+        chooses, so it runs over the window's bytes directly (a cancel is noticed at each new
+        window, every megabyte at most); a string that crosses the window's edge takes the careful path."""
         unpack = _U64.unpack_from
+        longest = 0
         while count:
             buf, off = self._buf, self._off
             end = min(len(buf), self.size - self._base)  # never past the size measured
             walked, start = 0, off
             while off <= end - 8 and walked < count:
                 start = off
-                off += 8 + unpack(buf, off)[0]
+                n = unpack(buf, off)[0]
+                off += 8 + n
+                longest = max(longest, n) if off <= end else longest
                 walked += 1
             if off > end:  # the last one ran past the window: back to its start
                 off, walked = start, walked - 1
             self._off, count = off, count - walked
             if count:
-                self.skip(self.str_len(what), what)
+                n = self.str_len(what)
+                longest = max(longest, n)
+                self.skip(n, what)
                 count -= 1
+        return longest
 
     def u32(self, what: str) -> int:
         return int(_U32.unpack(self.take(4, what))[0])
@@ -204,7 +214,7 @@ def _value(r: _Reader, vtype: int, what: str, depth: int = 0) -> Value | None:
         return None
     r.walk_left -= count
     if etype == STRING:
-        r.skip_strings(count, f"an element of {what}")
+        r.longest = r.skip_strings(count, f"an element of {what}")
     else:
         for i in range(count):
             _value(r, ARRAY, f"{what}[{i}]", depth + 1)
@@ -269,7 +279,7 @@ def _parse(r: _Reader) -> GgufInfo:
 
     metadata: dict[str, Value] = {}
     seen: set[str] = set()
-    has_template, template, alignment = False, None, 32
+    has_template, template, alignment, token_bytes = False, None, 32, 0
     for i in range(kv_count):
         key = r.name(f"key {i}")
         if key in seen:
@@ -280,6 +290,8 @@ def _parse(r: _Reader) -> GgufInfo:
             has_template, template = True, _template(r)
             continue
         value = _value(r, vtype, f"value of {key!r}")
+        if key == "tokenizer.ggml.tokens":
+            token_bytes = r.longest
         if key == "general.alignment":
             if vtype != 4 or not isinstance(value, int) or value == 0 or value & (value - 1):
                 raise GgufError(f"general.alignment must be a uint32 nonzero power of two, not {value!r}"
@@ -294,7 +306,7 @@ def _parse(r: _Reader) -> GgufInfo:
     ctx = metadata.get(f"{arch}.context_length") if arch else None
     ctx = ctx if type(ctx) is int and ctx > 0 else None  # bool is an int subclass: excluded
     return GgufInfo(version, tensor_count, kv_count, arch, model_name, ctx, has_template, r.size, metadata,
-                    parameters, template)
+                    parameters, template, token_bytes)
 
 
 def _template(r: _Reader) -> str | None:
