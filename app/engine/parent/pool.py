@@ -49,9 +49,13 @@ class EnginePool:
 
     def resize(self, capacity: int) -> None:
         """Change how many tasks run at once; engines beyond it finish their task and then rest."""
-        # Engines share the cores: several llama.cpp processes each spinning every core would
-        # all run slower than one. An engine keeps its share until it is restarted.
-        threads = max(1, (os.cpu_count() or 1) // capacity)
+        # Engines share the cores but one, which is left to the desktop and the programs beside
+        # it: llama.cpp's threads wait for each other at every step, and one of them that a busy
+        # program keeps off a core stalls all the others (on two cores, both threads beside one
+        # busy program decoded a token every two seconds; one thread kept its speed). Several
+        # llama.cpp processes on the same cores would all run slower than one. An engine keeps its
+        # share until it is restarted.
+        threads = max(1, ((os.cpu_count() or 1) - 1) // capacity)
         while len(self._engines) < capacity:
             engine = self.factory(f"engine{len(self._engines)}", self.modes, n_threads=threads)
             engine.parallel = self.parallel

@@ -46,9 +46,10 @@ EXIT = b"cmd_router_to_child:exit\n"
 # finds its history there): enough for a few long chats of a small model, not a server's 8 GiB.
 CACHE_RAM_MIB = 512
 UBATCH = 512  # prompt tokens one decode step reads: what a cancel or another slot's token waits for at most
-# llama.cpp's OpenMP threads spin before they sleep: what decoding on an idle machine wants, but
-# beside another busy program spinning is what stalls decoding. Fewer spins than libgomp's 300,000.
-SPIN_COUNT = "100000"
+# llama.cpp's OpenMP threads wait for each other at every step; spinning while they wait (libgomp's
+# default, and 100,000 spins) made a server beside one busy program decode 0.7 tokens/s where
+# sleeping made 64 (two threads, two cores).
+WAIT_POLICY = "PASSIVE"
 # Inference keeps every core busy; the service and the GUI must still answer at once. A slightly
 # lower priority lets their threads run the moment they wake (more starves decoding whenever other
 # programs keep the cores busy: nice 10 gave 6 tokens/s beside two, nice 3 19, nice 0 26).
@@ -107,7 +108,7 @@ def arguments(binary: str, launch: Launch, socket: str) -> list[str]:
 
 def environment(key: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "LLAMA_API_KEY"))}
-    env.update(LLAMA_API_KEY=key, LLAMA_SERVER_ROUTER_PORT="0", GOMP_SPINCOUNT=SPIN_COUNT)
+    env.update(LLAMA_API_KEY=key, LLAMA_SERVER_ROUTER_PORT="0", OMP_WAIT_POLICY=WAIT_POLICY)
     env.setdefault("HOME", os.path.expanduser("~"))  # llama.cpp reads it while parsing its options
     return env
 
