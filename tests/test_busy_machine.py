@@ -1,12 +1,11 @@
 """Decoding and reading a prompt beside another busy program (a build, a browser tab): they go
 on at the speed one core gives, and give the same answer.
 
-llama.cpp's threads wait for each other at every step of a token, spinning (which is what an
-idle machine wants). Beside a busy program a thread spins away its time slice waiting for a
-sibling that is not running: on two cores plain llama-cpp-python fell from 70 tokens/s to one
-token every two seconds, and a 700-token prompt took 18-32 s where one thread takes 5. The
-engine then evaluates on one thread (app/engine/child/threads.py), which has nothing to wait for
-(tests/bench/test_cpu_load.py has the figures)."""
+llama.cpp's threads wait for each other at every step of a token. Beside a busy program a thread
+waits for a sibling that is not running: on two cores a llama-server on both fell to 0.7 tokens/s
+beside one busy program while its threads spun. The engine runs on all cores but one, its threads
+sleeping while they wait (app/engine/parent/pool.py, server.py), so one busy program leaves it its
+core (tests/bench/test_cpu_load.py has the figures)."""
 
 from __future__ import annotations
 
