@@ -57,6 +57,7 @@ NICENESS = 3
 POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's pooling types, by their GGUF number
 PR_SET_PDEATHSIG = 1
 BACKEND = re.compile(r"libggml-cpu-(\w+)\.(?:so|dll|dylib)")  # the CPU variant's library, as loaded
+HTTP_THREADS = 4  # beside one per slot: the prompt's tokenizing, the watchdog, a cancel
 TAIL = 20  # lines of its output kept, for the error when it fails to load
 # The level letter llama.cpp's log puts after each line's time ("0.00.021.190 I srv ...").
 LEVELS = {"D": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR}
@@ -94,6 +95,7 @@ def arguments(binary: str, launch: Launch, socket: str) -> list[str]:
     args = [binary, "--model", launch.path, "--alias", launch.alias, "--host", socket, "--port", "0",
             "--threads", t, "--threads-batch", t, "--poll", "0", "--prio", "0",
             "--n-gpu-layers", "0", "--fit", "off", "--no-webui", "--metrics", "--slots", "--warmup",
+            "--threads-http", str(launch.parallel + HTTP_THREADS),
             "--repack" if not launch.safe else "--no-repack", "--log-verbosity", "3", "--log-colors", "off"]
     if launch.pooling is None:
         args += ["--ctx-size", str(launch.n_ctx * launch.parallel), "--parallel", str(launch.parallel),
@@ -138,6 +140,7 @@ class Server:
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self.ended: asyncio.Future[int] | None = None  # its exit code, once it ended
         self._client: httpx2.AsyncClient | None = None
+        self.stopped = False
 
     @property
     def pid(self) -> int | None:
@@ -225,6 +228,8 @@ class Server:
             await self.post("/embedding", {"content": [0], "embd_normalize": -1})
 
     def client(self) -> httpx2.AsyncClient:
+        if self.stopped:  # a late request (the watchdog's, say) finds no server, and makes no client
+            raise Gone("the server was stopped")
         if self._client is None:
             # A connection a request: llama.cpp's HTTP server closes idle kept-alive ones on its own
             # schedule, and a request sent on one it just closed fails (a Unix socket costs little to open).
@@ -296,6 +301,7 @@ class Server:
 
     async def stop(self, grace: float = 3.0) -> None:
         """Ask it to exit, kill it after `grace` seconds; then forget its socket."""
+        self.stopped = True
         if self.proc is not None and self.ended is not None:
             if self.alive and self.proc.stdin is not None:
                 with contextlib.suppress(OSError):
