@@ -43,7 +43,7 @@ NPM := command -v npm >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) env D
 # The official `ollama` npm package, for tests/test_ollama_js.py: exactly the versions of its lock file.
 OLLAMA_JS := tests/ollama_js/node_modules/.installed
 
-.PHONY: run test lint bench package system-deps clean llama-server llama-server-portable
+.PHONY: run test lint bench package system-deps clean llama-server
 
 # The sources and the build folder are removed once the programs and their libraries are in
 # $(LLAMA_DIR) (the libraries' version links kept as links). The binary goes in last, under a
@@ -96,16 +96,15 @@ $(BROWSER_DEPS): tests/browser/package-lock.json
 test: system-deps $(BIN)/.installed $(LLAMA_SERVER) $(BROWSER_DEPS) $(OLLAMA_JS) lint
 	LMSP_WHEELS=$(WHEELS) LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q
 
-bench: system-deps $(BIN)/.installed $(LLAMA_PEER)
-	LMSP_LLAMA_PEER=$(LLAMA_PEER) $(BIN)/python -m pytest -q -s tests/bench
+# The benches' peer is a bare $(LLAMA_SERVER), the app's own engine binary (tests/bench/bare.py).
+bench: system-deps $(BIN)/.installed $(LLAMA_SERVER)
+	LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q -s tests/bench
 
 # The one-folder desktop app in dist/lmsp-tray/ (PyInstaller; packaging/README.md).
 package: system-deps $(BIN)/.installed
 	packaging/build.sh
 
 llama-server: $(LLAMA_SERVER)
-
-llama-server-portable: $(LLAMA_PEER)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info tests/ollama_js/node_modules
