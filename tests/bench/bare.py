@@ -83,7 +83,7 @@ class Bare(Upstream):
         safe = not fast_works() if safe is None else safe
         self.launch = server.Launch(str(model), ALIAS, n_ctx, parallel, threads, safe, pooling)
         args = server.arguments(str(program), self.launch, "@")
-        at = args.index("--host")
+        at = args.index("--host")  # the engine's `--host <its Unix socket> --port 0`: a loopback port here
         args[at:at + 4] = ["--host", "127.0.0.1", "--port", str(self.port)]
         self.command = args
 
