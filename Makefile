@@ -106,6 +106,7 @@ $(BROWSER_DEPS): tests/browser/package-lock.json
 test: system-deps $(BIN)/.installed $(BROWSER_DEPS) $(OLLAMA_JS) lint
 	LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q
 
+# The benches' peer is a bare $(LLAMA_SERVER), the app's own engine binary (tests/bench/bare.py).
 bench: system-deps $(BIN)/.installed
 	LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q -s tests/bench
 

@@ -1,64 +1,67 @@
 """Benchmark (not in the default run): decoding while another program keeps a core busy.
 
 A person's computer is rarely idle: a browser tab, a build, a video call. Decoding through the
-service must keep the share of the CPU that plain llama-cpp-python gets beside the same busy
-program, and the service must still answer at once while it decodes (request -> 202).
-Every ratio is against bare llama-cpp-python in the same run, under the same load."""
+service must keep the share of the CPU that a bare llama-server (tests/bench/bare.py: the binary
+and command line the engine runs) gets beside the same busy program, and the service must still
+answer at once while it decodes (request -> 202). Every ratio is against the bare server in the
+same run, under the same load."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from pathlib import Path
 
 import pytest
 
-from tests.bench.test_streaming import accept, bare_stream, ms, pct, service_stream
-from tests.bench.test_throughput import bare_llama
+from tests.bench.bare import Bare, bare
+from tests.bench.figures import record
+from tests.bench.test_streaming import Stream, accept, direct_stream, ms, pct, service_stream
 from tests.conftest import Headless, Processes, busy_programs, wait_until
 from tests.helpers import COUNT
-from tests.test_busy_machine import prompt_seconds, story
+from tests.test_busy_machine import story
 
 ROUNDS = 3
-BUSY_TOKENS = 24  # plain llama-cpp-python may decode one token in two seconds beside the busy program
+BUSY_TOKENS = 48
 
 
-def decode(runs: list[Any]) -> float:
+def decode(runs: list[Stream]) -> float:
     return statistics.median(run.decode for run in runs)
 
 
-def bare_prompt_seconds(llm: Any, n: int) -> float:
+def prompt_seconds(svc: Headless, peer: Bare, n: int) -> tuple[float, float]:
+    """Seconds to the answer of a 1-token request for `story(n)` (about 700 tokens, none cached):
+    straight to the bare server, and through the service."""
     start = time.perf_counter()
-    llm.create_chat_completion([{"role": "user", "content": story(n)}], max_tokens=1, temperature=0)
-    return time.perf_counter() - start
+    peer.complete(story(n), 1)
+    bare_took = time.perf_counter() - start
+    start = time.perf_counter()
+    status, answer = svc.post("/v1/responses", {"input": story(n), "temperature": 0, "max_output_tokens": 1})
+    assert status == 200, answer
+    return bare_took, time.perf_counter() - start
 
 
 @pytest.mark.timeout(900)
-def test_decoding_beside_a_busy_program(headless: Headless, procs: Processes) -> None:
-    llm = bare_llama()
+def test_decoding_beside_a_busy_program(headless: Headless, procs: Processes, tmp_path: Path) -> None:
+    peer = bare(procs, tmp_path / "bare.log", parallel=4)
     headless.start()
     # 200 background requests from one client in a row: past the default per-client limit.
     assert headless.request("PATCH", "/v1/settings", {"max_queued_tasks_per_client": 1000})[0] == 200
     headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 4})  # the model loaded
-    idle = ([bare_stream(llm) for _ in range(ROUNDS)], [service_stream(headless) for _ in range(ROUNDS)])
-    idle_prompts = [(bare_prompt_seconds(llm, n), prompt_seconds(headless, n)) for n in range(ROUNDS)]
+    idle = ([direct_stream(peer) for _ in range(ROUNDS)], [service_stream(headless) for _ in range(ROUNDS)])
+    idle_prompts = [prompt_seconds(headless, peer, n) for n in range(ROUNDS)]
     with busy_programs(procs, 1):
         time.sleep(0.5)
-        bare, served, prompts = [], [], []
+        bared, served, prompts = [], [], []
         for n in range(ROUNDS):  # interleaved: both see the same machine
-            bare.append(bare_stream(llm, BUSY_TOKENS))
+            bared.append(direct_stream(peer, BUSY_TOKENS))
             served.append(service_stream(headless, BUSY_TOKENS))
-            prompts.append((bare_prompt_seconds(llm, ROUNDS + n), prompt_seconds(headless, ROUNDS + n)))
-    print(f"\n[bench] decode, tokens/s (bare llama-cpp-python | through the service), median of {ROUNDS}:"
-          f"\n  idle machine            {decode(idle[0]):.1f} | {decode(idle[1]):.1f}  "
-          f"(ratio {decode(idle[1]) / decode(idle[0]):.3f})"
-          f"\n  one core kept busy      {decode(bare):.1f} | {decode(served):.1f}  "
-          f"(ratio {decode(served) / decode(bare):.3f}; the service keeps "
-          f"{decode(served) / decode(idle[1]):.2f} of its idle speed, bare {decode(bare) / decode(idle[0]):.2f})")
-    print(f"[bench] a 700-token prompt, seconds (bare llama-cpp-python | through the service), median of {ROUNDS}:")
+            prompts.append(prompt_seconds(headless, peer, ROUNDS + n))
+    record(f"decode, idle machine, median of {ROUNDS}", decode(idle[1]), decode(idle[0]), "tok/s")
+    record(f"decode, one core kept busy, median of {ROUNDS}", decode(served), decode(bared), "tok/s")
     for name, runs in (("idle machine", idle_prompts), ("one core kept busy", prompts)):
-        one, other = (statistics.median(side) for side in zip(*runs))
-        print(f"  {name:<22}  {one:.2f} | {other:.2f}  (ratio {other / one:.3f})")
+        theirs, ours = (statistics.median(side) for side in zip(*runs))
+        record(f"a 700-token prompt, {name}, median of {ROUNDS}", ours * 1000, theirs * 1000, "ms")
 
     status, long = headless.post("/v1/responses", {"input": COUNT, "background": True, "temperature": 0,
                                                    "max_output_tokens": 2000})

@@ -1,17 +1,21 @@
 """Benchmark of issue 11: embeddings per second for 100 short sentences, through the service
-(HTTP, engine child) against bare llama-cpp-python's `Llama.embed` on the same file, same run;
-and the memory the engine child's embeddings context costs."""
+(HTTP, the engine's embeddings llama-server) against the same request sent straight to a bare
+llama-server started as the engine starts its embeddings server (tests/bench/bare.py), same run;
+and the memory that server costs beside the model's generation server."""
 
 from __future__ import annotations
 
-import os
+import json
 import statistics
+import subprocess
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
-from app import paths
-from app.engine.registry.models import DEFAULT_MODEL_ID
-from tests.conftest import Headless
+from tests.bench.bare import ALL, Bare
+from tests.bench.figures import record
+from tests.conftest import Headless, Processes
 
 SENTENCES = [f"Sentence number {i} is about {topic}." for i, topic in
              enumerate(["cats", "the sea", "bread", "trains", "music", "rain", "football", "laptops", "maps",
@@ -26,48 +30,43 @@ def rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def bare_rate(fast: bool) -> float:
-    """`Llama.embed` with what the engine's embeddings context has: mean pooling, the whole context
-    as one batch, the same threads, and the engine mode the service runs the model in."""
-    import llama_cpp
-    from llama_cpp import Llama
+def servers(svc: Headless) -> list[int]:
+    """The service's llama-server processes, oldest first."""
+    assert svc.proc is not None
+    out = subprocess.run(["pgrep", "-P", str(svc.proc.pid)], capture_output=True, text=True).stdout
+    return sorted(int(pid) for pid in out.split() if Path(f"/proc/{pid}/comm").read_text().strip() == "llama-server")
 
-    from app.engine.child import backend
-    from app.engine.child.main import extra_bufts
 
-    backend.load()
-    with extra_bufts(fast):
-        llm = Llama(model_path=str(paths.default_model_file()), embedding=True,
-                    pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN, n_ctx=4096, n_batch=4096, n_ubatch=4096,
-                    n_threads=os.cpu_count(), verbose=False)
-    llm.embed(SENTENCES[:4], normalize=True)  # warm
+def per_second(call: Callable[[], None]) -> float:
+    call()  # warm
     times = []
     for _ in range(ROUNDS):
         start = time.perf_counter()
-        llm.embed(SENTENCES, normalize=True)
+        call()
         times.append(time.perf_counter() - start)
     return len(SENTENCES) / statistics.median(times)
 
 
-def test_embeddings_per_second_vs_bare_llama_cpp(headless: Headless) -> None:
+def test_embeddings_per_second_vs_bare_llama_server(headless: Headless, procs: Processes, tmp_path: Path) -> None:
     headless.start()
     headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 2})  # the model loaded
-    engine = headless.engine_pids()[0]
-    before = rss_mib(engine)
-    status, body = headless.post("/v1/embeddings", {"input": SENTENCES[:4]})  # makes the embeddings context
-    assert status == 200, body
-    after = rss_mib(engine)
-    times = []
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
+
+    def served() -> None:
         status, body = headless.post("/v1/embeddings", {"input": SENTENCES, "encoding_format": "base64"})
-        times.append(time.perf_counter() - start)
-        assert status == 200 and len(body["data"]) == len(SENTENCES)
-    served = len(SENTENCES) / statistics.median(times)
-    mode = next(m for m in headless.get("/v1/models")[1]["data"] if m["id"] == DEFAULT_MODEL_ID)["engine"]["mode"]
-    bare = bare_rate(mode == "fast")
-    print(f"\nengine mode: {mode}; engine child RSS: {before:.0f} MiB with the model loaded, "
-          f"{after:.0f} MiB with the embeddings context too (+{after - before:.0f} MiB)")
-    print(f"100 short sentences: service {served:.0f} embeddings/s, bare llama-cpp-python {bare:.0f}/s "
-          f"(service / bare = {served / bare:.2f}x)")
-    assert served > 0.3 * bare
+        assert status == 200 and len(body["data"]) == len(SENTENCES), body
+
+    ours = per_second(served)  # its first call starts the embeddings server
+    generation, embeddings = servers(headless)
+    peer = Bare(procs, tmp_path / "bare.log", parallel=1, threads=ALL, pooling=0).start().ready(timeout=120)
+    req = json.dumps({"input": SENTENCES, "encoding_format": "float"}).encode()
+
+    def straight() -> None:
+        request = urllib.request.Request(peer.base_url + "/embeddings", data=req, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            assert len(json.load(resp)["data"]) == len(SENTENCES)
+
+    theirs = per_second(straight)
+    record("100 short sentences embedded", ours, theirs, "/s")
+    print(f"[bench] llama-server RSS: the model's generation server {rss_mib(generation):.0f} MiB, its embeddings "
+          f"server {rss_mib(embeddings):.0f} MiB")

@@ -1,6 +1,7 @@
 """Benchmarks of engine safe mode (LMSP §11), `make bench`: what safe mode costs in decode speed
-(bare llama-cpp-python, both modes, same run), what the warm-up adds to a first load, and how
-long a task waits between a crash in fast mode and its next text in safe mode."""
+(a bare llama-server, tests/bench/bare.py, in both modes: `--repack` and `--no-repack`, same run),
+how long a first load takes in each, and how long a task waits between a crash in fast mode and
+its next text in safe mode."""
 
 from __future__ import annotations
 
@@ -8,37 +9,44 @@ import logging
 import re
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 
 from app.core.service import AppService
-from app.engine.child import backend
 from app.engine.registry.models import DEFAULT_MODEL_ID
-from tests.bench.test_throughput import PROMPT, bare_tokens_per_second, fast_works
+from tests.bench.bare import bare, fast_works
+from tests.bench.test_streaming import server_timed_decode
+from tests.bench.test_throughput import PROMPT
+from tests.conftest import Processes
 
 
-def test_decode_speed_fast_vs_safe() -> None:
-    safe = bare_tokens_per_second(fast=False)
-    variant = backend.loaded_variant() or "native"
+def test_decode_speed_fast_vs_safe(procs: Processes, tmp_path: Path) -> None:
+    def rate(safe: bool) -> float:
+        peer = bare(procs, tmp_path / f"bare-{'safe' if safe else 'fast'}.log", parallel=1, safe=safe)
+        try:
+            return statistics.median(server_timed_decode(peer) for _ in range(3))
+        finally:
+            peer.kill()
+
+    safe = rate(True)
     if not fast_works():
-        print(f"\n[bench] decode, bare llama-cpp-python ({variant} CPU backend): fast mode crashes on this CPU; "
-              f"safe {safe:.1f} tokens/s")
+        print(f"\n[bench] decode, bare llama-server: fast mode crashes on this CPU; safe {safe:.1f} tokens/s")
         return
-    fast = bare_tokens_per_second(fast=True)
-    print(f"\n[bench] decode, bare llama-cpp-python ({variant} CPU backend): "
-          f"fast {fast:.1f} tokens/s, safe {safe:.1f} tokens/s; safe / fast = {safe / fast:.3f}")
+    fast = rate(False)
+    print(f"\n[bench] decode, bare llama-server: fast {fast:.1f} tokens/s, safe {safe:.1f} tokens/s; "
+          f"safe / fast = {safe / fast:.3f}")
 
 
 async def timed_load(service: AppService) -> float:
-    """A first load in a fresh engine process, in seconds."""
+    """A first load in a fresh llama-server, in seconds."""
     await service.pool.engines[0].stop()
     started = time.perf_counter()
     await service.models.load_model(DEFAULT_MODEL_ID)
     return time.perf_counter() - started
 
 
-async def test_warm_up_time_on_first_load(service: AppService, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO)
+async def test_first_load_in_each_mode(service: AppService) -> None:
     if not fast_works():  # `auto` on this CPU: fast, its warm-up crashes, safe; then safe is remembered
         first, later = await timed_load(service), statistics.median([await timed_load(service) for _ in range(3)])
         print(f"\n[bench] first load where fast mode crashes (auto: fast, crash in the warm-up, safe): "
@@ -49,11 +57,9 @@ async def test_warm_up_time_on_first_load(service: AppService, caplog: pytest.Lo
         for mode in ("fast", "safe"):
             await service.settings.update({"engine_mode": mode})
             loads[mode].append(await timed_load(service))
-    warmups = [float(r.getMessage().split("(warm-up ")[1].split(" s")[0]) for r in caplog.records
-               if "(warm-up " in r.getMessage() and "in fast mode" in r.getMessage()]
     fast, safe = statistics.median(loads["fast"]), statistics.median(loads["safe"])
-    print(f"\n[bench] first load with a fresh process, median of 3: fast (with warm-up) {fast * 1000:.0f} ms, "
-          f"safe (none) {safe * 1000:.0f} ms; the warm-up itself {statistics.median(warmups) * 1000:.0f} ms")
+    print(f"\n[bench] first load with a fresh llama-server, median of 3: fast {fast * 1000:.0f} ms, "
+          f"safe {safe * 1000:.0f} ms")
 
 
 async def test_fallback_time_from_crash_to_text(service: AppService, monkeypatch: pytest.MonkeyPatch,
@@ -73,7 +79,8 @@ async def test_fallback_time_from_crash_to_text(service: AppService, monkeypatch
     resumed = next(t for t in arrivals if t > crash.created)
     gaps = sorted(b - a for a, b in zip(arrivals, arrivals[1:]))
     how = re.search(r"killed by (\S+) while (.+?) /", crash.getMessage())
+    assert how is not None, crash.getMessage()
     print(f"\n[bench] {how[1]} while {how[2]} in fast mode -> next text in safe mode: "
           f"{(resumed - crash.created) * 1000:.0f} ms "
-          f"(fresh process, model load, context rebuilt from the committed tokens); "
+          f"(a fresh llama-server, the model loaded, the prompt and the committed text read again); "
           f"median gap between deltas otherwise {statistics.median(gaps) * 1000:.0f} ms")

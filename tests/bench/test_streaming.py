@@ -1,7 +1,8 @@
-"""Benchmarks of issue 10 (not in the default run): streaming latency and decode speed against
-bare llama-cpp-python (also with llama.cpp on one thread, a core left to the service), short
-requests, request -> 202 alone and under 20 concurrent clients, and WAL bytes per generated token.
-Every ratio is against a baseline from the same run."""
+"""Benchmarks of streaming (not in the default run): latency and decode speed of one stream through
+the service against the same request sent straight to a bare llama-server (tests/bench/bare.py: the
+binary and command line the engine runs), also with llama.cpp on cores - 1 threads on both sides (a
+core left to the service); short requests; request -> 202 alone and under 20 concurrent clients; WAL
+bytes per generated token. Every ratio is against a baseline from the same run."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ from typing import Any
 
 from app.core.service import AppService
 from app.engine.net.wire import chat_request
-from app.engine.parent.engine import Engine, Generation
+from app.engine.parent.engine import Engine, Generation, Seat
 from app.engine.request import Request
-from tests.bench.test_throughput import PROMPT, bare_llama, fast_works
-from tests.conftest import Headless, Upstream, cpu_seconds, wait_until
+from tests.bench.bare import ALL, SPARE, Bare, bare, threads_app
+from tests.bench.figures import record
+from tests.bench.test_throughput import PROMPT
+from tests.conftest import Headless, Processes, Upstream, cpu_seconds, wait_until
 from tests.helpers import COUNT
 
 TOKENS = 200
@@ -48,7 +51,7 @@ class Stream:
         self.gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
         self.tokens = tokens
         self.decode = (tokens - 1) / (arrivals[-1] - arrivals[0])
-        self.cpu = cpu  # CPU seconds the service process (not its engine child) used per token
+        self.cpu = cpu  # CPU seconds the service process (not its llama-server) used per token
         self.reader = reader  # and the reading client (this thread: urllib, json), on the same cores
 
 
@@ -84,16 +87,6 @@ def disk_commit_times(directory: Path, count: int = 300, pace: float = 0.012) ->
         for leftover in directory.glob("bench-commits.sqlite3*"):
             leftover.unlink()
     return took, cpu
-
-
-def bare_stream(llm: Any, tokens: int = TOKENS, prompt: str = PROMPT) -> Stream:
-    start = time.perf_counter()
-    arrivals = []
-    for chunk in llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=tokens,
-                                            temperature=0, stream=True):
-        if chunk["choices"][0]["delta"].get("content"):
-            arrivals.append(time.perf_counter())
-    return Stream(start, arrivals, len(arrivals))
 
 
 def sse(url: str, body: dict[str, Any], token: str | None = None) -> Iterator[tuple[float, dict[str, Any]]]:
@@ -163,92 +156,73 @@ def paired(runs: list[Stream], bare: list[Stream]) -> str:
     return f"{statistics.median(ratios):.3f} (rounds {ratios[0]:.3f}-{ratios[-1]:.3f})"
 
 
-def test_streaming_and_short_requests_vs_bare_llama_cpp(headless: Headless, upstreams: Any) -> None:
-    """With a peer for scale: llama.cpp's own `llama-server`, the app's own build, same model,
-    threads and mode, streamed straight (a server with no durability at all: what serving over
-    HTTP costs here), and compared with its own unstreamed decode as well."""
-    fast = fast_works()
-    llm = bare_llama(fast)
-    peer, = upstreams(1, threads=os.cpu_count() or 1, fast=fast)
-    headless.start()
-    headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 4})  # the model loaded
-    direct_stream(peer)  # warm
-    bare, served, peered, peer_plain = [], [], [], []
-    for _ in range(ROUNDS):  # interleaved, so that all of them see the same machine
-        bare.append(bare_stream(llm))
-        served.append(service_stream(headless))
-        peered.append(direct_stream(peer))
-        peer_plain.append(server_timed_decode(peer))
+def streams(svc: Headless, peer: Bare, tokens: int = TOKENS) -> tuple[list[Stream], list[Stream]]:
+    """ROUNDS streams of PROMPT each side, interleaved so that both see the same machine."""
+    service_stream(svc, 8)  # the model loaded, both sides warm
+    direct_stream(peer, 8)
+    served, bared = [], []
+    for _ in range(ROUNDS):
+        served.append(service_stream(svc, tokens))
+        bared.append(direct_stream(peer, tokens))
+    return served, bared
 
-    def summary(runs: list[Stream]) -> tuple[float, float, float, float, int]:
+
+def test_streaming_and_short_requests_vs_bare_llama_server(headless: Headless, procs: Processes,
+                                                           tmp_path: Path) -> None:
+    """The app as it runs (its engine on every core, `parallel` 4) and the bare server likewise."""
+    peer = bare(procs, tmp_path / "bare.log", parallel=4)
+    headless.start()
+    served, bared = streams(headless, peer)
+    own = statistics.median(server_timed_decode(peer) for _ in range(3))
+
+    def summary(runs: list[Stream]) -> tuple[float, float, float, float]:
         gaps = [g for r in runs for g in r.gaps]
         return (statistics.median(r.first for r in runs), statistics.median(gaps), pct(gaps, 0.99),
-                statistics.median(r.decode for r in runs), runs[0].tokens)
+                statistics.median(r.decode for r in runs))
 
-    b, s, p = summary(bare), summary(served), summary(peered)
-    deltas = statistics.median(len(r.gaps) + 1 for r in served)
-    print(f"\n[bench] {TOKENS}-token stream, median of {ROUNDS} (bare llama-cpp-python | through the service, SSE):"
-          f"\n  first text    {ms(b[0])} | {ms(s[0])}  (service - bare {ms(s[0] - b[0])})"
-          f"\n  gap median    {ms(b[1])} | {ms(s[1])}"
-          f"\n  gap p99       {ms(b[2])} | {ms(s[2])}  (p99 / bare median {s[2] / b[1]:.2f})"
-          f"\n  decode        {b[3]:.1f} | {s[3]:.1f} tokens/s  (ratio {paired(served, bare)}); "
-          f"{b[4]} | {s[4]} tokens, {deltas:.0f} deltas"
-          f"\n  service process CPU per token (decoding's cores are shared with it): "
-          f"{statistics.median(r.cpu or 0.0 for r in served) * 1000:.2f} ms; the reading client's: "
+    s, b = summary(served), summary(bared)
+    print(f"\n[bench] {TOKENS}-token stream, median of {ROUNDS} (LMSP, SSE | bare llama-server, straight): "
+          f"decode ratio {paired(served, bared)}; {served[0].tokens} | {bared[0].tokens} tokens; the bare "
+          f"server's own unstreamed decode {own:.1f} tokens/s; the reading client's CPU per token "
           f"{statistics.median(r.reader or 0.0 for r in served) * 1000:.2f} ms"
-          f"\n  peer, llama.cpp's llama-server ({'fast' if fast else 'safe'} mode, straight): first text "
-          f"{ms(p[0])} (- bare {ms(p[0] - b[0])}), gap median {ms(p[1])}, p99 {ms(p[2])}, decode {p[3]:.1f} "
-          f"tokens/s (ratio to bare {paired(peered, bare)}; the service's decode / the peer's {s[3] / p[3]:.3f}; "
-          f"to its own unstreamed decode {p[3] / statistics.median(peer_plain):.3f})"
           f"\n  the disk alone, one SQLite commit (synchronous=FULL) in the data directory: "
           f"{disk_commits(headless.data_dir)}")
+    record(f"one stream, {ALL} threads: first text", s[0] * 1000, b[0] * 1000, "ms")
+    record(f"one stream, {ALL} threads: gap median", s[1] * 1000, b[1] * 1000, "ms")
+    record(f"one stream, {ALL} threads: gap p99", s[2] * 1000, b[2] * 1000, "ms")
+    record(f"one stream, {ALL} threads: decode", s[3], b[3], "tok/s")
+    record("one stream: service CPU per token", statistics.median(r.cpu or 0.0 for r in served) * 1000, None, "ms")
 
-    def bare_short() -> None:
-        llm.create_chat_completion([{"role": "user", "content": "Say hi"}], max_tokens=2, temperature=0)
-
-    def served_short() -> None:
-        status, _ = headless.post("/v1/responses", {"input": "Say hi", "max_output_tokens": 2, "temperature": 0})
+    def served_short(i: int) -> None:
+        status, _ = headless.post("/v1/responses", {"input": f"Say hi {i}", "max_output_tokens": 2,
+                                                    "temperature": 0})
         assert status == 200
 
-    def peer_short() -> None:
-        body = {"model": peer.alias, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 2,
-                "temperature": 0}
-        req = urllib.request.Request(peer.base_url + "/chat/completions", data=json.dumps(body).encode(),
-                                     method="POST", headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            assert resp.status == 200
-
-    per_request = {}
-    for name, call in (("bare", bare_short), ("service", served_short), ("peer", peer_short)):
-        start = time.perf_counter()
-        for _ in range(SHORT):
-            call()
-        per_request[name] = (time.perf_counter() - start) / SHORT
-    print(f"[bench] {SHORT} sequential 2-token foreground requests: bare {ms(per_request['bare'])} | service "
-          f"{ms(per_request['service'])} per request (+{ms(per_request['service'] - per_request['bare'])}); "
-          f"peer, llama-server: {ms(per_request['peer'])} "
-          f"(+{ms(per_request['peer'] - per_request['bare'])})")
+    took: dict[str, float] = {"service": 0.0, "bare": 0.0}
+    for i in range(SHORT):  # in turn, each a prompt of its own
+        for name, call in (("service", served_short), ("bare", lambda i: peer.complete(f"Say hi {i}", 2))):
+            start = time.perf_counter()
+            call(i)
+            took[name] += time.perf_counter() - start
+    record(f"{SHORT} sequential 2-token requests, each", took["service"] / SHORT * 1000, took["bare"] / SHORT * 1000,
+           "ms")
 
 
-def test_decode_with_a_core_to_spare_vs_bare_llama_cpp(headless: Headless) -> None:
-    """llama.cpp on one thread on each side (at max_concurrent_tasks 2 each engine has one of
-    the two cores): the service's own work for every token (its commit, the stream) then runs on
-    a core decoding does not use. Beside the bench above, where all cores decode, it tells what
-    the service's work costs from what sharing decoding's cores costs."""
+def test_decode_with_a_core_to_spare_vs_bare_llama_server(headless: Headless, procs: Processes,
+                                                          tmp_path: Path) -> None:
+    """llama.cpp on cores - 1 threads on each side: the service's own work for every token (its
+    commit, the stream) then runs on a core decoding does not use. Beside the bench above, where
+    all cores decode, it tells what the service's work costs from what sharing decoding's cores costs."""
+    headless.command = threads_app(SPARE)
     headless.start()
-    status, _ = headless.request("PATCH", "/v1/settings", {"max_concurrent_tasks": 2})
-    assert status == 200
-    assert headless.terminate() == 0
-    headless.start()  # an engine keeps the threads it started with
-    headless.post("/v1/responses", {"input": "hi", "max_output_tokens": 4})  # the model loaded
-    llm = bare_llama(fast_works(), threads=1)
-    bare, served = [], []
-    for _ in range(ROUNDS):
-        bare.append(bare_stream(llm))
-        served.append(service_stream(headless))
-    print(f"\n[bench] {TOKENS}-token stream with llama.cpp on one thread on each side, median of {ROUNDS}: "
-          f"decode bare {statistics.median(r.decode for r in bare):.1f} | service "
-          f"{statistics.median(r.decode for r in served):.1f} tokens/s (ratio {paired(served, bare)})")
+    peer = bare(procs, tmp_path / "bare.log", parallel=4, threads=SPARE)
+    served, bared = streams(headless, peer)
+    print(f"\n[bench] {TOKENS}-token stream with llama.cpp on {SPARE} thread(s) on each side, median of {ROUNDS}: "
+          f"decode ratio {paired(served, bared)}")
+    record(f"one stream, {SPARE} thread(s): decode", statistics.median(r.decode for r in served),
+           statistics.median(r.decode for r in bared), "tok/s")
+    record(f"one stream, {SPARE} thread(s): first text", statistics.median(r.first for r in served) * 1000,
+           statistics.median(r.first for r in bared) * 1000, "ms")
 
 
 def metric(svc: Headless, name: str) -> float | None:
@@ -356,9 +330,9 @@ async def test_a_live_reader_gets_each_token_within_milliseconds(api: Any, monke
     produced: list[tuple[float, int]] = []  # (when the runner got a token's text, length of all text so far)
     real = Engine.generate
 
-    async def timed(self: Engine, gen: Generation) -> AsyncIterator[dict[str, Any]]:
+    async def timed(self: Engine, seat: Seat, gen: Generation) -> AsyncIterator[dict[str, Any]]:
         total = 0
-        async for msg in real(self, gen):
+        async for msg in real(self, seat, gen):
             if msg["ev"] == "chunk" and msg["text"]:
                 total += len(msg["text"])
                 produced.append((time.monotonic(), total))
