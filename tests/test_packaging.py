@@ -290,7 +290,10 @@ def test_the_build_carries_llama_cpp_as_built(procs: Processes) -> None:
 
 @pytest.mark.package
 @pytest.mark.timeout(1800)
-def test_frozen_app_serves_and_generates(tmp_path: Path, procs: Processes) -> None:
+def test_frozen_app_serves_and_generates(tmp_path: Path, procs: Processes, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nor LMSP_LLAMA_SERVER (`make test` sets it): the frozen app runs its own llama-server, the
+    # checkout's app the one beside its Python.
+    monkeypatch.delenv("LMSP_LLAMA_SERVER", raising=False)
     figures: dict[str, str] = {}
     if took := build(procs):
         figures["build"] = took
