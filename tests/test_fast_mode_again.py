@@ -23,7 +23,6 @@ import pytest
 
 from app import paths
 from app.core.service import AppService
-from app.engine.parent import modes
 from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.server.app import make_app
 from tests.helpers import SAY_HI, expect_error, started
@@ -83,7 +82,7 @@ async def test_a_kernel_abort_while_a_grammar_is_in_use_still_falls_back(
     assert json.loads(final["output_text"])["name"]
     engine = await engine_of(service)
     assert engine["mode"] == "safe" and "SIGABRT" in engine["reason"]
-    assert await remembered(service) == [("safe", modes.llama_version())]
+    assert await remembered(service) == [("safe", paths.LLAMA_CPP)]
 
 
 async def test_try_fast_mode_again_through_the_api_and_after_a_restart(
@@ -138,7 +137,7 @@ async def test_safe_mode_decided_under_another_llama_cpp_is_not_applied(
     monkeypatch.setenv("LMSP_ENGINE_FAULT", "fast:warmup")
     async with started(data) as first:
         await first.models.load_model(DEFAULT_MODEL_ID)
-        assert await remembered(first) == [("safe", modes.llama_version())]
+        assert await remembered(first) == [("safe", paths.LLAMA_CPP)]
     with sqlite3.connect(data / paths.DB_NAME) as db:
         db.execute("UPDATE engine_modes SET llama = ?", (release,))
     db.close()
@@ -151,4 +150,4 @@ async def test_safe_mode_decided_under_another_llama_cpp_is_not_applied(
         # now under this release.
         await second.models.load_model(DEFAULT_MODEL_ID)
         assert second.pool.engines[0].mode == "safe" and processes_started(caplog) == 2
-        assert await remembered(second) == [("safe", modes.llama_version())]
+        assert await remembered(second) == [("safe", paths.LLAMA_CPP)]

@@ -106,7 +106,6 @@ class Seat:
         self.engine = engine
         self.name = engine.name
         self.file: Registered | None = None  # the model `open` loaded: its generation's
-        self.cancelled = False
         self.stopped = asyncio.Event()  # set by a cancel: the stream is left at once
 
     async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
@@ -116,9 +115,12 @@ class Seat:
     def generate(self, gen: Generation) -> AsyncIterator[Message]:
         return self.engine.generate(self, gen)
 
+    @property
+    def cancelled(self) -> bool:
+        return self.stopped.is_set()
+
     def cancel(self) -> None:
         """Stop its generation: the server frees the slot after the decode step in flight."""
-        self.cancelled = True
         self.stopped.set()
 
 
@@ -137,8 +139,7 @@ class Engine:
         self.cpu_variant: str | None = None   # which libggml-cpu-<variant> llama.cpp picked
         self.template: prompt.Prompter | None = None
         self._server: Server | None = None
-        # The embedding server's model file, the server, the model's embedding size and token bytes.
-        self._embedder: tuple[Registered, Server, int, int] | None = None
+        self._embedder: tuple[Registered, Server, gguf.GgufInfo] | None = None  # its file, server and header
         self._lock = asyncio.Lock()  # one load at a time
         self._embed_lock = asyncio.Lock()
         self._running = 0  # generations streaming now
@@ -175,9 +176,11 @@ class Engine:
     def seat(self) -> Seat:
         return Seat(self)
 
-    async def _start(self, file: Registered, mode: str, embedding: bool = False) -> tuple[Server, gguf.GgufInfo]:
-        """A server with `file` loaded and answering (for embeddings: pooled); EngineError when the
-        file is not the one registered or does not fit, Died when the server ended while loading."""
+    async def _start(self, file: Registered, mode: str,
+                     embedding: bool = False) -> tuple[Server, gguf.GgufInfo, prompt.Prompter | None]:
+        """A server with `file` loaded and answering (for embeddings: pooled), its header and (for
+        generations) its prompt maker; EngineError when the file is not the one registered or does
+        not fit, Died when the server ended while loading."""
         parallel = 1 if embedding else self.parallel
         try:
             fd, path, info = await asyncio.to_thread(memory.opened, file, parallel)
@@ -200,8 +203,7 @@ class Engine:
         faults.fault("warmup", server)
         try:
             await server.ready()
-            if not embedding:
-                self.template = await prompt.Prompter.of(server, info)
+            template = None if embedding else await prompt.Prompter.of(server, info)
         except (Gone, ServerError) as exc:
             if isinstance(exc, ServerError):  # it answered, with an error (its end is logged where it is judged)
                 log.warning("%s: llama-server did not come up: %s", self.name, exc)
@@ -210,7 +212,7 @@ class Engine:
         self.cpu_variant = server.backend or self.cpu_variant
         log.info("%s: loaded %s in %s mode, %d at once, in %.2f s (llama.cpp CPU backend: %s)", self.name,
                  file.path, mode, parallel, time.monotonic() - started, self.cpu_variant or "native")
-        return server, info
+        return server, info, template
 
     async def _survive(self, crashes: list[str], stage: str, file: Registered, server: Server) -> None:
         """After the server died: decide whether to carry on (in safe mode) or fail. `crashes`
@@ -249,14 +251,14 @@ class Engine:
             mode = self.modes.mode(file.digest)
             await self._drop()
             try:
-                server, _ = await self._start(file, mode)
+                server, _, template = await self._start(file, mode)
             except Died as died:
                 code = await died.server.exited()
                 if code >= 0:  # it refused the file (llama.cpp's loader says why), no crash
                     raise EngineError("model_load_failed", died.server.why(code)) from None
                 await self._survive(crashes, "loading and warming up", file, died.server)
                 continue
-            self._server, self.file, self.mode, self.slots = server, file, mode, self.parallel
+            self._server, self.template, self.file, self.mode, self.slots = server, template, file, mode, self.parallel
             self._last_used = time.monotonic()
             return {"ev": "loaded", "cached": False}
 
@@ -412,14 +414,14 @@ class Engine:
             if fresh:
                 await self._stop_embedder()
                 try:
-                    server, info = await self._start(file, self.modes.mode(file.digest), embedding=True)
+                    server, info, _ = await self._start(file, self.modes.mode(file.digest), embedding=True)
                 except Died as died:
                     raise EngineError("embeddings_unavailable", died.server.why(await died.server.exited())) from None
-                self._embedder = (file, server, prompt.embedding_size(info), info.token_bytes)
+                self._embedder = (file, server, info)
             assert self._embedder is not None
-            _, server, size, token_bytes = self._embedder
+            _, server, info = self._embedder
         try:
-            msg = await prompt.embed(server, texts, dimensions, size, file.context_length, token_bytes)
+            msg = await prompt.embed(server, texts, dimensions, info, file.context_length)
         except (Gone, ServerError) as exc:
             raise EngineError("embeddings_unavailable", f"The embedding engine failed: {exc}") from None
         if msg["ev"] == "error":

@@ -28,16 +28,11 @@ FAST, SAFE = "fast", "safe"
 SETTING_REASON = "Chosen in the settings (engine_mode)."
 
 
-def llama_version() -> str:
-    """The llama.cpp the engine runs: the pin it is built from (paths.LLAMA_CPP)."""
-    return paths.LLAMA_CPP
-
-
 def _remembered(conn: sqlite3.Connection, cpu_key: str, llama: str) -> dict[str, tuple[str, str | None]]:
     rows = conn.execute("SELECT digest, mode, reason, llama FROM engine_modes WHERE cpu = ?", (cpu_key,)).fetchall()
     stale = sum(r["llama"] != llama for r in rows)
     if stale:
-        log.info("%d model(s) fell back to safe mode under another llama-cpp-python than %s: fast mode is "
+        log.info("%d model(s) fell back to safe mode under another llama.cpp release than %s: fast mode is "
                  "tried again", stale, llama)
     return {r["digest"]: (r["mode"], r["reason"]) for r in rows if r["llama"] == llama}
 
@@ -64,7 +59,7 @@ class EngineModes:
         self._decided: dict[str, tuple[str, str | None]] = {}
 
     async def open(self) -> None:
-        self._decided = await self.store.read(_remembered, cpu.key(), llama_version())
+        self._decided = await self.store.read(_remembered, cpu.key(), paths.LLAMA_CPP)
 
     @property
     def auto(self) -> bool:
@@ -83,7 +78,7 @@ class EngineModes:
     async def fall_back(self, digest: str, reason: str) -> None:
         """Remember safe mode for this model on this CPU, and say so once."""
         self._decided[digest] = (SAFE, reason)
-        model_ids = await self.store.write(_remember, digest, cpu.key(), llama_version(), SAFE, reason)
+        model_ids = await self.store.write(_remember, digest, cpu.key(), paths.LLAMA_CPP, SAFE, reason)
         self.bus.publish([{"type": "engine.safe_mode", "models": model_ids, "reason": reason},
                           {"type": "models.changed"}])
 

@@ -144,13 +144,13 @@ def embedding_size(info: gguf.GgufInfo) -> int:
     return int(value) if isinstance(value, int) else 0
 
 
-async def embed(server: Any, texts: list[str], dimensions: int | None, size: int, limit: int,
-                token_bytes: int) -> Message:
+async def embed(server: Any, texts: list[str], dimensions: int | None, info: gguf.GgufInfo, limit: int) -> Message:
     """{"ev": "embedded", "vectors": little-endian float32 bytes, row after row, "dims", "tokens"},
     or an error naming what does not fit: an input longer than the context, or all of them over the
-    request's budget. What the bytes alone say is refused unread (`token_bytes`: see
-    gguf.GgufInfo); tokens are counted only where they leave a doubt, a few inputs at a time and no
+    request's budget. What the bytes alone say is refused unread (the model's `info.token_bytes`);
+    tokens are counted only where they leave a doubt, a few inputs at a time and no
     further than the first that does not fit."""
+    size, token_bytes = embedding_size(info), info.token_bytes
     if dimensions is not None and dimensions > size:
         return {"ev": "error", "code": "invalid_request", "param": "dimensions",
                 "message": f"`dimensions` must be at most {size} for this model."}
