@@ -103,8 +103,11 @@ $(BROWSER_DEPS): tests/browser/package-lock.json
 
 # The app under test, the remote-endpoint tests' upstreams and the bench's bare peer all run
 # $(LLAMA_SERVER); tests/test_wheel.py links it into a fresh venv, as this Makefile does.
+# Two workers a core, each test file on one of them (their fixtures are the file's), then the tests
+# marked `alone` one at a time: they measure time or the machine's load.
 test: system-deps $(BIN)/.installed $(BROWSER_DEPS) $(OLLAMA_JS) lint
-	LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q
+	LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q -n $$(( 2 * $$(nproc) )) --dist loadfile -m "not alone"
+	LMSP_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m pytest -q -m alone
 
 # The benches' peer is a bare $(LLAMA_SERVER), the app's own engine binary (tests/bench/bare.py).
 bench: system-deps $(BIN)/.installed

@@ -39,6 +39,14 @@ from tests.helpers import wait_until  # noqa: E402  (imported from here by many 
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = [sys.executable, "-m", "app"]
+# The files that take a minute or more, handed to the workers first (make test: pytest-xdist, each
+# file on one worker), so that none of them starts on a worker when the others are done.
+LONGEST = ("test_power_cut.py", "test_views_xvfb.py", "test_durable.py", "test_schemathesis.py",
+           "test_terminal.py", "test_crash.py", "test_usage.py", "test_ollama.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in LONGEST)  # stable: each file's tests stay in order
 
 
 def scripted_app(**script: Any) -> list[str]:

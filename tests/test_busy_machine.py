@@ -12,8 +12,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
+
 from tests.conftest import Headless, Processes, busy_programs
 from tests.helpers import COUNT
+
+pytestmark = pytest.mark.alone  # it measures tokens/s beside a busy program: no other test may be one
 
 
 def generate(svc: Headless) -> tuple[float, str]:

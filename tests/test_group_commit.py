@@ -58,6 +58,7 @@ async def test_an_error_that_undoes_the_whole_transaction_takes_no_other_write_w
     assert await store.write(_put, "after") == "after"  # the writer carries on
 
 
+@pytest.mark.alone  # how many commits coalesce depends on the pace of the writer's turns
 async def test_twenty_clients_at_once_cost_few_fsyncs(api: Any, service: Any) -> None:
     service.tasks.set_paused(True)  # only the 202s write: nothing runs
     before = await metrics(api)

@@ -47,6 +47,7 @@ DISK_SLACK = 4.0     # MiB: database and WAL growth beyond twice the bytes the l
 TWO_TOKENS = {"input": "Say hi", "max_output_tokens": 2, "temperature": 0}
 WRITER = ("responses:write", "responses:read", "tasks:read", "tasks:cancel")
 MODELER = ("models:write", "models:read")
+pytestmark = pytest.mark.alone  # its bounds are milliseconds of lag: no other test beside it
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,7 @@ async def test_a_cancel_keeps_the_output_held_back(api: Any, service: Any, monke
     assert types.index("response.cancelling") > max(i for i, t in enumerate(types) if t.endswith(".delta"))
 
 
+@pytest.mark.alone  # costs compared over time
 async def test_writing_a_token_costs_the_same_late_in_a_long_answer_as_early(api: Any, service: Any) -> None:
     wal = Path(str(service.store.path) + "-wal")
     # No checkpoints during the task: the -wal file then only grows, by what each commit wrote.

@@ -23,6 +23,8 @@ from app.errors import InvalidRequest
 from app.server import ollama_shapes
 from tests.helpers import SAY_HI, bearer, expect_error, pair
 
+pytestmark = pytest.mark.alone  # its bounds are seconds and lag: no other test beside it
+
 LAG = 0.1  # the slowest /health round trip allowed while a costly request is read, in seconds
 
 

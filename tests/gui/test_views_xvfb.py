@@ -160,8 +160,9 @@ def test_every_view_with_0_1_and_50_apps(scale: int, tmp_path: Path, procs: Proc
         wait_until(lambda: not any(views.app.call("GET", f"/v1/tasks?status={status}")["data"]
                                    for status in ("queued", "loading", "running", "cancelling")), timeout=60)
         time.sleep(3)
+        # 20 s: the kernel counts CPU time in ticks of 10 ms, and the bound is 2 of them in 10 s.
         before, started = ticks(views.app.proc.pid), time.monotonic()
-        time.sleep(10)
+        time.sleep(20)
         used = ticks(views.app.proc.pid) - before
-        assert used / (time.monotonic() - started) < 0.002, f"{used:.3f} s of CPU in 10 s"
+        assert used / (time.monotonic() - started) < 0.002, f"{used:.3f} s of CPU in 20 s"
     views.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import stat
 import struct
 import threading
@@ -35,6 +36,7 @@ _SCALARS = {t: struct.Struct(f) for t, f in
              10: "<Q", 11: "<q", 12: "<d"}.items()}
 _MIN_SIZE = {**{t: s.size for t, s in _SCALARS.items()}, STRING: 8, ARRAY: 4 + 8}
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_NONZERO = re.compile(rb"[^\x00]")
 # Arrays of integers this short are kept: a value per layer (a model's layers number in the
 # hundreds at most), such as `<arch>.attention.head_count_kv` where layers differ, which the KV
 # cache's size depends on. Longer ones (a tokenizer's token types) are only skipped.
@@ -140,6 +142,11 @@ class _Reader:
             while off <= end - 8 and walked < count:
                 start = off
                 n = unpack(buf, off)[0]
+                if n == 0:  # empty strings, as many as there are zeros (a sparse file's): at once
+                    zeros = _NONZERO.search(buf, start, end)
+                    run = min(((zeros.start() if zeros else end) - start) // 8, count - walked)
+                    off, walked = start + 8 * run, walked + run
+                    continue
                 off += 8 + n
                 longest = max(longest, n) if off <= end else longest
                 walked += 1
