@@ -105,7 +105,7 @@ class Bare(Upstream):
             return answer
 
 
-def bare(procs: Processes, log: Path, parallel: int, threads: int = ALL, safe: bool | None = None) -> Bare:
+def bare(procs: Processes, log: Path, parallel: int, threads: int = SPARE, safe: bool | None = None) -> Bare:
     """A started, ready, warm bare llama-server."""
     peer = Bare(procs, log, parallel, threads, safe).start()
     peer.ready(timeout=120)

@@ -80,10 +80,10 @@ def has_text(event: dict[str, Any]) -> bool:
         (choice.get("delta") or {}).get("content") for choice in event.get("choices") or ())
 
 
-def serve(svc: Headless, parallel: int, threads: int = ALL) -> Side:
+def serve(svc: Headless, parallel: int, threads: int = SPARE) -> Side:
     """The service with `parallel` slots and its engine on `threads` threads (the app itself where that
     is its own share of the cores, one engine's), its model loaded and warm."""
-    command = APP if threads == CORES else threads_app(threads)
+    command = APP if threads == SPARE else threads_app(threads)
     if svc.proc is None or svc.command != command:
         if svc.proc is not None:
             assert svc.terminate() == 0
@@ -200,7 +200,7 @@ def test_a_2_token_request_behind_3_long_ones_vs_bare_llama_server(headless: Hea
     up = bare(procs, tmp_path / "bare.log", 4)
     theirs = first_texts(llama_server(up))
     up.kill()
-    print(f"\n[bench] a 2-token request while 3 generations of {LONG} tokens run, 4 slots and {ALL} threads each "
+    print(f"\n[bench] a 2-token request while 3 generations of {LONG} tokens run, 4 slots and {SPARE} thread(s) each "
           f"side: {len(ours[0])} | {len(theirs[0])} trials")
     (first, end), (peer_first, peer_end) = ours, theirs
     figures = [record("2-token request behind 3 long: first text p99", pct(first, 0.99) * 1000,

@@ -2,7 +2,7 @@
 that share a prefix, not one prompt repeated; an engine busy with other tasks, not an idle one.
 Every figure has its baseline from the same run: the same request sent straight to a bare
 llama-server (tests/bench/bare.py: the binary and command line the engine runs; 4 slots, all
-cores, as the app's defaults), or the disk's own commit.
+cores but one, as the app's defaults), or the disk's own commit.
 
 - first text of a prompt both servers have cached: <= bare + 15 ms;
 - 40 sequential 2-token requests, "Classify: item i" (an editor's or a classifier's), each: <= bare + 15 ms;
