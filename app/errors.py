@@ -42,7 +42,7 @@ class Failed(LmspError):
     STATUS = {"context_length_exceeded": 400, "invalid_request": 400, "not_found": 404, "model_changed": 409,
               "model_missing": 409, "model_load_failed": 422, "disk_full": 507, "upstream_error": 502,
               "upstream_unavailable": 503,
-              "unsupported_schema": 400, "template_error": 400}
+              "unsupported_schema": 400, "template_error": 400, "unsupported_suffix": 400}
     TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
              422: "invalid_request_error"}
 

@@ -163,6 +163,24 @@ def test_valid_small_file_is_read_back(tmp_path: Path) -> None:
     assert info.has_chat_template and info.chat_template is None and info.tensor_count == 3
 
 
+def test_fill_in_the_middle_tokens_are_found_as_llama_cpp_finds_them(tmp_path: Path) -> None:
+    """By their texts in the vocabulary (the first of each kind), or by the header's ids, which win;
+    a model needs all three (prefix, suffix, middle) to fill in a gap."""
+    # Spread over more than one read window: the texts are found however the strings fall.
+    filler = [f"t{i}" * 40 for i in range(20_000)]
+    vocab = [*filler, "<fim_prefix>", "<|fim_prefix|>", "<fim_suffix>", "▁<MID>", "<fim_middle>"]
+    n = len(filler)
+
+    def fim(kvs: dict[str, object]) -> tuple[int, int, int] | None:
+        return inspect(write(tmp_path, make_gguf({"tokenizer.ggml.tokens": vocab, **kvs}))).fim
+
+    assert fim({}) == (n, n + 2, n + 3)
+    assert fim({"tokenizer.ggml.fim_pre_token_id": 7}) == (7, n + 2, n + 3)
+    vocab.remove("▁<MID>")
+    vocab.remove("<fim_middle>")
+    assert fim({}) is None  # no middle token: no filling in
+
+
 def test_minimal_and_version_2_files_are_accepted(tmp_path: Path) -> None:
     info = inspect(write(tmp_path, make_gguf(version=2)))
     assert (info.version, info.tensor_count, info.kv_count) == (2, 0, 0)

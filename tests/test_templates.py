@@ -42,9 +42,10 @@ def _string(text: str) -> bytes:
     return struct.pack("<Q", len(text.encode())) + text.encode()
 
 
-def with_template(source: Path, target: Path, template: str) -> None:
-    """A copy of the GGUF file `source` whose `tokenizer.chat_template` is `template` (the tensors
-    byte for byte; the header is that of the default model, small and GGUF version 3)."""
+def with_template(source: Path, target: Path, template: str | None, numbers: dict[str, int] | None = None) -> None:
+    """A copy of the GGUF file `source` whose `tokenizer.chat_template` is `template` (None: its
+    own), with the unsigned `numbers` added to its header (the tensors byte for byte; the header
+    is that of the default model, small and GGUF version 3)."""
     data = source.read_bytes()
     _, _, tensors, count = struct.unpack_from("<4sIQQ", data)
     at, kept, align = 24, [], 32
@@ -70,7 +71,7 @@ def with_template(source: Path, target: Path, template: str) -> None:
         end = skip(at + 12 + n, kind)
         if key == "general.alignment":
             align = struct.unpack_from("<I", data, at + 12 + n)[0]
-        if key != "tokenizer.chat_template":
+        if key != "tokenizer.chat_template" or template is None:
             kept.append(data[at:end])
         at = end
     infos_at = at
@@ -78,7 +79,9 @@ def with_template(source: Path, target: Path, template: str) -> None:
         n = struct.unpack_from("<Q", data, at)[0]
         dims = struct.unpack_from("<I", data, at + 8 + n)[0]
         at += 8 + n + 4 + 8 * dims + 4 + 8
-    kept.append(_string("tokenizer.chat_template") + struct.pack("<I", 8) + _string(template))
+    if template is not None:
+        kept.append(_string("tokenizer.chat_template") + struct.pack("<I", 8) + _string(template))
+    kept += [_string(key) + struct.pack("<II", 4, value) for key, value in (numbers or {}).items()]
     head = b"GGUF" + struct.pack("<IQQ", 3, tensors, len(kept)) + b"".join(kept) + data[infos_at:at]
     target.write_bytes(head + bytes(-len(head) % align) + data[at + -at % align:])
 

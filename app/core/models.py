@@ -93,16 +93,21 @@ class Models:
             if models.file_status(row) == "available":
                 self._headers[row["digest"]] = await asyncio.to_thread(_inspect, row["path"])
 
-    async def chat_template(self, row: Any) -> str | None:
-        """The text of a local model's chat template (None: it has none, or over gguf.MAX_TEMPLATE_BYTES)."""
+    async def examined(self, row: Any) -> gguf.GgufInfo | None:
+        """A local model's header as read (its chat template's text, None where it has none or
+        over gguf.MAX_TEMPLATE_BYTES; its fill-in-the-middle tokens); None if unreadable."""
         await self._read_headers([row])
-        info = self._headers.get(row["digest"])
-        return None if info is None else info.chat_template
+        return self._headers.get(row["digest"])
 
     def header(self, model: dict[str, Any]) -> dict[str, Any] | None:
         """The GGUF metadata of a model listed or described here (None: remote, or unreadable)."""
         info = self._headers.get(model.get("digest") or "")
         return None if info is None else info.metadata
+
+    def fills_in(self, model: dict[str, Any]) -> bool:
+        """Whether a model listed or described here has fill-in-the-middle tokens (a `suffix`)."""
+        info = self._headers.get(model.get("digest") or "")
+        return info is not None and info.fim is not None
 
     async def ollama_id(self, name: str) -> str | None:
         """The id of the model an Ollama app names `name` (app/core/ollama.py), None if none."""

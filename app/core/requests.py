@@ -13,7 +13,8 @@ from app.store.config import ON_RESTART
 KNOWN = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed", "stop",
          "metadata", "stream", "background", "store", "on_restart", "user", "text", "tools", "tool_choice",
          "parallel_tool_calls", "truncation", "reasoning", "include", "previous_response_id", "service_tier",
-         "stream_options", "prompt_cache_key", "safety_identifier", "top_logprobs", "max_tool_calls"}
+         "stream_options", "prompt_cache_key", "safety_identifier", "top_logprobs", "max_tool_calls",
+         "raw", "suffix"}  # the last two: LMSP's, for Ollama's /api/generate
 ROLES = {"system", "developer", "user", "assistant"}
 CALL_ITEMS = {"function_call", "function_call_output"}
 # Input items in one request. A conversation that long is far past any model's context here;
@@ -119,10 +120,35 @@ def parse(body: Any, convert: structured.Convert) -> ResponseRequest:
         raise InvalidRequest("A background response must be stored: `store: false` needs `background: false`.",
                              param="store")
     parts = structured.parse(body, convert)
+    raw, suffix = _plain(body)
     request = Request(messages, instructions, temperature, top_p, seed, stop, parts.format, parts.tools,
-                      parts.tool_choice, parts.constraint, parts.call, previous)
+                      parts.tool_choice, parts.constraint, parts.call, previous, raw=raw, suffix=suffix)
     return ResponseRequest(request, model, max_tokens, metadata, flags["stream"], flags["background"], on_restart,
                            flags["store"])
+
+
+def _plain(body: dict[str, Any]) -> tuple[bool, str | None]:
+    """`raw` (the input is the prompt as the model reads it) and `suffix` (fill in the middle: the
+    input is the text before the gap, this the text after it), checked: either takes one string
+    as the input, and neither has a chat to go with it."""
+    raw, suffix = body.get("raw", False), body.get("suffix")
+    if not isinstance(raw, bool):
+        raise InvalidRequest("`raw` must be true or false.", param="raw")
+    if suffix is not None and not isinstance(suffix, str):
+        raise InvalidRequest("`suffix` must be a string.", param="suffix")
+    if not raw and suffix is None:
+        return False, None
+    name = "raw" if raw else "suffix"
+    if raw and suffix is not None:
+        raise InvalidRequest("`raw` and `suffix` cannot go together: a suffix is framed by the model's own tokens.",
+                             param="suffix")
+    if not isinstance(body.get("input"), str):
+        raise InvalidRequest(f"With `{name}`, `input` must be one string.", param="input")
+    for other in ("instructions", "previous_response_id", "tools"):
+        if body.get(other):
+            raise InvalidRequest(f"`{other}` cannot go with `{name}`: there is no chat template to put it in.",
+                                 param=other)
+    return raw, suffix
 
 
 def _sampling(body: dict[str, Any]) -> tuple[float, float, int | None, list[str]]:

@@ -18,6 +18,7 @@ from app.core.ids import new_id
 from app.core.tasks import Tasks
 from app.engine.constraints.grammar_worker import GrammarWorker
 from app.engine.registry import models
+from app.engine.registry.gguf import GgufInfo
 from app.engine.request import Request
 from app.errors import Conflict, LmspError, NotFound
 from app.events import EventBus
@@ -42,7 +43,7 @@ class Created:
 class Responses:
     def __init__(self, store: Store, bus: EventBus, settings: Mapping[str, Any], scheduler: Scheduler, tasks: Tasks,
                  grammars: GrammarWorker, off_loop: Callable[..., Any],
-                 chat_template: Callable[[sqlite3.Row], Awaitable[str | None]]) -> None:
+                 examined: Callable[[sqlite3.Row], Awaitable[GgufInfo | None]]) -> None:
         self.store = store
         self.bus = bus
         self.settings = settings
@@ -50,7 +51,7 @@ class Responses:
         self.tasks = tasks
         self.grammars = grammars
         self.off_loop = off_loop  # reading a request, whose cost grows with it: on a reader thread
-        self.chat_template = chat_template  # a local model's (app/core/models.py)
+        self.examined = examined  # a local model's header (app/core/models.py)
 
     async def create_response(self, client: Client, body: Any, idempotency_key: str | None = None,
                               path: str = "/v1/responses", sent: Any = None) -> Created:
@@ -81,8 +82,8 @@ class Responses:
         """Refuse a conversation the model's chat template refuses, before it is stored and
         whatever engine would run it (app/core/templates.py)."""
         found = await self.store.read(templates.subject, client_id, model_id, request)
-        if found is not None and (text := await self.chat_template(found[0])) is not None:
-            await self.off_loop(templates.check, text, found[1])
+        if found is not None and (info := await self.examined(found[0])) is not None:
+            await self.off_loop(templates.check, info, found[1])
 
     async def _insert(self, offer: Offer | None, *args: Any) -> tuple[idempotency.Stored | None, dict[str, Any] | None]:
         """Commit a new response with its task, publish its events, then start what the claim in the

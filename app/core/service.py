@@ -79,7 +79,7 @@ class AppService:
         self.embeddings = Embeddings(self.store, self.bus, self.pool)
         self.tasks = Tasks(self.store, self.bus, self.scheduler)
         self.responses = Responses(self.store, self.bus, self.settings, self.scheduler, self.tasks, self.grammars,
-                                   self.off_loop, self.models.chat_template)
+                                   self.off_loop, self.models.examined)
         self.housekeeping = Housekeeping(self.store, self.bus, self.settings, self.access, self.remotes, self.pool)
         self._changes: set[asyncio.Task[None]] = set()  # settings applied with a write, until they are done
         self.settings.on_change.append(self._apply_settings)

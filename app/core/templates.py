@@ -12,6 +12,7 @@ import sqlite3
 
 from app.core import conversation
 from app.engine import template
+from app.engine.registry.gguf import GgufInfo
 from app.engine.request import Request
 from app.errors import InvalidRequest, LmspError
 
@@ -20,8 +21,13 @@ def subject(conn: sqlite3.Connection, client_id: str, model_id: str,
             request: Request) -> tuple[sqlite3.Row, Request] | None:
     """The local model's row and the request as its engine would get it; None when there is
     nothing to check here (a remote model), or something else is wrong that accepting the
-    request says in its own words (no such model, a conversation that cannot be continued)."""
+    request says in its own words (no such model, a conversation that cannot be continued).
+    InvalidRequest for a prompt without a template (`raw`, `suffix`) to a remote model: its
+    endpoint takes chats only."""
     row: sqlite3.Row | None = conn.execute("SELECT * FROM models WHERE id = ?", (model_id,)).fetchone()
+    if row is not None and row["format"] == "remote" and (request.raw or request.suffix is not None):
+        name = "raw" if request.raw else "suffix"
+        raise InvalidRequest(f"`{name}` needs a local model: a remote endpoint is sent chats.", param=name)
     if row is None or row["format"] == "remote":
         return None
     previous = request.previous_response_id
@@ -33,10 +39,17 @@ def subject(conn: sqlite3.Connection, client_id: str, model_id: str,
     return row, request
 
 
-def check(text: str, request: Request) -> None:
-    """InvalidRequest `template_error` if the template `text` refuses the request's prompt.
-    Costs time linear in the conversation: run it off the event loop."""
+def check(info: GgufInfo, request: Request) -> None:
+    """InvalidRequest `template_error` if the model's template refuses the request's prompt, and
+    for a `suffix` where the model has no fill-in-the-middle tokens. Costs time linear in the
+    conversation: run it off the event loop."""
+    if request.suffix is not None and info.fim is None:
+        raise InvalidRequest("This model has no fill-in-the-middle tokens, so it cannot fill in text before "
+                             "a `suffix`: use a model trained for it (a code model such as Qwen2.5-Coder).",
+                             param="suffix", code="unsupported_suffix")
+    if request.raw or request.suffix is not None or info.chat_template is None:
+        return
     try:
-        template.compiled(text).render(request.prompt())
+        template.compiled(info.chat_template).render(request.prompt())
     except template.Refused as exc:
         raise InvalidRequest(str(exc), param="input", code="template_error") from exc

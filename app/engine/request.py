@@ -59,7 +59,7 @@ class Constraint(TypedDict):
 TEXT: Format = {"type": "text"}
 # Left out of the stored JSON at their defaults: earlier versions wrote them only when set, so
 # every row, old or new, has one shape.
-OMITTED_WHEN_UNSET = ("constraint", "call", "previous_response_id", "history")
+OMITTED_WHEN_UNSET = ("constraint", "call", "previous_response_id", "history", "raw", "suffix")
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,11 @@ class Request:
     call: bool = False  # a forced function call (app/tasks/calls.py): `constraint` is its schema
     previous_response_id: str | None = None  # the response this one continues (app/core/conversation.py)
     history: int = 0  # how many of `messages` came from it, once the chain is resolved
+    # A prompt given as the model reads it (Ollama's `raw`): the one message's text, no template.
+    raw: bool = False
+    # Fill in the middle: the text after the gap, the one message's text the text before it. The
+    # model's own FIM tokens frame them, without a template.
+    suffix: str | None = None
 
     def to_json(self) -> str:
         """The text stored with the response (the limits count its bytes)."""
@@ -129,4 +134,5 @@ _SHAPES: dict[str, type | tuple[type, ...]] = {
     "messages": list, "instructions": (str, type(None)), "temperature": (int, float), "top_p": (int, float),
     "seed": (int, type(None)), "stop": list, "format": dict, "tools": list, "tool_choice": (str, dict),
     "constraint": (dict, type(None)), "call": bool, "previous_response_id": (str, type(None)), "history": int,
+    "raw": bool, "suffix": (str, type(None)),
 }

@@ -84,7 +84,7 @@ async def show(request: web.Request) -> web.Response:
     _, model_id = await _model(request, await _body(request))
     models = request.app[SERVICE].models
     model = await models.model(model_id)
-    return web.json_response(shapes.show(model, models.header(model)))
+    return web.json_response(shapes.show(model, models.header(model), models.fills_in(model)))
 
 
 async def delete(request: web.Request) -> web.Response:

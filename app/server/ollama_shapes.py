@@ -22,11 +22,6 @@ from app.errors import InvalidRequest, LmspError
 # the service's to choose, and are ignored as Ollama ignores options a model does not use.
 OPTIONS = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
            "num_predict": "max_output_tokens"}
-# A generate request with a `suffix` (fill in the middle, as editors ask for completions): chat
-# models are asked in words, since their chat template has no place for a suffix.
-FILL_IN = ("Write the text that goes between the prefix and the suffix below. Answer with that text only, "
-           "without repeating the prefix or the suffix.\n\n"
-           "<prefix>\n{prompt}\n</prefix>\n\n<suffix>\n{suffix}\n</suffix>")
 MAX_STOPS = 4
 FOREVER = 100 * 365 * 86400  # seconds: what `/api/ps` says of a model kept until it is unloaded
 QUANT = re.compile(r"(?i)(?<![A-Za-z0-9])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)(?![A-Za-z0-9])")
@@ -173,7 +168,7 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _common(body: dict[str, Any], model_id: str, items: list[dict[str, Any]]) -> dict[str, Any]:
+def _common(body: dict[str, Any], model_id: str, items: list[dict[str, Any]] | str) -> dict[str, Any]:
     out: dict[str, Any] = {"model": model_id, "input": items, "stream": False, "background": False,
                            **_options(body)}
     text = _format(body.get("format"))
@@ -194,12 +189,21 @@ def chat_request(body: dict[str, Any], model_id: str) -> dict[str, Any]:
 
 
 def generate_request(body: dict[str, Any], model_id: str) -> dict[str, Any]:
-    """An Ollama generate body (`prompt`, `suffix`, `system`) as a Responses request. `raw` and
-    `template` are not honoured: every prompt goes through the model's own chat template."""
+    """An Ollama generate body (`prompt`, `suffix`, `system`, `raw`) as a Responses request: a
+    `raw` prompt is sent as it is (Ollama then leaves `system` and `suffix` out too: an app that
+    sends both, as Continue does, wrote its own fill-in-the-middle prompt), a `suffix` in the
+    model's fill-in-the-middle tokens. `template` is not honoured: a prompt otherwise goes through
+    the model's own chat template."""
     _no_images(body)
     prompt, suffix = _string(body.get("prompt"), "prompt"), _string(body.get("suffix"), "suffix")
-    text = FILL_IN.format(prompt=prompt, suffix=suffix) if suffix else prompt
-    out = _common(body, model_id, [{"role": "user", "content": text}])
+    raw = body.get("raw", False)
+    if not isinstance(raw, bool):
+        raise InvalidRequest("`raw` must be true or false.", param="raw")
+    if raw or suffix:
+        out = _common(body, model_id, prompt)
+        out.update({"raw": True} if raw else {"suffix": suffix})
+        return out
+    out = _common(body, model_id, [{"role": "user", "content": prompt}])
     system = _string(body.get("system"), "system")
     if system:
         out["instructions"] = system
@@ -294,8 +298,11 @@ def running_entry(model: dict[str, Any], header: dict[str, Any] | None, kept: fl
             "expires_at": until.isoformat().replace("+00:00", "Z"), "context_length": model.get("context_length")}
 
 
-def show(model: dict[str, Any], header: dict[str, Any] | None) -> dict[str, Any]:
-    """`/api/show`: what Open WebUI, Continue and Copilot read of a model."""
+def show(model: dict[str, Any], header: dict[str, Any] | None, fills_in: bool) -> dict[str, Any]:
+    """`/api/show`: what Open WebUI, Continue and Copilot read of a model. Its capabilities are
+    what works through this API: `insert` (a `suffix`) where the model has fill-in-the-middle
+    tokens; not `tools`, which reach a model here only when a call is forced (`/v1`'s
+    `tool_choice`), and Ollama's API has no way to force one."""
     arch = model.get("architecture") or "llama"
     context = model.get("context_length") or 0
     # Ollama writes the blob's path after FROM; ours would show any page on this computer (this
@@ -306,4 +313,4 @@ def show(model: dict[str, Any], header: dict[str, Any] | None) -> dict[str, Any]
             "details": details(model, header), "modified_at": iso(model.get("created", 0)),
             "model_info": {"general.architecture": arch, f"{arch}.context_length": context,
                            "general.parameter_count": (header or {}).get("general.parameter_count")},
-            "capabilities": ["completion", "tools", "insert", "embedding"]}
+            "capabilities": ["completion", *(["insert"] if fills_in else []), "embedding"]}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -45,11 +46,13 @@ class Prompter:
     """A loaded model's prompt maker: its chat template (None: "role: text" lines), the tokens the
     model puts first by itself where there is no template, each slot's context."""
 
-    def __init__(self, template: ChatTemplate | None, first: list[int], n_ctx: int, token_bytes: int) -> None:
+    def __init__(self, template: ChatTemplate | None, first: list[int], n_ctx: int, token_bytes: int,
+                 fim: tuple[int, int, int] | None = None) -> None:
         self.template = template
         self.first = first
         self.n_ctx = n_ctx
         self.token_bytes = token_bytes  # gguf.GgufInfo.token_bytes: a text's least tokens, from its bytes
+        self.fim = fim  # gguf.GgufInfo.fim: the prefix, suffix and middle tokens
         self._known: dict[str, list[int]] = {}
 
     @classmethod
@@ -60,11 +63,13 @@ class Prompter:
             template = ChatTemplate(info.chat_template or props.get("chat_template", ""),
                                     props.get("bos_token", ""), props.get("eos_token", ""))
         first = await tokenize(server, "", special=True, add=True)
-        return cls(template, first, int(props["default_generation_settings"]["n_ctx"]), info.token_bytes)
+        return cls(template, first, int(props["default_generation_settings"]["n_ctx"]), info.token_bytes, info.fim)
 
     async def ids(self, server: Any, request: Request, text: str) -> tuple[list[int], list[int]]:
         """The prompt's tokens, and those of `text` (the output so far). EngineError when the
         template refuses the conversation or the prompt cannot fit the context."""
+        if request.raw or request.suffix is not None:
+            return await self._plain(server, request, text)
         messages = request.prompt()
         if self.template is not None:  # it writes the BOS token where it wants one
             try:
@@ -76,20 +81,43 @@ class Prompter:
             pieces = [x for i, m in enumerate(messages) for x in (("\n" if i else "") + f"{m['role']}: ", str(i))]
             pieces.append("\nassistant: ")
             first = self.first
-        # A prompt that cannot fit is refused unread: 200,000 messages would be as many requests to
-        # the server, 8 MiB of text millions of token ids to read back.
-        texts = (messages[int(p)]["content"] if k % 2 else p for k, p in enumerate(pieces))
-        least = len(first) + sum(self.least(t) for t in texts)
+        self._fits(len(first), (messages[int(p)]["content"] if k % 2 else p for k, p in enumerate(pieces)))
+        parts = await asyncio.gather(*(self._piece(server, messages, k, p) for k, p in enumerate(pieces)),
+                                     tokenize(server, text) if text else _none())
+        return self._whole(first + [t for part in parts[:-1] for t in part]), parts[-1]
+
+    async def _plain(self, server: Any, request: Request, text: str) -> tuple[list[int], list[int]]:
+        """A prompt without a template: a raw one as it is (its special tokens read as such, the
+        model's first tokens where it puts them), or the text before a gap and the `suffix` after
+        it in the model's fill-in-the-middle tokens (as llama.cpp's /infill frames them)."""
+        prompt = request.messages[-1]["content"]
+        self._fits(len(self.first) + 3, (prompt, request.suffix or ""))
+        output = tokenize(server, text) if text else _none()
+        if request.raw:
+            ids, out = await asyncio.gather(tokenize(server, prompt, special=True, add=True), output)
+            return self._whole(ids), out
+        if self.fim is None:  # refused when accepted: app/core/templates.py
+            raise _error("unsupported_suffix", "This model has no fill-in-the-middle tokens.", "suffix")
+        pre, suf, mid = self.fim
+        before, after, out = await asyncio.gather(tokenize(server, prompt), tokenize(server, request.suffix or ""),
+                                                  output)
+        return self._whole([*self.first, pre, *before, suf, *after, mid]), out
+
+    def _fits(self, fixed: int, texts: Iterable[str]) -> None:
+        """EngineError unless the prompt, `fixed` tokens and `texts`, can fit the context: a prompt
+        that cannot is refused unread (200,000 messages would be as many requests to the server,
+        8 MiB of text millions of token ids to read back)."""
+        least = fixed + sum(self.least(t) for t in texts)
         if least >= self.n_ctx:
             raise _error("context_length_exceeded", f"The input is at least {least} tokens; the model's context "
                                                      f"holds {self.n_ctx}.")
-        parts = await asyncio.gather(*(self._piece(server, messages, k, p) for k, p in enumerate(pieces)),
-                                     tokenize(server, text) if text else _none())
-        ids = first + [t for part in parts[:-1] for t in part]
+
+    def _whole(self, ids: list[int]) -> list[int]:
+        """The prompt's tokens, if they fit the context (EngineError if not)."""
         if len(ids) >= self.n_ctx:
             raise _error("context_length_exceeded", f"The input is {len(ids)} tokens; the model's context "
                                                      f"holds {self.n_ctx}.")
-        return ids, parts[-1]
+        return ids
 
     def least(self, text: str) -> int:
         """The fewest tokens `text` can be: a token a piece of text at least, and no token stands for

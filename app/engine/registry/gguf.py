@@ -53,6 +53,21 @@ _CHUNK = 1 << 20
 # KB): the check made when a request is accepted renders it (app/core/templates.py). Past it the
 # engine alone renders it.
 MAX_TEMPLATE_BYTES = 1 << 20
+# Fill-in-the-middle: the texts of the prefix, suffix and middle tokens llama.cpp looks for in a
+# vocabulary whose header names none (src/llama-vocab.cpp, in its order: Qwen, StarCoder-like,
+# Granite, DeepSeek, CodeLlama, GLM-4.5, Falcon-H1), and the keys that name them.
+FIM_TEXTS = {
+    part: [t.encode() for t in texts] for part, texts in {
+        "pre": ["<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+                "<|code_prefix|>", "<|prefix|>"],
+        "suf": ["<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+                "<|code_suffix|>", "<|suffix|>"],
+        "mid": ["<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+                "<|code_middle|>", "<|middle|>"]}.items()}
+_FIM_PART = {text: part for part, texts in FIM_TEXTS.items() for text in texts}
+_FIM_LENGTHS = {len(text) for text in _FIM_PART}
+FIM_KEYS = {"pre": "tokenizer.ggml.fim_pre_token_id", "suf": "tokenizer.ggml.fim_suf_token_id",
+            "mid": "tokenizer.ggml.fim_mid_token_id"}
 
 
 class GgufError(Exception):
@@ -79,6 +94,8 @@ class GgufInfo:
     # The longest token's text in bytes (0: no vocabulary): no token stands for more bytes of text
     # than its written form has, so a text of B bytes is at least B / this many tokens.
     token_bytes: int = 0
+    # The ids of the fill-in-the-middle tokens (prefix, suffix, middle), where the model has all three.
+    fim: tuple[int, int, int] | None = None
 
 
 def _num(n: int) -> str:
@@ -94,6 +111,7 @@ class _Reader:
         self._buf, self._off, self._base = b"", 0, 0
         self.walk_left = MAX_WALKED  # strings and arrays in arrays this header may still have
         self.longest = 0  # the longest string of the last array of strings read
+        self.fim: dict[str, int] = {}  # its first string of each FIM_TEXTS part, by index
 
     @property
     def pos(self) -> int:
@@ -130,11 +148,12 @@ class _Reader:
             self._base, self._buf, self._off = self.pos + n, b"", 0
 
     def skip_strings(self, count: int, what: str) -> int:
-        """`count` strings, skipped; the length of the longest. The one loop whose length the file
-        chooses, so it runs over the window's bytes directly (a cancel is noticed at each new
-        window, every megabyte at most); a string that crosses the window's edge takes the careful path."""
+        """`count` strings, skipped; the length of the longest (and in `fim`, where the FIM
+        tokens' texts are). The one loop whose length the file chooses, so it runs over the
+        window's bytes directly (a cancel is noticed at each new window, every megabyte at most); a
+        string that crosses the window's edge takes the careful path."""
         unpack = _U64.unpack_from
-        longest = 0
+        longest, index, self.fim = 0, 0, {}
         while count:
             buf, off = self._buf, self._off
             end = min(len(buf), self.size - self._base)  # never past the size measured
@@ -148,17 +167,28 @@ class _Reader:
                     off, walked = start + 8 * run, walked + run
                     continue
                 off += 8 + n
-                longest = max(longest, n) if off <= end else longest
+                if off <= end:
+                    longest = max(longest, n)
+                    if n in _FIM_LENGTHS:
+                        self._found(buf[start + 8:off], index + walked)
                 walked += 1
             if off > end:  # the last one ran past the window: back to its start
                 off, walked = start, walked - 1
-            self._off, count = off, count - walked
+            self._off, count, index = off, count - walked, index + walked
             if count:
                 n = self.str_len(what)
                 longest = max(longest, n)
-                self.skip(n, what)
-                count -= 1
+                if n in _FIM_LENGTHS:
+                    self._found(self.take(n, what), index)
+                else:
+                    self.skip(n, what)
+                count, index = count - 1, index + 1
         return longest
+
+    def _found(self, text: bytes, index: int) -> None:
+        part = _FIM_PART.get(text)
+        if part is not None and part not in self.fim:
+            self.fim[part] = index
 
     def u32(self, what: str) -> int:
         return int(_U32.unpack(self.take(4, what))[0])
@@ -286,7 +316,7 @@ def _parse(r: _Reader) -> GgufInfo:
 
     metadata: dict[str, Value] = {}
     seen: set[str] = set()
-    has_template, template, alignment, token_bytes = False, None, 32, 0
+    has_template, template, alignment, token_bytes, fim = False, None, 32, 0, {}
     for i in range(kv_count):
         key = r.name(f"key {i}")
         if key in seen:
@@ -298,7 +328,7 @@ def _parse(r: _Reader) -> GgufInfo:
             continue
         value = _value(r, vtype, f"value of {key!r}")
         if key == "tokenizer.ggml.tokens":
-            token_bytes = r.longest
+            token_bytes, fim = r.longest, r.fim
         if key == "general.alignment":
             if vtype != 4 or not isinstance(value, int) or value == 0 or value & (value - 1):
                 raise GgufError(f"general.alignment must be a uint32 nonzero power of two, not {value!r}"
@@ -312,8 +342,11 @@ def _parse(r: _Reader) -> GgufInfo:
                         for k in ("general.architecture", "general.name"))
     ctx = metadata.get(f"{arch}.context_length") if arch else None
     ctx = ctx if type(ctx) is int and ctx > 0 else None  # bool is an int subclass: excluded
+    named = {part: v for part, key in FIM_KEYS.items() if type(v := metadata.get(key)) is int}
+    pre, suf, mid = ({**fim, **named}.get(part) for part in FIM_KEYS)  # llama.cpp: the header's, then the texts
     return GgufInfo(version, tensor_count, kv_count, arch, model_name, ctx, has_template, r.size, metadata,
-                    parameters, template, token_bytes)
+                    parameters, template, token_bytes,
+                    (pre, suf, mid) if pre is not None and suf is not None and mid is not None else None)
 
 
 def _template(r: _Reader) -> str | None:
