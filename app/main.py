@@ -151,11 +151,19 @@ def lock_data_dir(data_dir: Path) -> IO[bytes] | None:
     return handle
 
 
+def stop_on_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """SIGTERM and SIGINT (Ctrl+C) set `stop`: through the loop's own handlers, or on Windows, whose
+    loop has none, through Python's, which run on the main thread and hand it to the loop."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if sys.platform == "win32":
+            signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
+        else:
+            loop.add_signal_handler(sig, stop.set)
+
+
 async def run_headless(life: Lifecycle) -> int:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop_on_signals(asyncio.get_running_loop(), stop)
     await life.start()
     await stop.wait()
     await life.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import os
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -123,10 +122,14 @@ def advertised(host: str) -> str:
 
 
 def _lengthen_queue(fd: int) -> None:
-    """listen() once more on a listening socket, through a duplicate of its descriptor (asyncio
-    hides the socket's own listen()), with the longer QUEUE."""
-    with socket.socket(fileno=os.dup(fd)) as again:
+    """listen() once more on a listening socket (asyncio hides the socket's own listen()), with the
+    longer QUEUE: through a socket object over its descriptor, detached again rather than closed
+    (a duplicate, os.dup, is no socket on Windows)."""
+    again = socket.socket(fileno=fd)
+    try:
         again.listen(QUEUE)
+    finally:
+        again.detach()
 
 
 class Server:

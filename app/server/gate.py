@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -29,10 +30,10 @@ RETRY_SECONDS = 10  # a connection frees when a request or a stream ends
 
 
 def _descriptors() -> int:
-    try:
-        import resource
-    except ImportError:  # Windows: sockets are not counted against a descriptor limit
+    if sys.platform == "win32":  # sockets are not counted against a descriptor limit there
         return 1 << 30
+    import resource
+
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return 1 << 30 if soft == resource.RLIM_INFINITY else soft
 

@@ -13,14 +13,19 @@ import ctypes
 import hashlib
 import json
 import multiprocessing
+import sys
 import threading
 from collections import OrderedDict
-from multiprocessing.connection import Connection
 from typing import Any
 
 from app.engine.constraints import grammar
 from app.engine.constraints.grammar import Converted
 from app.errors import TooManyRequests
+
+if sys.platform == "win32":  # a pipe's end is a PipeConnection there
+    from multiprocessing.connection import PipeConnection as Connection
+else:
+    from multiprocessing.connection import Connection
 
 BUDGET = 2.0  # seconds for one request's schemas
 RETRY_AFTER = 3  # seconds: about one budget
@@ -42,6 +47,8 @@ def _serve(conn: Connection) -> None:
 
 def _name_process(name: bytes) -> None:
     """The name `ps -o comm` and /proc/<pid>/comm show (Linux), so that it is not taken for an engine."""
+    if not sys.platform.startswith("linux"):  # prctl is Linux's (and CDLL(None) is no library on Windows)
+        return
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(15, name, 0, 0, 0)  # PR_SET_NAME
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from typing import Any, Protocol
 
 from app.engine.parent import cpu, faults, prompt
 from app.engine.parent.modes import FAST, SAFE, EngineModes
-from app.engine.parent.server import Gone, Launch, Server, ServerError
+from app.engine.parent.server import Gone, Launch, Server, ServerError, crash, ended
 from app.engine.registry import gguf, memory, models
 from app.engine.registry.models import Registered
 from app.engine.request import Request
@@ -39,10 +38,6 @@ from app.engine.request import Request
 log = logging.getLogger(__name__)
 Message = dict[str, Any]
 CRASHED = {"code": "engine_crashed", "message": "The inference engine stopped unexpectedly; the task stopped."}
-# Deaths that point at llama.cpp's own code, not at someone killing the process (SIGKILL from the
-# out-of-memory killer or the watchdog, SIGTERM): SIGSEGV/SIGBUS (AMX on Sapphire Rapids), SIGILL
-# (AMX a virtual machine reports but refuses), SIGFPE, and SIGABRT (a GGML_ASSERT in a kernel).
-CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 SAFE_CRASH_BUDGET = 2  # crashes in safe mode that end one load or generation
 STALL_SECONDS = 60.0  # a server with generations that runs no decode step for this long is stuck
 WATCH_SECONDS = 10.0
@@ -218,13 +213,11 @@ class Engine:
         """After the server died: decide whether to carry on (in safe mode) or fail. `crashes`
         holds the modes it crashed in during this one request."""
         code = await server.exited()
-        sig = -code if code < 0 else None
         mode = SAFE if server.launch.safe else FAST
-        name = signal.Signals(sig).name if sig else f"exit code {code}"
-        how = f"killed by {name}" if sig else f"ended with {name}"
         log.error("%s: inference process %s while %s %s in %s mode (CPU: %s; llama.cpp CPU backend: %s)",
-                  self.name, how, stage, file.path, mode, cpu.summary(), self.cpu_variant or "native")
-        if sig not in CRASH_SIGNALS:
+                  self.name, ended(code), stage, file.path, mode, cpu.summary(), self.cpu_variant or "native")
+        name = crash(code)
+        if name is None:
             raise EngineError(CRASHED["code"], CRASHED["message"])
         crashes.append(mode)
         if mode == FAST and self.modes.auto:

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,6 +89,36 @@ class Launch:
     fd: int | None = None
 
 
+# Deaths that point at llama.cpp's own code, not at someone killing the process (SIGKILL from the
+# out-of-memory killer or the watchdog, SIGTERM): SIGSEGV/SIGBUS (AMX on Sapphire Rapids), SIGILL
+# (AMX a virtual machine reports but refuses), SIGFPE, and SIGABRT (a GGML_ASSERT in a kernel).
+# Windows has no such signals: a process that crashes there ends with the exception's NTSTATUS as
+# its exit code (abort() is a fail fast, 0xC0000409).
+if sys.platform == "win32":
+    CRASH_SIGNALS: set[int] = set()
+else:
+    CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
+NTSTATUS_CRASHES = {0xC0000005: "access violation", 0xC000001D: "illegal instruction",
+                    0xC0000094: "integer division by zero", 0xC00000FD: "stack overflow",
+                    0xC0000409: "fail fast", 0x80000003: "breakpoint"}
+
+
+def crash(code: int, platform: str = sys.platform) -> str | None:
+    """The crash an exit code (a Popen returncode) says llama.cpp's own code had, by name; None
+    where it says none (an exit, or a kill from outside)."""
+    if platform == "win32":
+        status = code & 0xFFFFFFFF  # an NTSTATUS, however the int was read
+        return f"{NTSTATUS_CRASHES[status]} (0x{status:08X})" if status in NTSTATUS_CRASHES else None
+    return signal.Signals(-code).name if code < 0 and -code in CRASH_SIGNALS else None
+
+
+def ended(code: int) -> str:
+    """How a process with this exit code ended, in words."""
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"ended with {crash(code) or f'exit code {code}'}"
+
+
 def arguments(binary: str, launch: Launch, socket: str) -> list[str]:
     """The command line: every option that decides memory or behaviour, explicitly."""
     t = str(launch.threads)
@@ -118,11 +148,21 @@ def environment(key: str) -> dict[str, str]:
 def _in_child() -> None:
     """Run in the server's process before it starts (POSIX): killed with the app's main thread,
     which started it (Linux), and a little below the app's priority."""
+    if sys.platform == "win32":  # never run there (no preexec_fn): LOWER says its priority
+        return
     if sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     os.nice(NICENESS)
+
+
+# How a server is started a little below the app's priority: Windows has a creation flag for it.
+if sys.platform == "win32":
+    PREEXEC: Callable[[], None] | None = None
+    CREATION = subprocess.BELOW_NORMAL_PRIORITY_CLASS
+else:
+    PREEXEC, CREATION = _in_child, 0
 
 
 class Server:
@@ -169,8 +209,8 @@ class Server:
         fds = (self.launch.fd,) if self.launch.fd is not None else ()
         self.proc = subprocess.Popen(  # noqa: S603 - our own build, options we chose
             arguments(str(binary), self.launch, self.socket), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, env=environment(self.key), pass_fds=fds,
-            preexec_fn=_in_child if os.name == "posix" else None)
+            stderr=subprocess.STDOUT, env=environment(self.key), pass_fds=fds, preexec_fn=PREEXEC,
+            creationflags=CREATION)
         log.info("%s: started inference process %s (llama-server, %s)", self.name, self.proc.pid, self.launch.alias)
         threading.Thread(target=self._read, args=(loop, self.proc), name=f"lmsp-{self.name}-out", daemon=True).start()
 

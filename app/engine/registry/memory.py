@@ -9,6 +9,7 @@ would not fit is refused with figures rather than ended by the system's OOM kill
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,9 +95,11 @@ def available_bytes() -> int | None:
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    if sys.platform == "win32":  # no sysconf
+        return None
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not a name this system knows (macOS, Windows)
+    except (ValueError, OSError):  # not a name this system knows (macOS)
         return None
 
 

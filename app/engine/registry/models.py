@@ -120,7 +120,8 @@ def open_verified(file: Registered) -> tuple[int, str]:
     Returns the open descriptor and a path naming exactly that open file where the system has
     one, so that llama.cpp reads the file checked here even if `path` is re-pointed meanwhile.
     The caller closes the descriptor. Raises FileChanged."""
-    fd = os.open(file.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO put there must not block
+    # Bytes as they are (Windows translates line ends without O_BINARY); a FIFO put there must not block.
+    fd = os.open(file.path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0))
     try:
         st = os.fstat(fd)
         recorded = (file.size_bytes, file.mtime_ns, file.device, file.inode)

@@ -1,0 +1,49 @@
+"""The branches of the code that run on Windows and macOS, exercised here on Linux (make test also
+type-checks app/ for each platform: mypy --platform win32 and darwin)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from app import main
+from app.engine.parent.server import crash, ended
+from app.server import gate
+
+
+def test_a_crash_is_told_from_a_kill_by_its_signal_or_by_its_windows_exception_code() -> None:
+    assert crash(-signal.SIGSEGV) == "SIGSEGV" and crash(-signal.SIGABRT) == "SIGABRT"
+    assert crash(-signal.SIGKILL) is None and crash(-signal.SIGTERM) is None and crash(1) is None
+    # Windows: the NTSTATUS of the exception is the exit code, however it was read (unsigned or not).
+    assert crash(0xC0000005, "win32") == "access violation (0xC0000005)"
+    assert crash(0xC0000005 - (1 << 32), "win32") == "access violation (0xC0000005)"
+    assert crash(0xC0000409, "win32") == "fail fast (0xC0000409)"  # abort(), a GGML_ASSERT
+    assert crash(1, "win32") is None and crash(0, "win32") is None
+    assert ended(-signal.SIGKILL) == "killed by SIGKILL" and ended(3) == "ended with exit code 3"
+
+
+def test_the_connection_cap_has_no_descriptor_limit_to_keep_to_on_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert gate._descriptors() < 1 << 30  # Linux: the soft limit
+    monkeypatch.setattr("sys.platform", "win32")
+    assert gate._descriptors() == 1 << 30
+
+
+def test_on_windows_a_stop_signal_reaches_the_loop_through_python_s_own_handler(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows' Proactor loop has no add_signal_handler: Ctrl+C and SIGTERM still stop the app."""
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr("sys.platform", "win32")
+    loop = asyncio.new_event_loop()
+    monkeypatch.setattr(loop, "add_signal_handler", None)  # as on Windows: none to call
+    try:
+        stop = asyncio.Event()
+        main.stop_on_signals(loop, stop)
+        signal.raise_signal(signal.SIGTERM)
+        loop.run_until_complete(asyncio.wait_for(stop.wait(), 5))
+        assert stop.is_set()
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
+        loop.close()
