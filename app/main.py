@@ -27,6 +27,8 @@ from app.errors import LmspError
 from app.server.app import Server
 
 log = logging.getLogger("app")
+# Open files the app asks for at start where it has fewer: macOS gives an app 256, Linux 1024.
+FILES = 4096
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -190,6 +192,23 @@ def fill_standard_streams() -> None:
             os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
 
 
+def raise_file_limit(want: int = FILES) -> None:
+    """The open-file soft limit raised to `want` (the hard limit, if that is lower) where it is
+    lower: macOS starts an app with 256, which would cap the server at 64 connections (its cap is a
+    quarter of the limit: app/server/gate.py). Windows counts no sockets against one."""
+    if sys.platform == "win32":
+        return
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:  # the limit stays; the cap follows it
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     # In a frozen app the grammar worker (spawn) and multiprocessing's resource tracker are this
     # same executable: run them and exit here, before the command line is parsed. No-op otherwise.
@@ -200,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command not in (None, "serve"):
         return cli.run(args, data_dir, explicit_data_dir)
     fill_standard_streams()
+    raise_file_limit()
     os.umask(0o077)  # whatever this process writes (database, WAL, logs, backups, lock) is private to the user
     log_file = logs.setup(logs.log_dir(data_dir, explicit_data_dir))
     life = Lifecycle(data_dir, args.host, args.port)

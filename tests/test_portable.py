@@ -4,13 +4,16 @@ type-checks app/ for each platform: mypy --platform win32 and darwin)."""
 from __future__ import annotations
 
 import asyncio
+import resource
 import signal
+from pathlib import Path
 
 import pytest
 
 from app import main
 from app.engine.parent.server import crash, ended
 from app.server import gate
+from tests.conftest import Headless
 
 
 def test_a_crash_is_told_from_a_kill_by_its_signal_or_by_its_windows_exception_code() -> None:
@@ -47,3 +50,13 @@ def test_on_windows_a_stop_signal_reaches_the_loop_through_python_s_own_handler(
         for sig, handler in kept.items():
             signal.signal(sig, handler)
         loop.close()
+
+
+def test_a_low_open_file_limit_is_raised_at_start_as_far_as_the_hard_one_lets_it(headless: Headless) -> None:
+    """macOS starts an app with 256 open files: the server's connection cap would be 64."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    headless.start(preexec=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    assert headless.proc is not None
+    limits = Path(f"/proc/{headless.proc.pid}/limits").read_text()
+    soft = int(next(line for line in limits.splitlines() if line.startswith("Max open files")).split()[3])
+    assert soft == (main.FILES if hard == resource.RLIM_INFINITY else min(main.FILES, hard)), limits
