@@ -4,6 +4,7 @@ package) and `/v1/responses`, on real llama.cpp: a `raw` prompt reaches the mode
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,8 @@ def test_a_suffix_needs_fill_in_the_middle_tokens(client: Any, headless: Headles
     status, body = headless.request("POST", "/v1/responses", {"input": [{"role": "user", "content": "x"}],
                                                               "raw": True})
     assert status == 400 and body["error"]["param"] == "input", body
+    status, body = headless.request("POST", "/api/generate", {"model": NAME, "prompt": "x", "raw": "yes"})
+    assert status == 400 and "`raw` must be true or false" in json.dumps(body), body
 
 
 def test_a_suffix_is_framed_in_the_model_s_own_tokens(client: Any, headless: Headless, tmp_path: Path) -> None:

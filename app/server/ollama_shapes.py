@@ -197,11 +197,9 @@ def generate_request(body: dict[str, Any], model_id: str) -> dict[str, Any]:
     _no_images(body)
     prompt, suffix = _string(body.get("prompt"), "prompt"), _string(body.get("suffix"), "suffix")
     raw = body.get("raw", False)
-    if not isinstance(raw, bool):
-        raise InvalidRequest("`raw` must be true or false.", param="raw")
-    if raw or suffix:
+    if raw is not False or suffix:  # `raw` as sent: reading the Responses request checks it
         out = _common(body, model_id, prompt)
-        out.update({"raw": True} if raw else {"suffix": suffix})
+        out.update({"raw": raw} if raw is not False else {"suffix": suffix})
         return out
     out = _common(body, model_id, [{"role": "user", "content": prompt}])
     system = _string(body.get("system"), "system")

@@ -91,7 +91,7 @@ class Prompter:
         model's first tokens where it puts them), or the text before a gap and the `suffix` after
         it in the model's fill-in-the-middle tokens (as llama.cpp's /infill frames them)."""
         prompt = request.messages[-1]["content"]
-        self._fits(len(self.first) + 3, (prompt, request.suffix or ""))
+        self._fits(len(self.first) + (0 if request.raw else 3), (prompt, request.suffix or ""))  # 3: the FIM tokens
         output = tokenize(server, text) if text else _none()
         if request.raw:
             ids, out = await asyncio.gather(tokenize(server, prompt, special=True, add=True), output)
@@ -120,11 +120,8 @@ class Prompter:
         return ids
 
     def least(self, text: str) -> int:
-        """The fewest tokens `text` can be: a token a piece of text at least, and no token stands for
-        more bytes than the longest of the vocabulary."""
-        if not text:
-            return 0
-        return max(1, len(text.encode()) // self.token_bytes) if self.token_bytes else 1
+        """The fewest tokens `text` can be (none if it is empty)."""
+        return least_tokens(len(text.encode()), self.token_bytes) if text else 0
 
     async def _piece(self, server: Any, messages: list[ChatMessage], k: int, piece: str) -> list[int]:
         if k % 2:
@@ -134,6 +131,12 @@ class Prompter:
                 self._known.clear()
             self._known[piece] = await tokenize(server, piece, special=True) if piece else []
         return self._known[piece]
+
+
+def least_tokens(size: int, token_bytes: int) -> int:
+    """The fewest tokens a text of `size` bytes can be: a token at least, and no token stands for
+    more bytes than the longest of the vocabulary (`token_bytes`; 0: unknown)."""
+    return max(1, size // token_bytes) if token_bytes else 1
 
 
 async def _none() -> list[int]:
@@ -183,7 +186,7 @@ async def embed(server: Any, texts: list[str], dimensions: int | None, info: ggu
         return {"ev": "error", "code": "invalid_request", "param": "dimensions",
                 "message": f"`dimensions` must be at most {size} for this model."}
     sizes = [len(t.encode()) for t in texts]
-    least = [max(1, n // token_bytes) if token_bytes else 1 for n in sizes]
+    least = [least_tokens(n, token_bytes) for n in sizes]
     most = [n + 2 for n in sizes]  # a token is a byte of text at least, and two may be added
     refused = _over(least, limit, "or more")
     if refused is None and (max(most, default=0) > limit or sum(most) > BUDGET_CONTEXTS * limit):
@@ -207,7 +210,7 @@ def _vectors(rows: list[dict[str, Any]], n: int, dimensions: int | None) -> Any:
     return vectors
 
 
-def _over(counts: list[int], limit: int, hedge: str, upto: int | None = None) -> Message | None:
+def _over(counts: list[int], limit: int, hedge: str) -> Message | None:
     """The error for the first input over the context, or for the inputs over the request's budget."""
     budget, total = BUDGET_CONTEXTS * limit, 0
     for i, n in enumerate(counts):

@@ -148,7 +148,7 @@ def environment(key: str) -> dict[str, str]:
 def _in_child() -> None:
     """Run in the server's process before it starts (POSIX): killed with the app's main thread,
     which started it (Linux), and a little below the app's priority."""
-    if sys.platform == "win32":  # never run there (no preexec_fn): LOWER says its priority
+    if sys.platform == "win32":  # never run there (no preexec_fn): CREATION says its priority
         return
     if sys.platform.startswith("linux"):
         import ctypes

@@ -147,9 +147,9 @@ class _Reader:
         else:  # drop the window; the next take() seeks, so a huge skip costs nothing
             self._base, self._buf, self._off = self.pos + n, b"", 0
 
-    def skip_strings(self, count: int, what: str) -> int:
-        """`count` strings, skipped; the length of the longest (and in `fim`, where the FIM
-        tokens' texts are). The one loop whose length the file chooses, so it runs over the
+    def skip_strings(self, count: int, what: str) -> None:
+        """`count` strings, skipped; the length of the longest in `longest`, where the FIM tokens'
+        texts are in `fim`. The one loop whose length the file chooses, so it runs over the
         window's bytes directly (a cancel is noticed at each new window, every megabyte at most); a
         string that crosses the window's edge takes the careful path."""
         unpack = _U64.unpack_from
@@ -183,7 +183,7 @@ class _Reader:
                 else:
                     self.skip(n, what)
                 count, index = count - 1, index + 1
-        return longest
+        self.longest = longest
 
     def _found(self, text: bytes, index: int) -> None:
         part = _FIM_PART.get(text)
@@ -251,7 +251,7 @@ def _value(r: _Reader, vtype: int, what: str, depth: int = 0) -> Value | None:
         return None
     r.walk_left -= count
     if etype == STRING:
-        r.longest = r.skip_strings(count, f"an element of {what}")
+        r.skip_strings(count, f"an element of {what}")
     else:
         for i in range(count):
             _value(r, ARRAY, f"{what}[{i}]", depth + 1)
