@@ -10,6 +10,7 @@ the process's file descriptors, and then the engine's pipes and the database can
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 from collections import Counter
@@ -29,6 +30,7 @@ SHARE = 8  # one app may hold an eighth of the connections; all apps together, a
 RETRY_SECONDS = 10  # a connection frees when a request or a stream ends
 
 
+@functools.cache  # read once: the limit is set (raised) at start, and getrlimit on every accept cost 4 %
 def _descriptors() -> int:
     if sys.platform == "win32":  # sockets are not counted against a descriptor limit there
         return 1 << 30
@@ -127,13 +129,18 @@ class Gate:
         self.loop = asyncio.get_running_loop()
 
     def __call__(self) -> asyncio.Protocol:
-        live = [h for h in self.server.connections if h.transport is not None]  # oldest first
-        if len(live) >= self.limit():
+        limit, live = self.limit(), self.server.connections  # oldest first
+        if len(live) >= limit:  # (below the cap, no walk over them: this runs on every accept)
+            live = [h for h in live if h.transport is not None]
+        if len(live) >= limit:
             idle = next((h for h in live if h not in self.busy), None)
             if idle is None:
                 return _Refused()
             idle.force_close()
         # The keep-alive timeout also runs from the moment a connection opens: it closes one that
         # has not sent a whole request line and headers within HEADER_SECONDS (slowloris).
-        return _Handler(self.server, loop=self.loop, keepalive_timeout=HEADER_SECONDS, access_log=None)  # type: ignore[arg-type]  # None: no access log, as aiohttp's docs say
+        # No TCP keep-alive probes (a system call each): they find a dead peer after two hours, and
+        # the keep-alive timeout closes an idle connection long before.
+        return _Handler(self.server, loop=self.loop, keepalive_timeout=HEADER_SECONDS, tcp_keepalive=False,
+                        access_log=None)  # type: ignore[arg-type]  # None: no access log, as aiohttp's docs say
 
