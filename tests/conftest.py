@@ -32,6 +32,7 @@ TEST_RUN = os.environ["LMSP_TEST_RUN"] = uuid.uuid4().hex
 from app import paths  # noqa: E402
 from app.core.service import AppService  # noqa: E402
 from app.engine.parent.engine import Engine  # noqa: E402
+from app.engine.registry.models import DEFAULT_MODEL_ID  # noqa: E402
 from app.server.app import make_app  # noqa: E402
 from app.store.store import Store  # noqa: E402
 from tests import scripted  # noqa: E402
@@ -88,6 +89,15 @@ async def service(tmp_path: Path, engine_factory: Any) -> AsyncIterator[AppServi
     await svc.start()
     yield svc
     await svc.stop()
+
+
+@pytest.fixture
+async def loaded(service: AppService) -> Any:
+    """The engine with the default model loaded: its prompt maker and its llama-server."""
+    await service.models.load_model(DEFAULT_MODEL_ID)
+    engine = service.pool.engines[0]
+    assert engine.template is not None and engine._server is not None
+    return engine.template, engine._server
 
 
 @pytest.fixture

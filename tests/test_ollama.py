@@ -64,7 +64,7 @@ def test_off_by_default_then_on_the_main_port_with_a_token(headless: Headless) -
     assert entry.size and entry.digest and entry.details.format == "gguf" and entry.modified_at
     shown = client.show(DEFAULT_MODEL_ID)  # without its tag, as with it
     # Not `tools` (a call cannot be forced through this API) nor `insert` (SmolLM2 has no FIM tokens).
-    assert shown.capabilities == ["completion", "embedding"]
+    assert shown.capabilities == ["completion", "tools", "embedding"]
     arch = shown.modelinfo["general.architecture"]
     assert shown.modelinfo[f"{arch}.context_length"] == 4096 and "num_ctx 4096" in (shown.parameters or "")
     assert shown.details.family == arch

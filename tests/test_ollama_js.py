@@ -29,7 +29,7 @@ def test_the_ollama_npm_package(headless: Headless) -> None:
                          env={**os.environ, "OLLAMA_HOST": headless.url, "LMSP_TOKEN": token, "MODEL": NAME})
     assert run.returncode == 0, run.stderr
     got = json.loads(run.stdout)
-    assert got["models"] == [NAME] and got["capabilities"] == ["completion", "embedding"]
+    assert got["models"] == [NAME] and got["capabilities"] == ["completion", "tools", "embedding"]
     assert got["chat"] == "1, 2, 3, 4, 5, 6" and got["last"]["done"] and got["last"]["done_reason"] == "stop"
     assert got["generate"] == "1, 2, 3, 4, 5, 6" and got["running"] == [NAME]
     assert got["missing"]["status"] == 404 and "nothing:7b" in got["missing"]["message"]

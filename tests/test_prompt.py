@@ -9,22 +9,11 @@ from typing import Any
 import pytest
 
 from app.core.requests import MAX_ITEMS
-from app.core.service import AppService
 from app.engine.parent import prompt
 from app.engine.parent.engine import EngineError
-from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.engine.request import ChatMessage, Request
 from tests.helpers import SAY_HI, expect_error
 from tests.test_api import wait_status
-
-
-@pytest.fixture
-async def loaded(service: AppService) -> Any:
-    """The engine with the default model loaded: its prompt maker and its llama-server."""
-    await service.models.load_model(DEFAULT_MODEL_ID)
-    engine = service.pool.engines[0]
-    assert engine.template is not None and engine._server is not None
-    return engine.template, engine._server
 
 
 async def prompt_of(loaded: Any, messages: list[ChatMessage]) -> list[int]:

@@ -76,7 +76,7 @@ def test_a_raw_prompt_is_the_model_s_whole_input(client: Any) -> None:
 
 def test_a_suffix_needs_fill_in_the_middle_tokens(client: Any, headless: Headless) -> None:
     shown = client.show(NAME)
-    assert "insert" not in shown.capabilities and "tools" not in shown.capabilities, shown.capabilities
+    assert shown.capabilities == ["completion", "tools", "embedding"]  # no `insert`
     with pytest.raises(ollama.ResponseError) as refused:
         client.generate(model=NAME, prompt="def add(a, b):\n    return ", suffix="\n\nprint(add(1, 2))")
     assert refused.value.status_code == 400 and "fill-in-the-middle" in refused.value.error

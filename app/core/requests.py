@@ -122,7 +122,8 @@ def parse(body: Any, convert: structured.Convert) -> ResponseRequest:
     parts = structured.parse(body, convert)
     raw, suffix = _plain(body)
     request = Request(messages, instructions, temperature, top_p, seed, stop, parts.format, parts.tools,
-                      parts.tool_choice, parts.constraint, parts.call, previous, raw=raw, suffix=suffix)
+                      parts.tool_choice, parts.constraint, parts.call, previous, raw=raw, suffix=suffix,
+                      offer=parts.offer)
     return ResponseRequest(request, model, max_tokens, metadata, flags["stream"], flags["background"], on_restart,
                            flags["store"])
 

@@ -5,7 +5,9 @@ What comes out is stored with the request: the fields echoed in the response obj
 the output is constrained, the `constraint` the engine sends llama.cpp as a grammar. A forced
 call (`tool_choice` `required` or a named function) is generated as one JSON object
 `{"name": ..., "arguments": {...}}` (see app/tasks/calls.py), so a single grammar covers the
-choice of function and its arguments.
+choice of function and its arguments. Functions offered (`tool_choice` auto) are the model's to
+call or not: the same object between Hermes' marks binds the answer only once it opens with one
+(the `offer`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.engine.constraints.grammar import Converted, too_large
-from app.engine.request import TEXT, ChatMessage, Constraint, Format, Schema, Tool, ToolChoice
+from app.engine.request import END, MARK, TEXT, ChatMessage, Constraint, Format, Schema, Tool, ToolChoice
 from app.errors import InvalidRequest, LmspError
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -34,6 +36,7 @@ class Structured:
     tool_choice: ToolChoice
     constraint: Constraint | None = None
     call: bool = False
+    offer: Constraint | None = None  # the grammar of a call the model may make (`tool_choice` auto)
 
 
 def _format(text: Any) -> Format:
@@ -147,8 +150,11 @@ def parse(body: dict[str, Any], convert: Convert) -> Structured:
                                                  and t["name"] == choice["name"]]
     schemas = [("text.format.schema", fmt["schema"])] if fmt["type"] == "json_schema" else []
     schemas += [(f"tools[{i}].parameters", tool["parameters"]) for i, tool in enumerate(tools)]
-    if forced:  # each function's schema passed alone; together only a clash of `$defs` names could fail
-        schemas.append(("tools", call_schema(forced)))
+    # Functions offered (`auto`, and no JSON format asked of the answer): a call the model makes
+    # is bound by their one schema too.
+    offered = tools if choice == "auto" and fmt["type"] == "text" else []
+    if forced or offered:  # each function's schema passed alone; together only a clash of `$defs` names could fail
+        schemas.append(("tools", call_schema(forced or offered)))
     refusals = [(param, reason) for param, schema in schemas if (reason := too_large(schema))]
     if not refusals:  # a schema past the limits is not sent to the worker (pickling it holds the loop too)
         converted = convert([schema for _, schema in schemas]) if schemas else []
@@ -156,9 +162,10 @@ def parse(body: dict[str, Any], convert: Convert) -> Structured:
     if refusals:
         raise LmspError("unsupported_schema", f"This schema cannot be enforced while decoding: {refusals[0][1]}.",
                         param=refusals[0][0], status=400)
-    if forced:
+    if forced or offered:
         constraint: Constraint = {"type": "json_schema", "schema": schemas[-1][1], "gbnf": converted[-1][1]}
-        return Structured(fmt, tools, choice, constraint, call=True)
+        return Structured(fmt, tools, choice, constraint, call=True) if forced else \
+            Structured(fmt, tools, choice, offer=constraint)
     if fmt["type"] == "json_object":
         return Structured(fmt, tools, choice, {"type": "json_object"})
     if fmt["type"] == "json_schema":
@@ -168,7 +175,7 @@ def parse(body: dict[str, Any], convert: Convert) -> Structured:
 
 def item_message(item: dict[str, Any], calls: dict[str, str], param: str) -> ChatMessage:
     """A `function_call` or `function_call_output` input item as a chat message. A call reads
-    as the JSON the model writes for one; its result as a user turn naming the function
+    as the model writes one it was offered (app/engine/request.py MARK); its result as a user turn naming the function
     (every chat template knows user turns; not all know a `tool` role). `calls`: the calls
     before this item (call_id -> name); a call is added to it."""
     if item["type"] == "function_call":
@@ -177,7 +184,8 @@ def item_message(item: dict[str, Any], calls: dict[str, str], param: str) -> Cha
             raise InvalidRequest("A function_call item needs `call_id`, `name` and `arguments` (a JSON string).",
                                  param=param)
         calls.setdefault(call_id, name)
-        return {"role": "assistant", "content": f'{{"name": {json.dumps(name)}, "arguments": {arguments}}}'}
+        call = f'{{"name": {json.dumps(name)}, "arguments": {arguments}}}'
+        return {"role": "assistant", "content": f"{MARK}\n{call}\n{END}"}
     call_id, output = item.get("call_id"), item.get("output")
     if not isinstance(call_id, str) or not isinstance(output, str):
         raise InvalidRequest("A function_call_output item needs `call_id` and `output` (a string).", param=param)

@@ -3,7 +3,7 @@
 run it: Mistral-Instruct's, Gemma's and Llama 2's templates refuse roles that do not alternate,
 Gemma 1/2's any system message. The template is rendered as the engine renders it
 (app/engine/template.py), over every message it would see: earlier turns of a conversation
-(`previous_response_id`) and a forced call's note included. What gets past (a template over
+(`previous_response_id`), the functions offered and a forced call's note included. What gets past (a template over
 gguf.MAX_TEMPLATE_BYTES, a request stored before this check) fails in the engine alone."""
 
 from __future__ import annotations
@@ -50,6 +50,6 @@ def check(info: GgufInfo, request: Request) -> None:
     if request.raw or request.suffix is not None or info.chat_template is None:
         return
     try:
-        template.compiled(info.chat_template).render(request.prompt())
+        template.compiled(info.chat_template).prompt(request)
     except template.Refused as exc:
         raise InvalidRequest(str(exc), param="input", code="template_error") from exc

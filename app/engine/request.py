@@ -59,7 +59,19 @@ class Constraint(TypedDict):
 TEXT: Format = {"type": "text"}
 # Left out of the stored JSON at their defaults: earlier versions wrote them only when set, so
 # every row, old or new, has one shape.
-OMITTED_WHEN_UNSET = ("constraint", "call", "previous_response_id", "history", "raw", "suffix")
+OMITTED_WHEN_UNSET = ("constraint", "call", "previous_response_id", "history", "raw", "suffix", "offer")
+# How a model calls a function it was offered (`tool_choice` auto): Hermes' form, which Qwen's and
+# Hermes' own templates teach their models, and the one described to every other model.
+MARK, END = "<tool_call>", "</tool_call>"
+
+
+def opens(text: str) -> bool | None:
+    """Whether an answer to an offer is a call (it opens with MARK), not one (it cannot), or None
+    while it may still be either."""
+    start = text.lstrip()
+    if start.startswith(MARK):
+        return True
+    return None if MARK.startswith(start) else False
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,9 @@ class Request:
     # Fill in the middle: the text after the gap, the one message's text the text before it. The
     # model's own FIM tokens frame them, without a template.
     suffix: str | None = None
+    # Functions the model may call or not (`tool_choice` auto): the grammar of one call, which
+    # binds the answer once it opens with MARK (app/core/structured.py).
+    offer: Constraint | None = None
 
     def to_json(self) -> str:
         """The text stored with the response (the limits count its bytes)."""
@@ -110,23 +125,41 @@ class Request:
         """Every message but the instructions: the earlier turns, then the input."""
         return self.messages[0 if self.instructions is None else 1:]
 
-    def prompt(self) -> list[ChatMessage]:
-        """The messages the model is given. For a forced call, the functions it may call are
-        described in the system message (the grammar decides the shape; this tells the model
-        what the functions are for)."""
-        if not self.call:
+    def prompt(self, native: bool = False) -> list[ChatMessage]:
+        """The messages the model is given. The functions it may call are described in the system
+        message: for a forced call (the grammar decides the shape; this tells the model what the
+        functions are for), and for an offer unless the template writes them itself (`native`:
+        `ChatTemplate.calls`)."""
+        if self.call:
+            choice = self.tool_choice
+            named = choice["name"] if isinstance(choice, dict) else None
+            tools = [t for t in self.tools if choice == "required" or t["name"] == named]
+            note = (f"You can call these functions: {_listed(tools)}\nCall one now, answering with JSON "
+                    '{"name": <function name>, "arguments": <its arguments>}.')
+        elif self.offer is not None and not native:
+            note = (f"You can call these functions: {_listed(self.tools)}\nTo call one, answer with only "
+                    f'{MARK}{{"name": <function name>, "arguments": <its arguments>}}{END}. Otherwise answer '
+                    "in text.")
+        else:
             return self.messages
-        choice = self.tool_choice
-        named = choice["name"] if isinstance(choice, dict) else None
-        tools = [t for t in self.tools if choice == "required" or t["name"] == named]
-        listed = json.dumps([{k: v for k, v in (("name", t["name"]), ("description", t["description"]),
-                                                ("parameters", t["parameters"])) if v is not None} for t in tools])
-        note = (f"You can call these functions: {listed}\nCall one now, answering with JSON "
-                '{"name": <function name>, "arguments": <its arguments>}.')
         messages = self.messages
         if messages and messages[0]["role"] == "system":
             return [{"role": "system", "content": f"{messages[0]['content']}\n\n{note}"}, *messages[1:]]
         return [{"role": "system", "content": note}, *messages]
+
+
+def _described(tool: Tool) -> dict[str, Any]:
+    return {k: v for k, v in (("name", tool["name"]), ("description", tool["description"]),
+                              ("parameters", tool["parameters"])) if v is not None}
+
+
+def _listed(tools: list[Tool]) -> str:
+    return json.dumps([_described(t) for t in tools])
+
+
+def chat_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """The functions as chat templates read them (OpenAI's chat shape)."""
+    return [{"type": "function", "function": _described(t)} for t in tools]
 
 
 # The JSON type of each stored field (a float field may have been written as an integer).
@@ -134,5 +167,5 @@ _SHAPES: dict[str, type | tuple[type, ...]] = {
     "messages": list, "instructions": (str, type(None)), "temperature": (int, float), "top_p": (int, float),
     "seed": (int, type(None)), "stop": list, "format": dict, "tools": list, "tool_choice": (str, dict),
     "constraint": (dict, type(None)), "call": bool, "previous_response_id": (str, type(None)), "history": int,
-    "raw": bool, "suffix": (str, type(None)),
+    "raw": bool, "suffix": (str, type(None)), "offer": (dict, type(None)),
 }

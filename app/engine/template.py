@@ -20,12 +20,15 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from app.engine.request import ChatMessage
+from app.engine.request import MARK, ChatMessage, Request, Tool, chat_tools
 
 # Stands in for each message's text while the template renders (the engine tokenizes the text
 # itself as plain text); NUL never comes from a template.
 SLOT = "\x00{}\x00"
 SLOTS = re.compile("\x00([0-9]+)\x00")
+# A function the template is asked to write, to see whether it writes functions at all.
+PROBE: Tool = {"type": "function", "name": "lmsp_probe_function", "description": None,
+               "parameters": {"type": "object", "properties": {}}, "strict": False}
 
 
 class Refused(Exception):
@@ -58,7 +61,7 @@ class ChatTemplate:
     def __init__(self, text: str, bos_token: str = "", eos_token: str = "") -> None:
         """`bos_token`, `eos_token`: the texts of the model's own tokens (the check made when a
         request is accepted has none: what a template refuses never depends on them)."""
-        self.bos_token, self.eos_token = bos_token, eos_token
+        self.text, self.bos_token, self.eos_token = text, bos_token, eos_token
         environment = ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
                                                     extensions=[_Generation, jinja2.ext.loopcontrols])
         environment.filters["tojson"] = _tojson
@@ -69,7 +72,25 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             self.broken = f"This model's chat template cannot be read: {exc}"
 
-    def render(self, messages: list[ChatMessage]) -> str:
+    @functools.cached_property
+    def calls(self) -> bool:
+        """Whether the template writes the functions a request offers itself and teaches the model
+        to call them in Hermes' form (MARK), as Qwen's and Hermes' templates do. Other models are
+        told of them in the system message (`Request.prompt`)."""
+        if MARK not in self.text:
+            return False
+        try:
+            return PROBE["name"] in self.render([{"role": "user", "content": ""}], chat_tools([PROBE]))
+        except Refused:
+            return False
+
+    def prompt(self, request: Request) -> tuple[str, list[ChatMessage]]:
+        """The prompt of `request`, and the messages whose texts are its SLOTs."""
+        native = request.offer is not None and self.calls
+        messages = request.prompt(native)
+        return self.render(messages, chat_tools(request.tools) if native else None), messages
+
+    def render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt, each message's text as its SLOT. Refused if the template refuses it."""
         if self.compiled is None:
             raise Refused(self.broken)
@@ -77,7 +98,7 @@ class ChatTemplate:
             return self.compiled.render(
                 messages=[{**m, "content": SLOT.format(i)} for i, m in enumerate(messages)],
                 eos_token=self.eos_token, bos_token=self.bos_token, raise_exception=_raise_exception,
-                add_generation_prompt=True, functions=None, function_call=None, tools=None, tool_choice=None,
+                add_generation_prompt=True, functions=None, function_call=None, tools=tools, tool_choice=None,
                 strftime_now=_strftime_now)
         except Refused:
             raise

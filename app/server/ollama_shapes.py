@@ -298,9 +298,9 @@ def running_entry(model: dict[str, Any], header: dict[str, Any] | None, kept: fl
 
 def show(model: dict[str, Any], header: dict[str, Any] | None, fills_in: bool) -> dict[str, Any]:
     """`/api/show`: what Open WebUI, Continue and Copilot read of a model. Its capabilities are
-    what works through this API: `insert` (a `suffix`) where the model has fill-in-the-middle
-    tokens; not `tools`, which reach a model here only when a call is forced (`/v1`'s
-    `tool_choice`), and Ollama's API has no way to force one."""
+    what works through this API: `tools` for a local model (its template writes them, or the
+    system message describes them: app/engine/request.py `Request.prompt`; a remote endpoint is
+    sent none), `insert` (a `suffix`) where the model has fill-in-the-middle tokens."""
     arch = model.get("architecture") or "llama"
     context = model.get("context_length") or 0
     # Ollama writes the blob's path after FROM; ours would show any page on this computer (this
@@ -311,4 +311,5 @@ def show(model: dict[str, Any], header: dict[str, Any] | None, fills_in: bool) -
             "details": details(model, header), "modified_at": iso(model.get("created", 0)),
             "model_info": {"general.architecture": arch, f"{arch}.context_length": context,
                            "general.parameter_count": (header or {}).get("general.parameter_count")},
-            "capabilities": ["completion", *(["insert"] if fills_in else []), "embedding"]}
+            "capabilities": ["completion", *(["tools"] if header is not None else []),
+                             *(["insert"] if fills_in else []), "embedding"]}

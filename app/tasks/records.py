@@ -52,9 +52,7 @@ def one_listed(conn: sqlite3.Connection, column: str, ident: str) -> dict[str, A
     return dict(row) if row else None
 
 
-def message_id(response_id: str) -> str:
-    """The id of a response's one output message: `msg_` + the random part of `resp_...`."""
-    return "msg_" + response_id[5:]
+message_id = calls.message_id
 
 
 def response_status(row: Mapping[str, Any]) -> str:
@@ -98,7 +96,7 @@ def response_object(row: Mapping[str, Any]) -> dict[str, Any]:
     text = row["output_text"]
     done = status in ("completed", "incomplete")
     item_status = "completed" if status == "completed" else ("in_progress" if status == "in_progress" else "incomplete")
-    if request.call:  # a forced function call: its item, once the model has named the function
+    if calls.is_call(request, text):  # a function call: its item, once the model has named the function
         call = calls.item(row["response_id"], text, item_status)
         output, text = ([call] if call else []), ""
     else:

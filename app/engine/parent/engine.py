@@ -307,7 +307,7 @@ class Engine:
                 if exc.status == 400:  # the request itself, refused before it ran (a grammar llama.cpp cannot parse)
                     raise _refused(gen.request, exc) from None
                 # Else every generation of the server was aborted (a decode error): carry on.
-                aborts += bool(gen.request.constraint)
+                aborts += bool(gen.request.constraint or gen.request.offer)
                 log.warning("%s: the server aborted a generation: %s", self.name, exc)
                 if aborts > ABORTS:
                     raise EngineError("unsupported_schema", DEAD_END) from None
@@ -435,6 +435,6 @@ class Engine:
 
 
 def _refused(request: Request, exc: ServerError) -> EngineError:
-    if request.constraint:
+    if request.constraint or request.offer:
         return EngineError("unsupported_schema", f"llama.cpp could not parse this schema's grammar: {exc}")
     return EngineError("invalid_request", f"llama.cpp refused the request: {exc}")

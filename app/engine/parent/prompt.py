@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from app.engine.constraints import grammar
 from app.engine.registry import gguf
-from app.engine.request import ChatMessage, Request
+from app.engine.request import END, MARK, ChatMessage, Constraint, Request, opens
 from app.engine.template import SLOTS, ChatTemplate, Refused
 
 Message = dict[str, Any]
@@ -34,6 +35,7 @@ SAMPLERS = ["top_k", "top_p", "min_p", "temperature"]
 NEUTRAL = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "repeat_last_n": 0,
            "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
            "top_n_sigma": -1.0, "mirostat": 0, "n_probs": 0, "ignore_eos": False, "n_keep": 0}
+PATTERN = 2  # llama.cpp's COMMON_GRAMMAR_TRIGGER_TYPE_PATTERN: a regex over the answer so far
 
 
 def _error(code: str, message: str, param: str | None = None) -> Exception:
@@ -70,14 +72,15 @@ class Prompter:
         template refuses the conversation or the prompt cannot fit the context."""
         if request.raw or request.suffix is not None:
             return await self._plain(server, request, text)
-        messages = request.prompt()
         if self.template is not None:  # it writes the BOS token where it wants one
             try:
-                pieces = SLOTS.split(self.template.render(messages))  # template, message index, template, ...
+                prompt, messages = self.template.prompt(request)
             except Refused as exc:  # most are refused when accepted: app/core/templates.py
                 raise _error("template_error", str(exc)) from None
+            pieces = SLOTS.split(prompt)  # template, message index, template, ...
             first: list[int] = []
         else:
+            messages = request.prompt()
             pieces = [x for i, m in enumerate(messages) for x in (("\n" if i else "") + f"{m['role']}: ", str(i))]
             pieces.append("\nassistant: ")
             first = self.first
@@ -161,7 +164,24 @@ def body(request: Request, ids: list[int], n_predict: int, text: str) -> dict[st
             # grammar of the kinds it makes itself: "tool_calls" is the one its API names), so a
             # resumed structured answer carries on from it and still ends as valid JSON.
             sent.update(grammar_type="tool_calls", generation_prompt=text)
+    elif request.offer is not None:
+        sent.update(_offered(request.offer, text))
     return sent
+
+
+def _offered(offer: Constraint, text: str) -> dict[str, Any]:
+    """The grammar of a call the model is offered: it binds the answer once it opens with MARK
+    (a lazy grammar, triggered there), at once if the output so far opened a call (which it
+    first reads, as a structured answer's), and not at all once the output is text."""
+    opened = opens(text)
+    if opened is False:
+        return {}
+    call = grammar.wrapped(offer)
+    if opened:
+        return {"grammar": call, "grammar_type": "tool_calls", "generation_prompt": text}
+    # The marks are single tokens in some vocabularies (Qwen's): preserved, they are streamed as text.
+    return {"grammar": call, "grammar_lazy": True, "preserved_tokens": [MARK, END],
+            "grammar_triggers": [{"type": PATTERN, "value": rf"^\s*({re.escape(MARK)})"}]}
 
 
 def pooling(info: gguf.GgufInfo) -> int:

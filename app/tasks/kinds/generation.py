@@ -41,7 +41,7 @@ from app.engine.net.remote import RemoteEngine
 from app.engine.parent.engine import Engine, EngineError, Generation, Runs
 from app.engine.registry.models import Registered
 from app.errors import LmspError, StoreError
-from app.tasks import calls, machine, records, recovery
+from app.tasks import calls, machine, recovery
 from app.tasks.kinds import generation_writes as writes
 from app.tasks.kinds.base import WRITE_ERRORS, Backoff, Claimed, Kind, Needs, Recovered, Room
 from app.tasks.kinds.generation_job import EngineRoom, Job, Prepared, settle_start, tokens_per_second, until_running
@@ -274,14 +274,12 @@ class Generations(Kind):
         """The generation the task asks for, from where it stands, with its engine ready for it;
         None when the task failed instead (its model unusable or failing to load)."""
         row, request = task.row, task.request
-        job.item_id = records.message_id(row["response_id"])
         log.info("task %s: %s on %s (attempt %d, %d tokens so far)", job.task_id,
                  "resuming" if row["status"] == RUNNING else "starting", job.engine.name, row["attempt"],
                  row["output_tokens"])
         ids, job.text = task.ids, task.text
         job.tokens = row["output_tokens"]  # a remote task's output has a count but no token ids
-        if request.call:
-            job.call = calls.CallStream(row["response_id"], job.text)
+        job.out = calls.stream(request, row["response_id"], job.text)
         gen = Generation(request, row["max_output_tokens"], prefix_ids=ids, prefix_text=job.text,
                          prefix_tokens=job.tokens)
 
@@ -348,11 +346,8 @@ class Generations(Kind):
                 await self._flush(job)  # shutting down: keep the snapshot, recovery decides
             return
         last = job.take()
-        if job.call is not None:
-            ending = job.call.done("incomplete" if reason == "length" else "completed")
-        else:
-            ending = [("response.output_text.done", {"text": job.text, "output_index": 0, "content_index": 0,
-                                                     "item_id": job.item_id})]
+        assert job.out is not None
+        ending = job.out.done("incomplete" if reason == "length" else "completed")
         # Completed, and in the same commit the next task takes the engine, free since the
         # generation ended: a queued task then starts without a commit of its own before it.
         self._leave(job.task_id)

@@ -75,8 +75,7 @@ class Job:
     pending: str = ""       # text produced, not yet written
     started: float = field(default_factory=time.monotonic)
     new_tokens: int = 0
-    item_id: str = ""       # the id of the response's one output message
-    call: calls.CallStream | None = None  # a forced function call's output, instead of a message
+    out: calls.Stream | None = None  # the output's stream events: a message's, or a call's
     saving: asyncio.Task[bool] | None = None  # the write in flight, if any
     error: Exception | None = None  # a write of the task that failed (its output, `running`): it stops
     starting: asyncio.Future[list[machine.Event] | None] | None = None  # the write to `running`, in flight
@@ -98,8 +97,8 @@ class Job:
     def reset(self) -> None:
         """The output starts again from nothing (a remote task moved to another endpoint)."""
         self.text, self.tokens, self.ids, self.pending, self.ending = "", 0, [], "", False
-        if self.call is not None:
-            self.call = calls.CallStream(self.call.response_id, "")
+        if self.out is not None:
+            self.out = self.out.again()
 
     def unwritten(self) -> bool:
         return bool(self.ids or self.pending)
@@ -113,11 +112,7 @@ class Job:
             await self.saving
 
     def take(self) -> Chunk:
-        if self.call is not None:
-            events = self.call.feed(self.pending)
-        else:
-            events = [("response.output_text.delta", {"delta": self.pending, "output_index": 0, "content_index": 0,
-                                                      "item_id": self.item_id})] if self.pending else []
+        events = self.out.feed(self.pending) if self.out is not None else []
         chunk = Chunk(self.ids, self.pending, self.tokens, tokens_per_second(self), events)
         self.ids, self.pending = [], ""
         return chunk

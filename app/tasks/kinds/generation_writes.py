@@ -127,18 +127,14 @@ def reset_output(conn: sqlite3.Connection, task_id: str, resume_mode: str) -> li
 
 
 def start_running(conn: sqlite3.Connection, task: Prepared) -> list[machine.Event] | None:
-    # The output message and its text part open before the first delta, as OpenAI's stream does:
-    # the openai SDK's `responses.stream()` helper refuses deltas for an item it was not given.
-    # A function call's item opens once its name is decoded (calls.CallStream). A task that gave
-    # its slot away (`requeue`) and starts again has them open already, and keeps its first start
-    # (a new attempt has neither: recovery's requeue clears its `started_at`).
-    row = task.row
-    item_id = records.message_id(row["response_id"])
-    item = {"type": "message", "id": item_id, "role": "assistant", "status": "in_progress", "content": []}
-    part = {"type": "output_text", "text": "", "annotations": []}
-    opened = [] if task.request.call or row["started_at"] is not None else [
-        ("response.output_item.added", {"output_index": 0, "item": item}),
-        ("response.content_part.added", {"item_id": item_id, "output_index": 0, "content_index": 0, "part": part})]
+    # The output message opens before the first delta (calls.message_opened); a function call's
+    # item once its name is decoded (calls.CallStream), and where functions are offered, either
+    # once the answer shows which it is (calls.Offered). A task that gave its slot away
+    # (`requeue`) and starts again has it open already, and keeps its first start (a new attempt
+    # has neither: recovery's requeue clears its `started_at`).
+    row, request = task.row, task.request
+    opened = [] if request.call or request.offer is not None or row["started_at"] is not None else \
+        calls.message_opened(calls.message_id(row["response_id"]))
     return machine.transition(conn, row["id"], RUNNING, [
         ("response.loading", {"progress": 1.0}),
         ("response.in_progress", {"response": RESPONSE}),
