@@ -21,7 +21,7 @@ from typing import Any
 
 from app.engine.request import ChatMessage, Request
 from app.errors import InvalidRequest, LmspError
-from app.tasks import output, records
+from app.tasks import calls, output, records
 from app.tasks.states import COMPLETED
 
 PARAM = "previous_response_id"
@@ -62,9 +62,10 @@ def history(conn: sqlite3.Connection, client_id: str, previous_id: str) -> list[
             raise InvalidRequest(f"The conversation is longer than {MAX_LINKS} responses.", param=PARAM,
                                  code="conversation_too_long")
         ancestor = _link(conn, client_id, ancestor, previous_id)["previous_response_id"]
-    stored = conn.execute("SELECT request FROM responses WHERE id = ?", (previous_id,)).fetchone()[0]
-    answer: ChatMessage = {"role": "assistant", "content": output.text(conn, row["task_id"])}
-    messages = [*Request.from_json(stored).seen(), answer]
+    stored = Request.from_json(conn.execute("SELECT request FROM responses WHERE id = ?", (previous_id,)).fetchone()[0])
+    # Its answer without the reasoning before it, as thinking models' templates leave that out.
+    answer: ChatMessage = {"role": "assistant", "content": calls.answer_of(stored, output.text(conn, row["task_id"]))}
+    messages = [*stored.seen(), answer]
     if sum(len(m["content"]) for m in messages) > MAX_HISTORY_CHARS:
         raise InvalidRequest(f"The conversation is longer than {MAX_HISTORY_CHARS} characters.", param=PARAM,
                              code="conversation_too_long")

@@ -16,6 +16,7 @@ KNOWN = {"model", "input", "instructions", "max_output_tokens", "temperature", "
          "stream_options", "prompt_cache_key", "safety_identifier", "top_logprobs", "max_tool_calls",
          "raw", "suffix"}  # the last two: LMSP's, for Ollama's /api/generate
 ROLES = {"system", "developer", "user", "assistant"}
+EFFORTS = ("none", "minimal", "low", "medium", "high")  # "none": no reasoning (Qwen3's `enable_thinking` false)
 CALL_ITEMS = {"function_call", "function_call_output"}
 # Input items in one request. A conversation that long is far past any model's context here;
 # the cap keeps the cost of reading a request (all of it in one 8 MiB body) small and linear.
@@ -123,9 +124,19 @@ def parse(body: Any, convert: structured.Convert) -> ResponseRequest:
     raw, suffix = _plain(body)
     request = Request(messages, instructions, temperature, top_p, seed, stop, parts.format, parts.tools,
                       parts.tool_choice, parts.constraint, parts.call, previous, raw=raw, suffix=suffix,
-                      offer=parts.offer)
+                      offer=parts.offer, effort=_effort(body.get("reasoning")))
     return ResponseRequest(request, model, max_tokens, metadata, flags["stream"], flags["background"], on_restart,
                            flags["store"])
+
+
+def _effort(reasoning: Any) -> str:
+    """`reasoning.effort`: how much a thinking model is to reason ("" as its template does)."""
+    if reasoning is None:
+        return ""
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else "?"
+    if effort is not None and effort not in EFFORTS:
+        raise InvalidRequest(f"`reasoning.effort` must be one of {list(EFFORTS)}.", param="reasoning.effort")
+    return effort or ""
 
 
 def _plain(body: dict[str, Any]) -> tuple[bool, str | None]:

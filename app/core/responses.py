@@ -9,7 +9,7 @@ import json
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from app.core import conversation, idempotency, requests, templates
@@ -62,7 +62,8 @@ class Responses:
         completions): the key is bound to what was sent."""
         req = await self.off_loop(requests.parse, body, functools.partial(self.grammars.convert, app=client.id))
         model_id = req.model or models.DEFAULT_MODEL_ID
-        await self._check_template(client.id, model_id, req.request)
+        reasoning = await self._check_template(client.id, model_id, req.request)
+        req = replace(req, request=replace(req.request, reasoning=reasoning))
         on_restart = req.on_restart or (self.settings["default_on_restart"] if req.background else "fail")
         key = None
         if idempotency_key is not None:
@@ -78,12 +79,14 @@ class Responses:
         assert response is not None
         return Created(202 if req.background else 200, response, False)
 
-    async def _check_template(self, client_id: str, model_id: str, request: Request) -> None:
+    async def _check_template(self, client_id: str, model_id: str, request: Request) -> str:
         """Refuse a conversation the model's chat template refuses, before it is stored and
-        whatever engine would run it (app/core/templates.py)."""
+        whatever engine would run it (app/core/templates.py); else how its answer holds the
+        model's reasoning."""
         found = await self.store.read(templates.subject, client_id, model_id, request)
         if found is not None and (info := await self.examined(found[0])) is not None:
-            await self.off_loop(templates.check, info, found[1])
+            return str(await self.off_loop(templates.check, info, found[1]))
+        return ""
 
     async def _insert(self, offer: Offer | None, *args: Any) -> tuple[idempotency.Stored | None, dict[str, Any] | None]:
         """Commit a new response with its task, publish its events, then start what the claim in the

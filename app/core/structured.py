@@ -192,3 +192,9 @@ def item_message(item: dict[str, Any], calls: dict[str, str], param: str) -> Cha
     name = calls.get(call_id)
     source = f"The function {name}" if name is not None else f"The function call {call_id}"
     return {"role": "user", "content": f"{source} returned: {output}"}
+
+
+def reasoning(output: list[dict[str, Any]]) -> str | None:
+    """The text of a response's `reasoning` item (app/tasks/calls.py), if it has one."""
+    found = [item for item in output if item["type"] == "reasoning"]
+    return "".join(part["text"] for item in found for part in item["content"]) if found else None

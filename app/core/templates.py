@@ -39,17 +39,20 @@ def subject(conn: sqlite3.Connection, client_id: str, model_id: str,
     return row, request
 
 
-def check(info: GgufInfo, request: Request) -> None:
+def check(info: GgufInfo, request: Request) -> str:
     """InvalidRequest `template_error` if the model's template refuses the request's prompt, and
-    for a `suffix` where the model has no fill-in-the-middle tokens. Costs time linear in the
-    conversation: run it off the event loop."""
+    for a `suffix` where the model has no fill-in-the-middle tokens; else how the answer holds
+    the model's reasoning (`Request.reasoning`: not apart where its output is bound to JSON).
+    Costs time linear in the conversation: run it off the event loop."""
     if request.suffix is not None and info.fim is None:
         raise InvalidRequest("This model has no fill-in-the-middle tokens, so it cannot fill in text before "
                              "a `suffix`: use a model trained for it (a code model such as Qwen2.5-Coder).",
                              param="suffix", code="unsupported_suffix")
     if request.raw or request.suffix is not None or info.chat_template is None:
-        return
+        return ""
+    chat = template.compiled(info.chat_template)
     try:
-        template.compiled(info.chat_template).prompt(request)
+        prompt, _ = chat.prompt(request)
     except template.Refused as exc:
         raise InvalidRequest(str(exc), param="input", code="template_error") from exc
+    return "" if request.constraint is not None else chat.reasoning(prompt)

@@ -59,10 +59,13 @@ class Constraint(TypedDict):
 TEXT: Format = {"type": "text"}
 # Left out of the stored JSON at their defaults: earlier versions wrote them only when set, so
 # every row, old or new, has one shape.
-OMITTED_WHEN_UNSET = ("constraint", "call", "previous_response_id", "history", "raw", "suffix", "offer")
+OMITTED_WHEN_UNSET = ("constraint", "call", "previous_response_id", "history", "raw", "suffix", "offer", "effort",
+                      "reasoning")
 # How a model calls a function it was offered (`tool_choice` auto): Hermes' form, which Qwen's and
 # Hermes' own templates teach their models, and the one described to every other model.
 MARK, END = "<tool_call>", "</tool_call>"
+# Where a thinking model's reasoning starts and ends (Qwen3's, DeepSeek-R1's, SmolLM3's templates).
+THINK, THOUGHT = "<think>", "</think>"
 
 
 def opens(text: str) -> bool | None:
@@ -98,6 +101,13 @@ class Request:
     # Functions the model may call or not (`tool_choice` auto): the grammar of one call, which
     # binds the answer once it opens with MARK (app/core/structured.py).
     offer: Constraint | None = None
+    # How much the model is to reason, where its template lets it choose: "" as it does by
+    # default, "none" not at all, "low" / "medium" / "high" (`reasoning.effort`, Ollama's `think`).
+    effort: str = ""
+    # How the answer holds the model's reasoning, from its template when the request was accepted
+    # (app/engine/template.py `ChatTemplate.reasoning`): "" it has none apart, "marked" between
+    # THINK and THOUGHT if it opens with THINK, "open" up to THOUGHT (the prompt wrote THINK).
+    reasoning: str = ""
 
     def to_json(self) -> str:
         """The text stored with the response (the limits count its bytes)."""
@@ -167,5 +177,5 @@ _SHAPES: dict[str, type | tuple[type, ...]] = {
     "messages": list, "instructions": (str, type(None)), "temperature": (int, float), "top_p": (int, float),
     "seed": (int, type(None)), "stop": list, "format": dict, "tools": list, "tool_choice": (str, dict),
     "constraint": (dict, type(None)), "call": bool, "previous_response_id": (str, type(None)), "history": int,
-    "raw": bool, "suffix": (str, type(None)), "offer": (dict, type(None)),
+    "raw": bool, "suffix": (str, type(None)), "offer": (dict, type(None)), "effort": str, "reasoning": str,
 }

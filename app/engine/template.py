@@ -20,7 +20,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from app.engine.request import MARK, ChatMessage, Request, Tool, chat_tools
+from app.engine.request import MARK, THINK, THOUGHT, ChatMessage, Request, Tool, chat_tools
 
 # Stands in for each message's text while the template renders (the engine tokenizes the text
 # itself as plain text); NUL never comes from a template.
@@ -88,18 +88,29 @@ class ChatTemplate:
         """The prompt of `request`, and the messages whose texts are its SLOTs."""
         native = request.offer is not None and self.calls
         messages = request.prompt(native)
-        return self.render(messages, chat_tools(request.tools) if native else None), messages
+        return self.render(messages, chat_tools(request.tools) if native else None, request.effort), messages
 
-    def render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> str:
-        """The prompt, each message's text as its SLOT. Refused if the template refuses it."""
+    def reasoning(self, prompt: str) -> str:
+        """How an answer to `prompt` holds the model's reasoning (`Request.reasoning`): a template
+        that knows THINK and THOUGHT has the model reason between them, or opens the reasoning
+        itself, at the end of the prompt (DeepSeek-R1's)."""
+        if THINK not in self.text or THOUGHT not in self.text:
+            return ""
+        return "open" if prompt.rstrip().endswith(THINK) else "marked"
+
+    def render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None, effort: str = "") -> str:
+        """The prompt, each message's text as its SLOT. Refused if the template refuses it.
+        `effort` (`Request.effort`) reaches the variables thinking templates read: Qwen3's
+        `enable_thinking`, GPT-OSS's `reasoning_effort`."""
         if self.compiled is None:
             raise Refused(self.broken)
+        thinking = {} if not effort else {"enable_thinking": effort != "none", "reasoning_effort": effort}
         try:
             return self.compiled.render(
                 messages=[{**m, "content": SLOT.format(i)} for i, m in enumerate(messages)],
                 eos_token=self.eos_token, bos_token=self.bos_token, raise_exception=_raise_exception,
                 add_generation_prompt=True, functions=None, function_call=None, tools=tools, tool_choice=None,
-                strftime_now=_strftime_now)
+                strftime_now=_strftime_now, **thinking)
         except Refused:
             raise
         except Exception as exc:  # whatever else a template does wrong (a sandbox refusal, a bad type)

@@ -14,7 +14,7 @@ from aiohttp import web
 from app.core.answers import Ask
 from app.core.follow import Events
 from app.core.requests import text_of
-from app.core.structured import chat_tool
+from app.core.structured import chat_tool, reasoning
 from app.core.tasks import TERMINAL_EVENTS
 from app.errors import Failed, InvalidRequest, LmspError
 from app.server import sse
@@ -24,7 +24,7 @@ from app.server.middleware import read_json
 
 ALLOWED = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
            "stream", "stream_options", "n", "user", "metadata", "store", "frequency_penalty", "presence_penalty",
-           "response_format", "tools", "tool_choice", "parallel_tool_calls"}
+           "response_format", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort"}
 
 
 def _text_format(value: Any) -> dict[str, Any]:
@@ -136,6 +136,8 @@ def as_response_request(body: Any) -> tuple[dict[str, Any], ChatNames]:
         out["tools"] = [chat_tool(t, f"tools[{i}]") for i, t in enumerate(tools)] if isinstance(tools, list) else tools
     if body.get("tool_choice") is not None:
         out["tool_choice"] = _tool_choice(body["tool_choice"])
+    if body.get("reasoning_effort") is not None:
+        out["reasoning"] = {"effort": body["reasoning_effort"]}
     for src, dst in (("model", "model"), ("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
                      ("stop", "stop"), ("max_tokens", "max_output_tokens"),
                      ("max_completion_tokens", "max_output_tokens")):
@@ -148,11 +150,14 @@ def _message(final: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The assistant message of a finished response, and why it finished."""
     finish = "length" if final["status"] == "incomplete" else "stop"
     calls = [item for item in final["output"] if item["type"] == "function_call"]
+    thought = reasoning(final["output"])
+    said = {} if thought is None else {"reasoning_content": thought}  # as DeepSeek's and llama.cpp's APIs
     if not calls:
-        return {"role": "assistant", "content": final["output_text"]}, finish
-    return {"role": "assistant", "content": None, "tool_calls": [
+        return {"role": "assistant", "content": final["output_text"], **said}, finish
+    return {"role": "assistant", "content": None, **said, "tool_calls": [
         {"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
         for c in calls]}, "tool_calls" if finish == "stop" else finish
+
 
 
 def _usage(response: dict[str, Any]) -> dict[str, int]:
@@ -222,6 +227,8 @@ async def _stream(request: web.Request, response: dict[str, Any], headers: dict[
             kind = event["type"]
             if kind == "response.output_text.delta":
                 await out.write(chunk({"content": event["delta"]}))
+            elif kind == "response.reasoning_text.delta":
+                await out.write(chunk({"reasoning_content": event["delta"]}))
             elif kind == "response.output_item.added" and event["item"]["type"] == "function_call":
                 called, item = True, event["item"]
                 call = {"index": 0, "id": item["call_id"], "type": "function",

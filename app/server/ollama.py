@@ -23,6 +23,7 @@ from app.core import ollama as names
 from app.core.answers import Ask
 from app.core.caller import unless_left
 from app.core.follow import Events, follow
+from app.core.structured import reasoning
 from app.errors import LmspError, NotFound
 from app.server import ollama_shapes as shapes
 from app.server.handlers import _json_by_item, caller_left
@@ -101,10 +102,12 @@ class Kind:
     translate: Callable[[dict[str, Any], str], dict[str, Any]]
     source: str  # the field the input came from, to name it in errors
 
-    def text(self, text: str, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def text(self, text: str, tool_calls: list[dict[str, Any]] | None = None,
+             thinking: str | None = None) -> dict[str, Any]:
+        said = {} if thinking is None else {"thinking": thinking}
         if self.path == "/api/generate":
-            return {"response": text}
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+            return {"response": text, **said}
+        message: dict[str, Any] = {"role": "assistant", "content": text, **said}
         if tool_calls:
             message["tool_calls"] = tool_calls
         return {"message": message}
@@ -143,7 +146,8 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
         else:
             final = answered.body
             sent = web.json_response({"model": name, "created_at": shapes.iso(time.time()),
-                                      **kind.text(final["output_text"], shapes.calls(final["output"])),
+                                      **kind.text(final["output_text"], shapes.calls(final["output"]),
+                                                  reasoning(final["output"])),
                                       **_done(final, started, None)})
     if keep is not None:
         await service.models.keep_loaded(model_id, keep, request[CLIENT])
@@ -190,6 +194,9 @@ async def _ndjson(request: web.Request, events: Events, kind: Kind, name: str, s
             if kind_of == "response.output_text.delta":
                 first = first or time.monotonic_ns()
                 line = kind.text(event["delta"])
+            elif kind_of == "response.reasoning_text.delta":
+                first = first or time.monotonic_ns()
+                line = kind.text("", thinking=event["delta"])
             elif kind_of == "response.output_item.done" and event["item"]["type"] == "function_call":
                 first = first or time.monotonic_ns()
                 line = kind.text("", [shapes.tool_call(event["item"])])

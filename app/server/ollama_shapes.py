@@ -174,6 +174,11 @@ def _common(body: dict[str, Any], model_id: str, items: list[dict[str, Any]] | s
     text = _format(body.get("format"))
     if text is not None:
         out["text"] = text
+    think = body.get("think")
+    if think is not None:  # Ollama's: true, false, or GPT-OSS's "low" / "medium" / "high"
+        if think not in (True, False, "low", "medium", "high"):
+            raise InvalidRequest('`think` must be true, false, "low", "medium" or "high".', param="think")
+        out["reasoning"] = {"effort": "none" if think is False else "medium" if think is True else think}
     tools = body.get("tools")
     if tools:
         if not isinstance(tools, list):

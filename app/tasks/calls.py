@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any
 
-from app.engine.request import END, MARK, Request, opens
+from app.engine.request import END, MARK, THINK, THOUGHT, Request, opens
 
 HEAD = re.compile(rf'\s*(?:{re.escape(MARK)}\s*)?\{{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 Event = tuple[str, dict[str, Any]]
@@ -52,9 +52,31 @@ def item_ids(response_id: str) -> tuple[str, str]:
     return "fc_" + response_id[5:], "call_" + response_id[5:]
 
 
-def is_call(request: Request, text: str) -> bool:
-    """Whether the output is a function call: forced, or offered and made."""
-    return request.call or (request.offer is not None and opens(text) is True)
+def output(request: Request, response_id: str, text: str, status: str, done: bool) -> tuple[list[Any], str]:
+    """The response's output items and `output_text`, from the output's text: the model's
+    reasoning, if any, then its answer: a function call (forced, or offered and made), its
+    item once the model has named the function, or a message."""
+    read = thought(request, text)  # None: it may still open with THINK, at the end it did not
+    reasoning, answer = read if read is not None else (None, text if done else None)
+    items: list[Any] = []
+    if reasoning is not None:
+        items.append(reasoning_item(response_id, _shown(reasoning, answer is not None or done),
+                                    status if answer is None else "completed"))
+    if answer is None:
+        return items, ""
+    if request.call or (request.offer is not None and opens(answer) is True):
+        call = item(response_id, answer, status)
+        return items + ([call] if call else []), ""
+    if answer or done:
+        items.append({"type": "message", "id": message_id(response_id), "role": "assistant", "status": status,
+                      "content": [{"type": "output_text", "text": answer, "annotations": []}]})
+    return items, answer
+
+
+def answer_of(request: Request, text: str) -> str:
+    """The model's answer in its output text, without its reasoning (what a conversation carries on)."""
+    read = thought(request, text)
+    return text if read is None or read[1] is None else read[1]
 
 
 def item(response_id: str, text: str, status: str) -> dict[str, Any] | None:
@@ -67,43 +89,42 @@ def item(response_id: str, text: str, status: str) -> dict[str, Any] | None:
             "arguments": arguments(text, found[1]), "status": status}
 
 
-def message_opened(item_id: str) -> list[Event]:
+def message_opened(item_id: str, index: int = 0) -> list[Event]:
     """The output message and its text part, opened before the first delta, as OpenAI's stream
     does: the openai SDK's `responses.stream()` helper refuses deltas for an item it was not given."""
     opened = {"type": "message", "id": item_id, "role": "assistant", "status": "in_progress", "content": []}
     part = {"type": "output_text", "text": "", "annotations": []}
-    return [("response.output_item.added", {"output_index": 0, "item": opened}),
-            ("response.content_part.added", {"item_id": item_id, "output_index": 0, "content_index": 0,
+    return [("response.output_item.added", {"output_index": index, "item": opened}),
+            ("response.content_part.added", {"item_id": item_id, "output_index": index, "content_index": 0,
                                              "part": part})]
 
 
 class TextStream:
-    """A message's text, as it grows (its item is opened before: `message_opened`)."""
+    """A message's text, as it grows (its item is opened before: `message_opened`), the
+    response's output `index`."""
 
-    def __init__(self, item_id: str, text: str = "") -> None:
-        self.item_id = item_id
-        self.text = text
+    def __init__(self, item_id: str, text: str = "", index: int = 0) -> None:
+        self.item_id, self.text, self.index = item_id, text, index
 
     def feed(self, text: str) -> list[Event]:
         self.text += text
-        return [("response.output_text.delta", {"delta": text, "output_index": 0, "content_index": 0,
+        return [("response.output_text.delta", {"delta": text, "output_index": self.index, "content_index": 0,
                                                 "item_id": self.item_id})] if text else []
 
     def done(self, status: str) -> list[Event]:
-        return [("response.output_text.done", {"text": self.text, "output_index": 0, "content_index": 0,
+        return [("response.output_text.done", {"text": self.text, "output_index": self.index, "content_index": 0,
                                                "item_id": self.item_id})]
 
     def again(self) -> TextStream:
         """The stream of an output that starts again from nothing."""
-        return TextStream(self.item_id)
+        return TextStream(self.item_id, "", self.index)
 
 
 class CallStream:
     """Turns a call's output text, as it grows, into the events OpenAI streams for one call."""
 
-    def __init__(self, response_id: str, text: str = "") -> None:
-        self.response_id = response_id
-        self.text = text
+    def __init__(self, response_id: str, text: str = "", index: int = 0) -> None:
+        self.response_id, self.text, self.index = response_id, text, index
         found = head(text)
         self.sent = None if found is None else len(arguments(text, found[1]))  # argument chars streamed
 
@@ -116,12 +137,12 @@ class CallStream:
         events: list[Event] = []
         if self.sent is None:
             added = item(self.response_id, self.text[:found[1]], "in_progress")
-            events.append(("response.output_item.added", {"output_index": 0, "item": added}))
+            events.append(("response.output_item.added", {"output_index": self.index, "item": added}))
             self.sent = 0
         args = arguments(self.text, found[1])
         if len(args) > self.sent:
             events.append(("response.function_call_arguments.delta",
-                           {"item_id": ident, "output_index": 0, "delta": args[self.sent:]}))
+                           {"item_id": ident, "output_index": self.index, "delta": args[self.sent:]}))
             self.sent = len(args)
         return events
 
@@ -129,28 +150,29 @@ class CallStream:
         final = item(self.response_id, self.text, status)
         if final is None:
             return []
-        return [("response.function_call_arguments.done", {"item_id": final["id"], "output_index": 0,
+        return [("response.function_call_arguments.done", {"item_id": final["id"], "output_index": self.index,
                                                             "name": final["name"], "arguments": final["arguments"]}),
-                ("response.output_item.done", {"output_index": 0, "item": final})]
+                ("response.output_item.done", {"output_index": self.index, "item": final})]
 
     def again(self) -> CallStream:
-        return CallStream(self.response_id)
+        return CallStream(self.response_id, "", self.index)
 
 
 class Offered:
     """The answer where functions are offered: nothing is sent while it may still open with MARK,
     then a call's events, or the message's (its item opened first)."""
 
-    def __init__(self, response_id: str, text: str = "") -> None:
+    def __init__(self, response_id: str, text: str = "", index: int = 0) -> None:
         """`text`: the output so far, its events sent (or, while it may be either, held back)."""
-        self.response_id = response_id
+        self.response_id, self.index = response_id, index
         self.held = ""  # the text while it may be either
         self.inner: TextStream | CallStream | None = None
         opened = opens(text)
         if opened is None:
             self.held = text
         else:
-            self.inner = CallStream(response_id, text) if opened else TextStream(message_id(response_id), text)
+            self.inner = CallStream(response_id, text, index) if opened else \
+                TextStream(message_id(response_id), text, index)
 
     @property
     def text(self) -> str:
@@ -165,10 +187,10 @@ class Offered:
             return []
         held, self.held = self.held, ""
         if opened:
-            self.inner = CallStream(self.response_id)
+            self.inner = CallStream(self.response_id, "", self.index)
             return self.inner.feed(held)
-        self.inner = TextStream(message_id(self.response_id))
-        return [*message_opened(self.inner.item_id), *self.inner.feed(held)]
+        self.inner = TextStream(message_id(self.response_id), "", self.index)
+        return [*message_opened(self.inner.item_id, self.index), *self.inner.feed(held)]
 
     def feed(self, text: str) -> list[Event]:
         return self._decide(text) if self.inner is None else self.inner.feed(text)
@@ -179,16 +201,119 @@ class Offered:
         return [*opening, *self.inner.done(status)]
 
     def again(self) -> Offered:
-        return Offered(self.response_id)
+        return Offered(self.response_id, "", self.index)
 
 
-Stream = TextStream | CallStream | Offered
+def reasoning_item(response_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """The `reasoning` output item: its text once it is whole (None: not yet)."""
+    return {"type": "reasoning", "id": "rs_" + response_id[5:], "summary": [],
+            "content": [] if text is None else [{"type": "reasoning_text", "text": text}], "status": status}
+
+
+def _shown(reasoning: str, whole: bool) -> str:
+    """The reasoning as it is shown: without the whitespace around it, nor the start of THOUGHT
+    while it may be that (`whole`: it ended)."""
+    return reasoning.strip() if whole else reasoning[:len(reasoning) - _held(reasoning, THOUGHT)].strip()
+
+
+class Reasoned:
+    """The model's reasoning (`Request.reasoning`), then its answer: a `reasoning` item first,
+    streamed as it is decoded, then the answer's item after it (a message, or a call offered);
+    an answer that does not open with THINK has the answer's item alone."""
+
+    def __init__(self, request: Request, response_id: str, text: str = "") -> None:
+        """`text`: the output so far, its events sent."""
+        self.request, self.response_id = request, response_id
+        self.text = ""
+        self.said: int | None = None  # reasoning characters sent, once its item is open
+        self.answer: Stream | None = None
+        self.fed = 0  # answer characters given to `answer`
+        self._read(text)  # the state its events left (they were sent)
+
+    def _read(self, text: str, last: bool = False) -> list[Event]:
+        self.text += text
+        read = thought(self.request, self.text)
+        if read is None and last:  # it ended while it could still have opened with THINK
+            read = None, self.text
+        if read is None:
+            return []
+        reasoning, answer = read
+        events: list[Event] = []
+        if reasoning is not None and (reasoning or answer is not None):  # its item opens with its first text
+            if self.said is None:
+                events.append(("response.output_item.added", {"output_index": 0, "item": reasoning_item(
+                    self.response_id, None, "in_progress")}))
+                self.said = 0
+            shown = _shown(reasoning, answer is not None)
+            if len(shown) > self.said:
+                events.append(("response.reasoning_text.delta", {"item_id": "rs_" + self.response_id[5:],
+                                                                  "output_index": 0, "content_index": 0,
+                                                                  "delta": shown[self.said:]}))
+                self.said = len(shown)
+        if answer is not None:
+            if self.answer is None:
+                if reasoning is not None:
+                    events += self._thought("completed")
+                self.answer, opening = answer_stream(self.request, self.response_id, int(reasoning is not None))
+                events += opening
+            events += self.answer.feed(answer[self.fed:])
+            self.fed = len(answer)
+        return events
+
+    def _thought(self, status: str) -> list[Event]:
+        """The reasoning item's last events, with its whole text."""
+        read = thought(self.request, self.text)
+        item = reasoning_item(self.response_id, _shown((read and read[0]) or "", True), status)
+        return [("response.reasoning_text.done", {"item_id": item["id"], "output_index": 0, "content_index": 0,
+                                                  "text": item["content"][0]["text"]}),
+                ("response.output_item.done", {"output_index": 0, "item": item})]
+
+    def feed(self, text: str) -> list[Event]:
+        return self._read(text)
+
+    def done(self, status: str) -> list[Event]:
+        events = self._read("", last=True)
+        if self.answer is None:  # it ended while reasoning: cut off
+            return [*events, *self._thought(status)]
+        return [*events, *self.answer.done(status)]
+
+    def again(self) -> Reasoned:
+        return Reasoned(self.request, self.response_id)
+
+
+Stream = TextStream | CallStream | Offered | Reasoned
+
+
+def answer_stream(request: Request, response_id: str, index: int) -> tuple[TextStream | Offered, list[Event]]:
+    """The answer's stream at output `index`, and the events that open it (a message's item, where
+    it cannot be a call)."""
+    if request.offer is not None:
+        return Offered(response_id, "", index), []
+    ident = message_id(response_id)
+    return TextStream(ident, "", index), message_opened(ident, index)
 
 
 def stream(request: Request, response_id: str, text: str) -> Stream:
     """The events of a response's output from `text`, what it has so far, on."""
     if request.call:
         return CallStream(response_id, text)
+    if request.reasoning:
+        return Reasoned(request, response_id, text)
     if request.offer is not None:
         return Offered(response_id, text)
     return TextStream(message_id(response_id), text)
+
+
+def thought(request: Request, text: str) -> tuple[str | None, str | None] | None:
+    """The output's reasoning (None: it has none) and its answer (None: still reasoning), or None
+    while it may still open with THINK."""
+    body = text
+    if request.reasoning == "marked":
+        start = text.lstrip()
+        if not start.startswith(THINK):
+            return None if THINK.startswith(start) else (None, text)
+        body = start[len(THINK):]
+    elif request.reasoning != "open":
+        return None, text
+    end = body.find(THOUGHT)
+    return (body, None) if end < 0 else (body[:end], body[end + len(THOUGHT):].lstrip())

@@ -96,14 +96,7 @@ def response_object(row: Mapping[str, Any]) -> dict[str, Any]:
     text = row["output_text"]
     done = status in ("completed", "incomplete")
     item_status = "completed" if status == "completed" else ("in_progress" if status == "in_progress" else "incomplete")
-    if calls.is_call(request, text):  # a function call: its item, once the model has named the function
-        call = calls.item(row["response_id"], text, item_status)
-        output, text = ([call] if call else []), ""
-    else:
-        output = [] if not text and not done else [{
-            "type": "message", "id": message_id(row["response_id"]), "role": "assistant", "status": item_status,
-            "content": [{"type": "output_text", "text": text, "annotations": []}],
-        }]
+    output, text = calls.output(request, row["response_id"], text, item_status, done)
     return {
         "id": row["response_id"], "object": "response", "created_at": int(row["response_created_at"]),
         "status": status, "model": row["model_id"], "output": output, "output_text": text,

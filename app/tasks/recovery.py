@@ -98,12 +98,13 @@ def recover(conn: sqlite3.Connection, kind: str) -> dict[str, int]:
                                           "AND kind = ? GROUP BY status, on_restart", (*UNFINISHED, kind)):
         counts[f"{status}->{target(status, policy)}"] += n
     _plan(conn, kind)
-    # A function call's output item is parsed by Python (calls.item): a task whose output is or
-    # may be one (forced, or offered) is moved one by one.
+    # A function call's output item and a model's reasoning are parsed by Python (calls.output):
+    # a task whose output is or may hold one (forced, offered, a thinking model's) is moved one by one.
     # The moves first: see _move_all.
     for task in conn.execute("SELECT t.id, t.status, t.on_restart, t.attempt, t.started_at FROM recovery_moves m "
                              "CROSS JOIN tasks t ON t.id = m.task_id CROSS JOIN responses r ON r.id = t.response_id "
-                             "WHERE r.request ->> '$.call' OR r.request -> '$.offer' IS NOT NULL").fetchall():
+                             "WHERE r.request ->> '$.call' OR r.request -> '$.offer' IS NOT NULL "
+                             "OR r.request ->> '$.reasoning' <> ''").fetchall():
         conn.execute("DELETE FROM recovery_moves WHERE task_id = ?", (task["id"],))
         _move(conn, task)
     _move_all(conn)

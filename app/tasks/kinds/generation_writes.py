@@ -128,13 +128,13 @@ def reset_output(conn: sqlite3.Connection, task_id: str, resume_mode: str) -> li
 
 def start_running(conn: sqlite3.Connection, task: Prepared) -> list[machine.Event] | None:
     # The output message opens before the first delta (calls.message_opened); a function call's
-    # item once its name is decoded (calls.CallStream), and where functions are offered, either
-    # once the answer shows which it is (calls.Offered). A task that gave its slot away
-    # (`requeue`) and starts again has it open already, and keeps its first start (a new attempt
-    # has neither: recovery's requeue clears its `started_at`).
+    # item once its name is decoded (calls.CallStream); where functions are offered, either once
+    # the answer shows which it is (calls.Offered); after the model's reasoning (calls.Reasoned).
+    # A task that gave its slot away (`requeue`) and starts again has it open already, and keeps
+    # its first start (a new attempt has neither: recovery's requeue clears its `started_at`).
     row, request = task.row, task.request
-    opened = [] if request.call or request.offer is not None or row["started_at"] is not None else \
-        calls.message_opened(calls.message_id(row["response_id"]))
+    opened = [] if request.call or request.offer is not None or request.reasoning or row["started_at"] is not None \
+        else calls.message_opened(calls.message_id(row["response_id"]))
     return machine.transition(conn, row["id"], RUNNING, [
         ("response.loading", {"progress": 1.0}),
         ("response.in_progress", {"response": RESPONSE}),
