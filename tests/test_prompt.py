@@ -47,6 +47,7 @@ async def test_the_template_still_makes_its_turns(loaded: Any) -> None:
     assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nBye<|im_end|>" in text
 
 
+@pytest.mark.alone  # a bound in seconds
 async def test_an_input_too_big_for_the_context_is_refused_before_tokenizing(loaded: Any) -> None:
     messages: list[ChatMessage] = [{"role": "user", "content": "word"}] * 200_000
     started = time.perf_counter()
