@@ -5,6 +5,12 @@ once its folder is: without both, a power cut or a kernel panic may leave the ol
 one, or none, even though the program saw every call succeed (tests/powercut/ shows it). So a
 file is written to a temporary name beside it, fsynced, renamed over the old one and its folder
 fsynced: after a cut it is the old file or the new one, whole, never a mix or nothing.
+
+Per platform (README: What survives what): on macOS fsync leaves the bytes in the drive's own
+cache, so `fsync` asks for F_FULLFSYNC (as SQLite's `fullfsync`, which app/store/db.py turns on
+there); on Windows a folder cannot be fsynced (NTFS logs its names), a rename is asked to write
+through, and one that another program holds open for a moment (an indexer, an antivirus) is tried
+again, as pip does.
 """
 
 from __future__ import annotations
@@ -12,7 +18,11 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
+
+RENAME_TRIES = 10  # Windows: a rename another program blocks, tried this often, RENAME_WAIT apart
+RENAME_WAIT = 0.05
 
 
 def booted_at() -> float | None:
@@ -30,6 +40,20 @@ def booted_at() -> float | None:
         return None
 
 
+def fsync(fd: int) -> None:
+    """Make what was written to `fd` last: on macOS F_FULLFSYNC (to the medium, past the drive's
+    cache), or plain fsync where the file system has no such call."""
+    if sys.platform == "darwin":
+        import fcntl
+
+        try:
+            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+            return
+        except OSError:  # a file system without it (a network share): what fsync gives
+            pass
+    os.fsync(fd)
+
+
 def sync_dir(folder: Path) -> None:
     """Make the names in `folder` (files created, renamed or removed in it) last. Windows has no
     such call (and no need: NTFS logs its names), so there it does nothing."""
@@ -37,7 +61,7 @@ def sync_dir(folder: Path) -> None:
         return
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        fsync(fd)
     finally:
         os.close(fd)
 
@@ -50,26 +74,52 @@ def write(path: Path, data: str | bytes, mode: int = 0o600) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), mode)
     try:
-        view = memoryview(raw)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
+        try:
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(fd, view):]
+            fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, mode)  # the umask may have taken bits `mode` asks for, or it was left by a killed run
+        replace(tmp, path)
+    except BaseException:  # the old file stays as it was, and no temporary one is left beside it
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    os.close(fd)
-    os.chmod(tmp, mode)  # the umask may have taken bits `mode` asks for, or it was left by a killed run
-    replace(tmp, path)
 
 
 def replace(source: Path, target: Path) -> None:
     """Rename `source` (already fsynced) over `target`, and make the new name last."""
-    os.replace(source, target)
+    if sys.platform == "win32":
+        _replace_on_windows(source, target)
+    else:
+        os.replace(source, target)
     sync_dir(target.parent)
     if source.parent != target.parent:
         sync_dir(source.parent)
+
+
+def _replace_on_windows(source: Path, target: Path) -> None:
+    """MoveFileEx with MOVEFILE_WRITE_THROUGH (it returns once the rename is on the disk), tried
+    again while another program holds either file open without letting it be renamed."""
+    for attempt in range(RENAME_TRIES):
+        try:
+            _move_file(str(source), str(target))
+            return
+        except PermissionError:
+            if attempt == RENAME_TRIES - 1:
+                raise
+            time.sleep(RENAME_WAIT)
+
+
+def _move_file(source: str, target: str) -> None:
+    import ctypes
+
+    replace_existing, write_through = 0x1, 0x8
+    kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)  # type: ignore[attr-defined,unused-ignore]
+    if not kernel32.MoveFileExW(source, target, replace_existing | write_through):
+        raise ctypes.WinError(ctypes.get_last_error())  # type: ignore[attr-defined,unused-ignore]
 
 
 def remove(path: Path) -> None:

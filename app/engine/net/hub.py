@@ -247,7 +247,7 @@ class _HashingWriter:
     def sync(self) -> None:
         """Make the bytes so far last (a second's worth at a time: one fsync a second)."""
         self.fh.flush()
-        os.fsync(self.fh.fileno())
+        durable.fsync(self.fh.fileno())
         self.transfer.synced = self.fh.tell()
         self._synced_at = time.monotonic()
 
@@ -292,7 +292,7 @@ def kept(partial: Path, synced: int) -> int:
     # Perhaps only in the page cache: on the disk before the download counts them as its own (a
     # power cut after that count would otherwise leave it trusting bytes that never got there).
     with partial.open("rb+") as fh:
-        os.fsync(fh.fileno())
+        durable.fsync(fh.fileno())
     return found.st_size
 
 
