@@ -107,3 +107,21 @@ def test_a_suffix_is_framed_in_the_model_s_own_tokens(client: Any, headless: Hea
     status, body = headless.request("POST", "/v1/responses", {"model": "coder", "input": prefix, "suffix": suffix,
                                                               "temperature": 0, "max_output_tokens": 12})
     assert status == 200 and body["output_text"] == filled.response, body
+
+
+def test_a_template_override_makes_the_prompt_as_ollama_does(client: Any) -> None:
+    """`template` (Go's template language, as Ollama's Modelfiles write it) over `system` and
+    `prompt`, up to `.Response`: the model reads what it renders, as a raw prompt."""
+    chatml = ("{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}<|im_start|>user\n"
+              "{{ .Prompt }}<|im_end|>\n<|im_start|>assistant\n{{ .Response }}<|im_end|>\n")
+    system = "Answer in one word."
+    templated = client.generate(model=NAME, prompt=QUESTION, system=system, template=chatml, options=GREEDY)
+    written = rendered([{"role": "system", "content": system}, {"role": "user", "content": QUESTION}])
+    raw = client.generate(model=NAME, prompt=written, raw=True, options=GREEDY)
+    assert templated.response == raw.response and templated.prompt_eval_count == raw.prompt_eval_count, templated
+    plain = client.generate(model=NAME, prompt=QUESTION, template="Q: {{ .Prompt }}\nA:{{ .Response }}",
+                            options=GREEDY)
+    assert plain.prompt_eval_count < 20 and plain.response, plain  # no chat turns, no system turn
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.generate(model=NAME, prompt=QUESTION, template="{{ range .Messages }}{{ .Content }}{{ end }}")
+    assert refused.value.status_code == 400 and "range .Messages" in refused.value.error

@@ -17,6 +17,7 @@ from app.core.ollama import MAX_KEEP_ALIVE, ollama_name
 from app.core.requests import MAX_ITEMS, text_of
 from app.core.structured import chat_tool
 from app.errors import InvalidRequest, LmspError
+from app.server import go_template
 
 # Ollama `options` that have a Responses field; the others (top_k, num_ctx, repeat_penalty...) are
 # the service's to choose, and are ignored as Ollama ignores options a model does not use.
@@ -194,20 +195,26 @@ def chat_request(body: dict[str, Any], model_id: str) -> dict[str, Any]:
 
 
 def generate_request(body: dict[str, Any], model_id: str) -> dict[str, Any]:
-    """An Ollama generate body (`prompt`, `suffix`, `system`, `raw`) as a Responses request: a
-    `raw` prompt is sent as it is (Ollama then leaves `system` and `suffix` out too: an app that
-    sends both, as Continue does, wrote its own fill-in-the-middle prompt), a `suffix` in the
-    model's fill-in-the-middle tokens. `template` is not honoured: a prompt otherwise goes through
+    """An Ollama generate body (`prompt`, `suffix`, `system`, `raw`, `template`) as a Responses
+    request: a `raw` prompt is sent as it is (Ollama then leaves `system`, `suffix` and `template`
+    out too: an app that sends both, as Continue does, wrote its own fill-in-the-middle prompt), a
+    `suffix` in the model's fill-in-the-middle tokens, a `template` rendered over `system` and
+    `prompt` (app/server/go_template.py) and sent as a raw prompt; a prompt otherwise goes through
     the model's own chat template."""
     _no_images(body)
     prompt, suffix = _string(body.get("prompt"), "prompt"), _string(body.get("suffix"), "suffix")
-    raw = body.get("raw", False)
+    raw, template = body.get("raw", False), _string(body.get("template"), "template")
+    system = _string(body.get("system"), "system")
+    if template and raw is False:
+        if suffix:
+            raise InvalidRequest("`suffix` cannot go with `template` here: the template has no `.Suffix`.",
+                                 param="suffix")
+        return {**_common(body, model_id, go_template.render(template, system, prompt)), "raw": True}
     if raw is not False or suffix:  # `raw` as sent: reading the Responses request checks it
         out = _common(body, model_id, prompt)
         out.update({"raw": raw} if raw is not False else {"suffix": suffix})
         return out
     out = _common(body, model_id, [{"role": "user", "content": prompt}])
-    system = _string(body.get("system"), "system")
     if system:
         out["instructions"] = system
     return out
