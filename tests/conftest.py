@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 # Never touch a real keychain: the "fail" backend makes the app use its user-only token file.
@@ -123,9 +124,16 @@ async def api(service: AppService, aiohttp_client: Any) -> Any:
 
 
 def kill_group(proc: subprocess.Popen[Any]) -> None:
-    """SIGKILL a process started in its own session and everything in its group (its engine)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    """SIGKILL a process and everything under it: its tree (psutil, on any system) and, where
+    there are process groups, the group it leads (which keeps a child whose parent died first)."""
+    with contextlib.suppress(psutil.Error):
+        tree = psutil.Process(proc.pid)
+        for each in [*tree.children(recursive=True), tree]:
+            with contextlib.suppress(psutil.Error):
+                each.kill()
+    if sys.platform != "win32":
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
