@@ -137,3 +137,22 @@ def _merged(events: list[calls.Event]) -> list[Any]:
         else:
             merged.append((kind, json.loads(json.dumps(data))))
     return merged
+
+
+def test_a_thinking_model_reasons_then_calls_a_function_it_is_offered(sdk: openai.OpenAI) -> None:
+    """The call after the reasoning is bound by the offer's grammar too (its trigger follows
+    </think>): a reasoning item, then the function call, with valid arguments."""
+    weather = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    shown = [{"role": "user", "content": "What is the weather in Rome?"},
+             {"role": "assistant", "content": "<think>\nThe user asks for the weather in Rome. I call get_weather."
+                                              "\n</think>"},
+             {"type": "function_call", "call_id": "call_rome", "name": "get_weather",
+              "arguments": json.dumps({"city": "Rome"})},
+             {"type": "function_call_output", "call_id": "call_rome", "output": "sunny, 21 C"},
+             {"role": "user", "content": "What is the weather in Paris?"}]
+    made = sdk.responses.create(model="thinker", input=shown, tools=[weather], temperature=0, max_output_tokens=80)
+    thought, call = made.output
+    assert thought.type == "reasoning" and "Paris" in (thought.content or [])[0].text, made.output
+    assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris"}, made.output
+    assert made.output_text == ""

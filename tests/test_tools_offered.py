@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,13 @@ async def test_a_call_cut_off_by_a_crash_carries_on_under_its_grammar(loaded: An
     assert set(arguments) == {"city"} and isinstance(arguments["city"], str), whole
     assert "grammar" not in prompt.body(request, ids, 40, "It is")
     assert prompt.body(request, ids, 40, "")["grammar_lazy"] is True
+    # A thinking model's call comes after its reasoning: the grammar is triggered there too, and a
+    # call begun after it is read from where the answer starts.
+    thinking = replace(request, reasoning="open")
+    triggers = [t["value"] for t in prompt.body(thinking, ids, 40, "I call it.")["grammar_triggers"]]
+    assert triggers == [r"^\s*(<tool_call>)", r"</think>\s*(<tool_call>)"], triggers
+    resumed = prompt.body(thinking, ids, 40, f"I call it.\n</think>\n\n{started}")
+    assert resumed["generation_prompt"] == started and "grammar_lazy" not in resumed
 
 
 def responses_messages(last: str) -> list[Any]:

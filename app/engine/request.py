@@ -172,6 +172,21 @@ def chat_tools(tools: list[Tool]) -> list[dict[str, Any]]:
     return [{"type": "function", "function": _described(t)} for t in tools]
 
 
+def thought(request: Request, text: str) -> tuple[str | None, str | None] | None:
+    """The output's reasoning (None: it has none) and its answer (None: still reasoning), as
+    `request.reasoning` says the model writes them, or None while it may still open with THINK."""
+    body = text
+    if request.reasoning == "marked":
+        start = text.lstrip()
+        if not start.startswith(THINK):
+            return None if THINK.startswith(start) else (None, text)
+        body = start[len(THINK):]
+    elif request.reasoning != "open":
+        return None, text
+    end = body.find(THOUGHT)
+    return (body, None) if end < 0 else (body[:end], body[end + len(THOUGHT):].lstrip())
+
+
 # The JSON type of each stored field (a float field may have been written as an integer).
 _SHAPES: dict[str, type | tuple[type, ...]] = {
     "messages": list, "instructions": (str, type(None)), "temperature": (int, float), "top_p": (int, float),

@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any
 
-from app.engine.request import END, MARK, THINK, THOUGHT, Request, opens
+from app.engine.request import END, MARK, THOUGHT, Request, opens, thought
 
 HEAD = re.compile(rf'\s*(?:{re.escape(MARK)}\s*)?\{{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 Event = tuple[str, dict[str, Any]]
@@ -303,17 +303,3 @@ def stream(request: Request, response_id: str, text: str) -> Stream:
         return Offered(response_id, text)
     return TextStream(message_id(response_id), text)
 
-
-def thought(request: Request, text: str) -> tuple[str | None, str | None] | None:
-    """The output's reasoning (None: it has none) and its answer (None: still reasoning), or None
-    while it may still open with THINK."""
-    body = text
-    if request.reasoning == "marked":
-        start = text.lstrip()
-        if not start.startswith(THINK):
-            return None if THINK.startswith(start) else (None, text)
-        body = start[len(THINK):]
-    elif request.reasoning != "open":
-        return None, text
-    end = body.find(THOUGHT)
-    return (body, None) if end < 0 else (body[:end], body[end + len(THOUGHT):].lstrip())

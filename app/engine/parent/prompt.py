@@ -22,7 +22,7 @@ import numpy as np
 
 from app.engine.constraints import grammar
 from app.engine.registry import gguf
-from app.engine.request import END, MARK, ChatMessage, Constraint, Request, opens
+from app.engine.request import END, MARK, THOUGHT, ChatMessage, Constraint, Request, opens, thought
 from app.engine.template import SLOTS, ChatTemplate, Refused
 
 Message = dict[str, Any]
@@ -165,23 +165,30 @@ def body(request: Request, ids: list[int], n_predict: int, text: str) -> dict[st
             # resumed structured answer carries on from it and still ends as valid JSON.
             sent.update(grammar_type="tool_calls", generation_prompt=text)
     elif request.offer is not None:
-        sent.update(_offered(request.offer, text))
+        sent.update(_offered(request, request.offer, text))
     return sent
 
 
-def _offered(offer: Constraint, text: str) -> dict[str, Any]:
+def _offered(request: Request, offer: Constraint, text: str) -> dict[str, Any]:
     """The grammar of a call the model is offered: it binds the answer once it opens with MARK
-    (a lazy grammar, triggered there), at once if the output so far opened a call (which it
-    first reads, as a structured answer's), and not at all once the output is text."""
-    opened = opens(text)
+    (a lazy grammar, triggered there, after the model's reasoning if it reasons), at once if the
+    answer so far opened a call (which it first reads, as a structured answer's), and not at all
+    once the answer is text."""
+    read = thought(request, text)
+    answer = None if read is None else read[1]
+    opened = None if answer is None else opens(answer)
     if opened is False:
         return {}
     call = grammar.wrapped(offer)
     if opened:
-        return {"grammar": call, "grammar_type": "tool_calls", "generation_prompt": text}
+        return {"grammar": call, "grammar_type": "tool_calls", "generation_prompt": answer}
+    # The answer starts the output, or follows the reasoning's end: each found by a search that
+    # stays linear (llama.cpp runs it over the whole output so far at every token, in std::regex).
+    mark = re.escape(MARK)
+    starts = [rf"^\s*({mark})", *([rf"{re.escape(THOUGHT)}\s*({mark})"] if request.reasoning else [])]
     # The marks are single tokens in some vocabularies (Qwen's): preserved, they are streamed as text.
     return {"grammar": call, "grammar_lazy": True, "preserved_tokens": [MARK, END],
-            "grammar_triggers": [{"type": PATTERN, "value": rf"^\s*({re.escape(MARK)})"}]}
+            "grammar_triggers": [{"type": PATTERN, "value": start} for start in starts]}
 
 
 def pooling(info: gguf.GgufInfo) -> int:
