@@ -25,6 +25,7 @@ from app.tasks import calls
 from tests.conftest import Headless
 from tests.helpers import pair_sync
 from tests.test_templates import with_template
+from tests.test_terminal import output as printed_by
 
 pytestmark = pytest.mark.llama
 THINKING = """{% for message in messages %}<|im_start|>{{ message['role'] }}
@@ -156,3 +157,13 @@ def test_a_thinking_model_reasons_then_calls_a_function_it_is_offered(sdk: opena
     assert thought.type == "reasoning" and "Paris" in (thought.content or [])[0].text, made.output
     assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris"}, made.output
     assert made.output_text == ""
+
+
+def test_the_terminal_prints_the_reasoning_as_ollama_run_does(sdk: openai.OpenAI, headless: Headless) -> None:
+    printed = printed_by(headless.data_dir, "run", "--max-tokens", "60", "thinker", "What is 3+5?")
+    task = headless.get("/v1/tasks?limit=1")[1]["data"][0]
+    made = headless.get(f"/v1/responses/{task['response_id']}")[1]
+    thought = made["output"][0]["content"][0]["text"]
+    assert printed.startswith(f"Thinking...\n{thought}"), printed
+    if made["output_text"]:
+        assert f"\n...done thinking.\n\n{made['output_text']}" in printed, printed

@@ -18,6 +18,7 @@ from app.cli.client import Client, CliError, say
 
 HELP = "Use Ctrl + d or /bye to exit; /clear starts a new conversation."
 DELTA = "response.output_text.delta"
+THINKING = "response.reasoning_text.delta"  # a thinking model's reasoning, printed as `ollama run` does
 
 
 class Cancelled(Exception):
@@ -84,12 +85,18 @@ def answer(client: Client, body: dict[str, Any], verbose: bool) -> dict[str, Any
     times = Timings()
     task_id: str | None = None
     final: dict[str, Any] = {}
+    thinking = False  # the reasoning is being printed
     try:
         for event in client.stream("POST", "/v1/responses", {**body, "stream": True}):
             task_id = task_id or event.get("task_id")
             times.mark(event)
-            if event["type"] == DELTA:
-                say(event["delta"], lines=True, end="", flush=True)
+            if event["type"] == THINKING:
+                say(("" if thinking else "Thinking...\n") + event["delta"], lines=True, end="", flush=True)
+                thinking = True
+            elif event["type"] == DELTA:
+                say(("\n...done thinking.\n\n" if thinking else "") + event["delta"], lines=True, end="",
+                    flush=True)
+                thinking = False
             final = event.get("response") or final
     except KeyboardInterrupt:
         say("")
@@ -100,7 +107,7 @@ def answer(client: Client, body: dict[str, Any], verbose: bool) -> dict[str, Any
                 say(f"lmsp-tray: {exc}", file=sys.stderr)
         say(f"Cancelled task {task_id}.", file=sys.stderr)
         raise Cancelled from None
-    say("")
+    say("\n...done thinking." if thinking else "")  # it reasoned, then called a function or was cut off
     if final.get("status") == "failed":
         error = final.get("error") or {}
         raise CliError(f"{error.get('message', 'The answer failed.')} ({error.get('code', 'failed')})")
@@ -115,7 +122,7 @@ class Timings:
     at: dict[str, float] = field(default_factory=dict)
 
     def mark(self, event: dict[str, Any]) -> None:
-        kind = event["type"].removeprefix("response.")
+        kind = event["type"].removeprefix("response.").replace("reasoning_text.", "output_text.")  # output all the same
         stamp = float(event.get("created_at") or 0.0)
         for name in ("created", "loading", "in_progress", "output_text.delta"):
             if kind == name and name not in self.at:  # the first of each

@@ -150,6 +150,9 @@ class ChatTab(QWidget):
                     first = first or time.monotonic()
                     self._append(event["delta"])
                     self.stats.setText(f"Time to first token {first - started:.2f} s · writing…")
+                elif event["type"] == "response.reasoning_text.delta":  # a thinking model, before it answers
+                    first = first or time.monotonic()
+                    self.stats.setText(f"Time to first token {first - started:.2f} s · thinking…")
                 elif event["type"] in TERMINAL_EVENTS:
                     final = event["response"]
         return final, first
