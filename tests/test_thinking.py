@@ -124,6 +124,10 @@ def test_a_resumed_answer_sends_what_an_uninterrupted_one_does() -> None:
             resumed = calls.stream(request, "resp_x", output[:cut])
             after = resumed.feed(output[cut:]) + resumed.done("completed")
             assert _merged(before + after) == _merged(expected), (reasoning, cut)
+        if reasoning == "open":  # cut off before it wrote a word: its item still opens, then ends
+            ended = calls.stream(request, "resp_x", "").done("incomplete")
+            assert [kind for kind, _ in ended] == ["response.output_item.added", "response.reasoning_text.done",
+                                                   "response.output_item.done"]
         items, answer = calls.output(request, "resp_x", output, "completed", True)
         assert answer == ANSWER and [i["type"] for i in items] == (["message"] if output == ANSWER
                                                                    else ["reasoning", "message"])

@@ -240,10 +240,7 @@ class Reasoned:
         reasoning, answer = read
         events: list[Event] = []
         if reasoning is not None and (reasoning or answer is not None):  # its item opens with its first text
-            if self.said is None:
-                events.append(("response.output_item.added", {"output_index": 0, "item": reasoning_item(
-                    self.response_id, None, "in_progress")}))
-                self.said = 0
+            events += self._open()
             shown = _shown(reasoning, answer is not None)
             if len(shown) > self.said:
                 events.append(("response.reasoning_text.delta", {"item_id": "rs_" + self.response_id[5:],
@@ -260,6 +257,14 @@ class Reasoned:
             self.fed = len(answer)
         return events
 
+    def _open(self) -> list[Event]:
+        """The reasoning item's first event, unless it was sent."""
+        if self.said is not None:
+            return []
+        self.said = 0
+        return [("response.output_item.added", {"output_index": 0, "item": reasoning_item(
+            self.response_id, None, "in_progress")})]
+
     def _thought(self, status: str) -> list[Event]:
         """The reasoning item's last events, with its whole text."""
         read = thought(self.request, self.text)
@@ -273,8 +278,8 @@ class Reasoned:
 
     def done(self, status: str) -> list[Event]:
         events = self._read("", last=True)
-        if self.answer is None:  # it ended while reasoning: cut off
-            return [*events, *self._thought(status)]
+        if self.answer is None:  # it ended while reasoning (cut off), perhaps before a word of it
+            return [*events, *self._open(), *self._thought(status)]
         return [*events, *self.answer.done(status)]
 
     def again(self) -> Reasoned:
