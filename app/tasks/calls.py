@@ -225,7 +225,8 @@ class Reasoned:
         """`text`: the output so far, its events sent."""
         self.request, self.response_id = request, response_id
         self.text = ""
-        self.said: int | None = None  # reasoning characters sent, once its item is open
+        self.opened = False  # whether its reasoning item was sent
+        self.said = 0  # reasoning characters sent
         self.answer: Stream | None = None
         self.fed = 0  # answer characters given to `answer`
         self._read(text)  # the state its events left (they were sent)
@@ -259,9 +260,9 @@ class Reasoned:
 
     def _open(self) -> list[Event]:
         """The reasoning item's first event, unless it was sent."""
-        if self.said is not None:
+        if self.opened:
             return []
-        self.said = 0
+        self.opened = True
         return [("response.output_item.added", {"output_index": 0, "item": reasoning_item(
             self.response_id, None, "in_progress")})]
 

@@ -9,11 +9,11 @@ would not fit is refused with figures rather than ended by the system's OOM kill
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+import psutil
 
 from app.display import human_size
 from app.engine.registry import gguf, models
@@ -86,20 +86,12 @@ def model_memory(weights_bytes: int, metadata: Mapping[str, Any], context_length
 
 
 def available_bytes() -> int | None:
-    """Memory this computer can give a new model now without swapping; None where unknown.
-    Linux's MemAvailable counts the page cache it can drop (the free pages alone, SC_AVPHYS_PAGES,
-    leave it out: on a machine up for a while they are a fraction of what can be had)."""
+    """Memory this computer can give a new model now without swapping (psutil, on every system:
+    Linux's MemAvailable, which counts the page cache it can drop; macOS' free and inactive
+    pages; Windows' available physical memory); None where it cannot be read."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    if sys.platform == "win32":  # no sysconf
-        return None
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):  # not a name this system knows (macOS)
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError):
         return None
 
 
