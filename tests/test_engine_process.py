@@ -11,6 +11,7 @@ import os
 import signal
 import stat
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from app.core.service import AppService
 from app.engine.parent import engine as engine_module
 from app.engine.registry.models import DEFAULT_MODEL_ID
 from tests.conftest import Headless
-from tests.helpers import SAY_HI
+from tests.helpers import SAY_HI, wait_until
 from tests.test_api import start_background, wait_status
 
 # Every option of llama-server that would otherwise let its defaults decide memory or behaviour.
@@ -73,6 +74,13 @@ def test_no_server_outlives_the_app_when_the_app_is_killed(headless: Headless) -
     while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in servers):
         time.sleep(0.05)
     assert not any(Path(f"/proc/{pid}").exists() for pid in servers), "llama-server outlived the app"
+    # Its server's socket folder: a killed app cannot remove it; the next start does.
+    left = list(Path(tempfile.gettempdir()).glob(f"lmsp-{headless.proc.pid}-*"))
+    assert left and all((folder / "llama.sock").exists() for folder in left), left
+    headless.start()
+    headless.complete(SAY_HI)
+    wait_until(lambda: not any(folder.exists() for folder in left), timeout=10, what="the folders swept")
+    assert headless.proc is not None and list(Path(tempfile.gettempdir()).glob(f"lmsp-{headless.proc.pid}-*"))
 
 
 async def test_a_server_that_makes_no_progress_is_killed_and_its_task_carries_on(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
+import psutil
 
 from app import paths
 
@@ -172,7 +174,8 @@ class Server:
         self.name = name
         self.launch = launch
         self.key = secrets.token_urlsafe(32)
-        self.folder = tempfile.mkdtemp(prefix="lmsp-")  # private (0700): the socket's
+        _sweep_once()
+        self.folder = tempfile.mkdtemp(prefix=f"lmsp-{os.getpid()}-")  # private (0700): the socket's
         self.socket = os.path.join(self.folder, "llama.sock")
         self.proc: subprocess.Popen[bytes] | None = None
         self.tail: deque[str] = deque(maxlen=TAIL)
@@ -359,6 +362,23 @@ class Server:
             await self._client.aclose()
             self._client = None
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@functools.cache
+def _sweep_once() -> None:
+    """Once a run, in a thread of its own (it lists the temporary folder): `_sweep`."""
+    threading.Thread(target=_sweep, name="lmsp-sweep", daemon=True).start()
+
+
+def _sweep() -> None:
+    """Remove the socket folders of servers whose app is gone: a killed app could not (its pid is
+    in the folder's name). Only this user's, and none of an app still running."""
+    for folder in Path(tempfile.gettempdir()).glob("lmsp-*-*"):
+        pid = folder.name.split("-")[1]
+        with contextlib.suppress(OSError):
+            mine = sys.platform == "win32" or folder.stat().st_uid == os.getuid()  # Windows: a temp folder per user
+            if pid.isdigit() and mine and not psutil.pid_exists(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _message(answer: Any) -> str:
