@@ -159,7 +159,6 @@ def _message(final: dict[str, Any]) -> tuple[dict[str, Any], str]:
         for c in calls]}, "tool_calls" if finish == "stop" else finish
 
 
-
 def _usage(response: dict[str, Any]) -> dict[str, int]:
     usage = response["usage"]
     return {"prompt_tokens": usage["input_tokens"], "completion_tokens": usage["output_tokens"],

@@ -204,9 +204,14 @@ class Offered:
         return Offered(self.response_id, "", self.index)
 
 
+def reasoning_id(response_id: str) -> str:
+    """The id of a response's reasoning item: `rs_` + the random part of `resp_...`."""
+    return "rs_" + response_id[5:]
+
+
 def reasoning_item(response_id: str, text: str | None, status: str) -> dict[str, Any]:
     """The `reasoning` output item: its text once it is whole (None: not yet)."""
-    return {"type": "reasoning", "id": "rs_" + response_id[5:], "summary": [],
+    return {"type": "reasoning", "id": reasoning_id(response_id), "summary": [],
             "content": [] if text is None else [{"type": "reasoning_text", "text": text}], "status": status}
 
 
@@ -244,7 +249,7 @@ class Reasoned:
             events += self._open()
             shown = _shown(reasoning, answer is not None)
             if len(shown) > self.said:
-                events.append(("response.reasoning_text.delta", {"item_id": "rs_" + self.response_id[5:],
+                events.append(("response.reasoning_text.delta", {"item_id": reasoning_id(self.response_id),
                                                                   "output_index": 0, "content_index": 0,
                                                                   "delta": shown[self.said:]}))
                 self.said = len(shown)

@@ -277,10 +277,9 @@ class Generations(Kind):
         log.info("task %s: %s on %s (attempt %d, %d tokens so far)", job.task_id,
                  "resuming" if row["status"] == RUNNING else "starting", job.engine.name, row["attempt"],
                  row["output_tokens"])
-        ids, job.text = task.ids, task.text
         job.tokens = row["output_tokens"]  # a remote task's output has a count but no token ids
-        job.out = calls.stream(request, row["response_id"], job.text)
-        gen = Generation(request, row["max_output_tokens"], prefix_ids=ids, prefix_text=job.text,
+        job.out = calls.stream(request, row["response_id"], task.text)
+        gen = Generation(request, row["max_output_tokens"], prefix_ids=task.ids, prefix_text=task.text,
                          prefix_tokens=job.tokens)
 
         async def waiting(message: str) -> None:

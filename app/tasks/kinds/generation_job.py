@@ -69,7 +69,6 @@ class Job:
     task_id: str
     engine: Runs
     app: str = ""           # whose task it is (`writes.APP`): the share of an engine's slots is counted by app
-    text: str = ""          # all the output text, for the final `output_text.done`
     tokens: int = 0         # output tokens produced, a resumed snapshot's included
     ids: list[int] = field(default_factory=list)  # produced, not yet written
     pending: str = ""       # text produced, not yet written
@@ -91,12 +90,11 @@ class Job:
         self.ids += ids
         self.tokens += tokens
         self.new_tokens += tokens
-        self.text += text
         self.pending += text
 
     def reset(self) -> None:
         """The output starts again from nothing (a remote task moved to another endpoint)."""
-        self.text, self.tokens, self.ids, self.pending, self.ending = "", 0, [], "", False
+        self.tokens, self.ids, self.pending, self.ending = 0, [], "", False
         if self.out is not None:
             self.out = self.out.again()
 
