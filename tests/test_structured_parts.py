@@ -4,11 +4,13 @@ and how a call's text becomes stream events (also after a resume)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
+from app import paths
 from app.core import structured
 from app.engine.constraints import grammar
 from app.errors import LmspError
@@ -96,3 +98,15 @@ def test_forced_calls_are_one_schema_over_name_and_arguments() -> None:
     with pytest.raises(LmspError) as refused:
         structured.parse({"tools": tools, "tool_choice": {"type": "function", "name": "nope"}}, grammar.convert_all)
     assert refused.value.param == "tool_choice.name"
+
+
+def test_the_converter_is_found_beside_a_linked_llama_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The venv's `llama-server` (what `make run` and a wheel's install find first) is a link to the
+    build: the converter beside the build is found through it."""
+    built = paths.llama_server()
+    assert built is not None
+    link = tmp_path / "bin" / "llama-server"
+    link.parent.mkdir()
+    link.symlink_to(built.resolve())
+    monkeypatch.setenv("LMSP_LLAMA_SERVER", str(link))
+    assert grammar._converter.__wrapped__().json_schema_to_gbnf  # type: ignore[attr-defined]

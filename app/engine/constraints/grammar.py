@@ -55,7 +55,8 @@ def _converter() -> ModuleType:
     """llama-cpp-python's `llama_grammar` module (standard library only), from the source release
     the llama.cpp build is pinned to: `make` puts it beside llama-server (paths.llama_server)."""
     server = paths.llama_server()
-    source = server.parent / "llama_grammar.py" if server else None
+    # Beside the program itself: the venv's llama-server is a link to the build `make` keeps.
+    source = server.resolve().parent / "llama_grammar.py" if server else None
     if source is None or not source.is_file():
         raise RuntimeError("the JSON schema converter (llama_grammar.py beside llama-server) is not installed")
     spec = importlib.util.spec_from_file_location("lmsp_llama_grammar", source)
