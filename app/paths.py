@@ -63,7 +63,8 @@ def default_model_file() -> Path | None:
 
 
 # The llama.cpp every local model runs in (LMSP §18): the source release of llama-cpp-python that
-# vendors it, the pin `make` builds from (Makefile: LLAMA_VERSION) and the name of its folder.
+# vendors it, the pin `make` builds from (Makefile: LLAMA_VERSION) and the start of its folder's
+# name (the GPU backend built beside the CPU's ends it: llama.cpp-0.3.36-vulkan).
 LLAMA_CPP = "0.3.36"
 LLAMA_SERVER = "llama-server.exe" if sys.platform == "win32" else "llama-server"
 
@@ -71,13 +72,14 @@ LLAMA_SERVER = "llama-server.exe" if sys.platform == "win32" else "llama-server"
 def llama_server() -> Path | None:
     """The `llama-server` program, with its CPU variants beside it: LMSP_LLAMA_SERVER if set;
     in the frozen app, its own copy (llama.cpp/ in the bundle); else the one beside this Python
-    (`make` links it into the venv), then the build `make` keeps. None when there is none."""
+    (`make` links it into the venv), then a build `make` keeps. None when there is none."""
     chosen = os.environ.get("LMSP_LLAMA_SERVER")
     if chosen:
         return Path(chosen)
     if BUNDLE is not None:
         places = [BUNDLE / "llama.cpp" / LLAMA_SERVER]
     else:
+        builds = Path.home() / ".cache" / APP_NAME
         places = [Path(sys.executable).parent / LLAMA_SERVER,
-                  Path.home() / ".cache" / APP_NAME / f"llama.cpp-{LLAMA_CPP}" / LLAMA_SERVER]
+                  *sorted(builds.glob(f"llama.cpp-{LLAMA_CPP}-*/{LLAMA_SERVER}"))]
     return next((p for p in places if p.is_file()), None)

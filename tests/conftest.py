@@ -307,8 +307,8 @@ def busy_programs(procs: Processes, count: int) -> Iterator[None]:
 
 # The llama.cpp build every local model runs in (`make` builds it once; LMSP_LLAMA_SERVER, as
 # `make test` sets it, says where): the program of the remote-endpoint tests' upstreams too.
-LLAMA_SERVER = paths.llama_server() or (Path.home() / ".cache" / paths.APP_NAME / f"llama.cpp-{paths.LLAMA_CPP}"
-                                        / paths.LLAMA_SERVER)
+LLAMA_SERVER = paths.llama_server() or (Path.home() / ".cache" / paths.APP_NAME
+                                        / f"llama.cpp-{paths.LLAMA_CPP}-vulkan" / paths.LLAMA_SERVER)
 # Beside the build (not beside a link to it, as .venv/bin/llama-server is).
 LLAMA_QUANTIZE = LLAMA_SERVER.resolve().parent / "llama-quantize"
 

@@ -27,10 +27,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.engine.parent.engine import CRASHED, EngineError, Generation, Message, Waiting
 from app.engine.parent.modes import EngineModes
 from app.engine.registry import models
 from app.engine.registry.models import Registered
+from app.engine.runs import CRASHED, EngineError, Generation, Message, Waiting
 
 log = logging.getLogger("app.engine.parent.engine")  # its lines read as the real engine's
 CHILD = ["cat"]  # the scripted engine's child (tests/conftest.py's Headless.engine_pids finds it so)
@@ -97,6 +97,10 @@ class ScriptedEngine:
                 and self.slots == self.parallel):
             return self.file
         return None
+
+    def processor(self, info: Any) -> dict[str, Any] | None:
+        """It runs on no GPU."""
+        return {"device": "CPU", "gpu_layers": 0, "layers": None, "vram_bytes": 0} if self.alive else None
 
     def seat(self) -> ScriptedSeat:
         return ScriptedSeat(self)

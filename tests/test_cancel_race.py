@@ -12,10 +12,10 @@ import pytest
 
 from app.core.service import AppService
 from app.core.tasks import TERMINAL_EVENTS
-from app.engine.parent.engine import Generation
 from app.engine.registry import models
 from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.engine.request import Request
+from app.engine.runs import Generation
 from app.errors import Conflict
 from app.tasks.states import TERMINAL
 from tests.helpers import poll

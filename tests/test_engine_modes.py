@@ -25,6 +25,8 @@ from tests.helpers import SAY_HI, expect_error
 from tests.test_api import check_sequence, deltas, events, start_background, wait_status
 from tests.test_gguf import T, make_gguf
 
+# A model's `engine` in GET /v1/models: fast mode, and the GPU (LMSP §18) never turned off by it.
+IN_FAST_MODE = {"mode": "fast", "reason": None, "gpu": "auto", "gpu_reason": None}
 SLOW = 300.0  # a fresh process, a model load and a rebuilt context, on a machine that may be busy
 LONGER = {"input": "Write the numbers from 1 to 1000 separated by commas.", "max_output_tokens": 60, "temperature": 0}
 
@@ -49,7 +51,7 @@ def bus_events(service: AppService) -> list[dict[str, Any]]:
 async def test_a_crash_at_warm_up_falls_back_to_safe_mode_and_the_task_completes(
         api: Any, service: AppService, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         bus_events: list[dict[str, Any]]) -> None:
-    assert await default_engine(api) == {"mode": "fast", "reason": None}
+    assert await default_engine(api) == IN_FAST_MODE
     monkeypatch.setenv("LMSP_ENGINE_FAULT", "fast:warmup")
     caplog.set_level(logging.INFO)
     resp = await api.post("/v1/responses", json=SAY_HI)
@@ -189,7 +191,8 @@ async def test_engine_mode_setting(api: Any, service: AppService, monkeypatch: p
 
     # `safe` is obeyed from the first load: no crash at all.
     assert (await api.patch("/v1/settings", json={"engine_mode": "safe"})).status == 200
-    assert await default_engine(api) == {"mode": "safe", "reason": "Chosen in the settings (engine_mode)."}
+    assert await default_engine(api) == {**IN_FAST_MODE, "mode": "safe",
+                                         "reason": "Chosen in the settings (engine_mode)."}
     before = processes_started(caplog)
     resp = await api.post("/v1/responses", json=SAY_HI)
     assert (await resp.json())["output_text"].strip()

@@ -27,7 +27,7 @@ from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.server.app import make_app
 from tests.helpers import SAY_HI, expect_error, started
 from tests.test_api import wait_status
-from tests.test_engine_modes import SLOW, bus_events, processes_started  # noqa: F401
+from tests.test_engine_modes import IN_FAST_MODE, SLOW, bus_events, processes_started  # noqa: F401
 
 NAME = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 FAST = "smollm2-q5"  # the model `fast_model` makes
@@ -63,7 +63,7 @@ async def test_an_unsatisfiable_schema_never_moves_the_model_to_safe_mode(
     schema = {"type": "object", "properties": {"v": {"type": "string", "pattern": "^\\u0000$"}}, "required": ["v"]}
     await api.post("/v1/responses", json={**structured(schema, tokens=8), "input": "Write v."})
     assert processes_started(caplog) <= 1  # was 3: fast, then safe twice
-    assert await engine_of(service) == {"mode": "fast", "reason": None}
+    assert await engine_of(service) == IN_FAST_MODE
     assert await remembered(service) == []
     resp = await api.post("/v1/responses", json={**SAY_HI, "model": FAST})
     assert resp.status == 200 and (await resp.json())["output_text"].strip()
@@ -108,7 +108,7 @@ async def test_try_fast_mode_again_through_the_api_and_after_a_restart(
         resp = await api.delete(f"/v1/models/{FAST}/engine-mode")
         assert resp.status == 200, await resp.text()
         model = await resp.json()
-        assert model["engine"] == {"mode": "fast", "reason": None}
+        assert model["engine"] == IN_FAST_MODE
         assert model["status"] == "available"  # the engine let go of it in safe mode
         assert {"type": "models.changed"} in seen
         listed = {m["id"]: m for m in (await (await api.get("/v1/models")).json())["data"]}
@@ -126,7 +126,7 @@ async def test_try_fast_mode_again_through_the_api_and_after_a_restart(
         assert resp.status == 200 and (await resp.json())["engine"]["mode"] == "fast"
 
     async with started(data) as third:
-        assert await engine_of(third) == {"mode": "fast", "reason": None}
+        assert await engine_of(third) == IN_FAST_MODE
 
 
 @pytest.mark.parametrize("release", ["0.2.90", None], ids=["older release", "before releases were kept"])
@@ -145,7 +145,7 @@ async def test_safe_mode_decided_under_another_llama_cpp_is_not_applied(
     caplog.set_level(logging.INFO)
     caplog.clear()  # count the second service's engine starts only (the level may be INFO already)
     async with started(data) as second:
-        assert (await second.models.model(DEFAULT_MODEL_ID))["engine"] == {"mode": "fast", "reason": None}
+        assert (await second.models.model(DEFAULT_MODEL_ID))["engine"] == IN_FAST_MODE
         # Fast mode gets its chance; here it still crashes, so the engine falls back again,
         # now under this release.
         await second.models.load_model(DEFAULT_MODEL_ID)

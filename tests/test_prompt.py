@@ -10,8 +10,8 @@ import pytest
 
 from app.core.requests import MAX_ITEMS
 from app.engine.parent import prompt
-from app.engine.parent.engine import EngineError
 from app.engine.request import ChatMessage, Request
+from app.engine.runs import EngineError
 from tests.helpers import SAY_HI, expect_error
 from tests.test_api import wait_status
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from app.core.service import AppService
-from app.engine.parent.engine import EngineError, Generation
 from app.engine.registry import models
 from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.engine.request import Request
+from app.engine.runs import EngineError, Generation
 from tests.scripted import Script
 
 pytestmark = pytest.mark.scripted(pace=2000.0)

@@ -132,10 +132,10 @@ def test_the_tables_and_their_json(headless: Headless, terminal: Any) -> None:
     assert output(data_dir, "ps", "--json").strip() == "[]"
     assert output(data_dir, "load", MODEL).strip() == f"{MODEL}: loaded"
     lines = output(data_dir, "ps").splitlines()
-    assert lines[1].split()[:2] == [MODEL, "b179c9523d0e"] and "CPU" in lines[1] and "Forever" in lines[1], lines
+    assert lines[1].split()[:2] == [MODEL, "b179c9523d0e"] and "100% CPU" in lines[1] and "Forever" in lines[1], lines
     assert lines[1].split()[-3:] == ["4096", "1", "Forever"], lines  # CONTEXT, PARALLEL, UNTIL
     [loaded] = json.loads(output(data_dir, "ps", "--json"))
-    assert loaded["id"] == MODEL and loaded["memory"]["total_bytes"] > 0
+    assert loaded["id"] == MODEL and loaded["memory"]["total_bytes"] > 0 and loaded["processor"]["device"] == "CPU"
 
     listed = output(data_dir, "ls").splitlines()
     assert listed[0].split() == ["ID", "STATUS", "SIZE", "DIGEST"] and listed[1].startswith(MODEL), listed

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from app.cli.client import Client, CliError, cell, listing, say
-from app.display import human_size, is_remote, short_digest
+from app.display import human_size, is_remote, processor_text, short_digest
 
 ACTIVE = ("queued", "loading", "running", "cancelling")
 
@@ -52,9 +52,9 @@ def ps(client: Client, args: argparse.Namespace) -> int:
 
 
 def _processor(model: dict[str, Any]) -> str:
-    """This build of llama.cpp runs on the CPU; its safe mode (no fast kernels) is worth knowing."""
+    """Where it runs, as `ollama ps` says it; safe mode (no fast CPU kernels) is worth knowing."""
     mode = (model.get("engine") or {}).get("mode")
-    return "CPU (safe mode)" if mode == "safe" else "CPU"
+    return processor_text(model.get("processor")) + (" (safe mode)" if mode == "safe" else "")
 
 
 def tasks(client: Client, args: argparse.Namespace) -> int:

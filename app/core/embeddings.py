@@ -11,9 +11,9 @@ import asyncio
 import base64
 from typing import Any
 
-from app.engine.parent.engine import EngineError
 from app.engine.parent.pool import EnginePool
 from app.engine.registry import models
+from app.engine.runs import EngineError
 from app.errors import InvalidRequest, LmspError
 from app.events import EventBus
 from app.store.store import Store

@@ -16,15 +16,16 @@ from app import paths
 from app.core import auth, model_details, ollama
 from app.core.auth import OWNER, Client
 from app.core.remotes import Remotes
-from app.engine.parent.engine import EngineError
 from app.engine.parent.modes import EngineModes
 from app.engine.parent.pool import EnginePool
 from app.engine.registry import discovery, gguf, memory, models
+from app.engine.runs import EngineError
 from app.errors import Conflict, Forbidden, InvalidRequest, LmspError, TooManyRequests
 from app.events import EventBus
 from app.store.store import Store
 
 log = logging.getLogger(__name__)
+MAX_LAYERS = 10_000  # more than any model has: llama.cpp caps a count at the model's own
 # Files that paired apps may have validated and hashed at once, one each at most (more would only
 # share the same disk and cores); the owner's go beside them, on a thread kept for them.
 EXAMINERS = 2
@@ -119,12 +120,17 @@ class Models:
         return memory.model_memory(row["size_bytes"], info.metadata if info else {},
                                    models.context_length(row["context_length"]), parallel or self.parallel())
 
+    async def _gpu_room(self, digest: str | None) -> int:
+        """What the GPUs would take of a model (of `digest`; None: any), as llama.cpp fits its layers
+        and their KV cache to them (LMSP §18)."""
+        return await asyncio.to_thread(self.modes.gpu_room, digest or "")
+
     async def check_parallel(self, changes: dict[str, Any]) -> None:
         """Refuse a `parallel` with which a registered model would not fit in the memory this
         computer has now (a settings check: Settings.update asks it before saving). A model that
         does not fit even with 1 is left to its load to refuse: no `parallel` can help it, and it
         must not keep the setting from changing."""
-        if "parallel" not in changes or (available := memory.available_bytes()) is None:
+        if "parallel" not in changes or (available := memory.with_gpus(await self._gpu_room(None))) is None:
             return
         rows = await self.store.read(lambda c: c.execute("SELECT * FROM models WHERE format != 'remote' "
                                                          "ORDER BY created_at").fetchall())
@@ -145,7 +151,10 @@ class Models:
         # since (a change reaches an engine at its next load); otherwise what the setting would give.
         slots = self.pool.slots().get(row["path"]) if found["status"] == "loaded" else None
         taken = self.memory(row, slots[1] if slots else None)
-        return {**found, "engine": self.modes.describe(row["digest"]), "parallel": taken.parallel,
+        held = [e for e in self.pool.holding(row["path"]) if e.alive] if found["status"] == "loaded" else []
+        processor = held[0].processor(self._headers.get(row["digest"])) if held else None
+        return {**found, "engine": self.modes.describe(row["digest"]), "processor": processor,
+                "parallel": taken.parallel,
                 "memory_bytes": taken.total_bytes, "memory": taken.as_dict(),
                 "details": model_details.details(found, self._headers.get(row["digest"]))}
 
@@ -228,24 +237,28 @@ class Models:
         await self.remotes.forget_remote_model(model_id)
         self.bus.publish([{"type": "models.changed"}])
 
-    async def load_model(self, model_id: str, client: Client = OWNER) -> dict[str, Any]:
+    async def load_model(self, model_id: str, client: Client = OWNER, options: Any = None) -> dict[str, Any]:
         """Load the model on an idle engine, which lets go of the model it held. That is a
         `models:write` power: for another app (Ollama's empty prompt needs only `responses:write`)
         the model is loaded only on an engine that holds none, else it loads with the app's first
-        request, in its turn."""
+        request, in its turn. `options` (POST /v1/models/{id}/load's body) may set `gpu_layers`:
+        the layers on the GPU from now on (null: as many as fit, LMSP §18)."""
+        layers = _gpu_layers(options)
         row = await self.store.read(models.usable, model_id)
         if row["format"] == "remote":  # nothing to load: check that its endpoints answer
             await self.remotes.check_upstreams()
             return self.remotes.remote_object(row)
         evicts = client.allows("models:write")
+        if options is not None:
+            self.modes.ask_layers(row["digest"], layers)
         engine = self.pool.idle() if evicts else self.pool.vacant()
         if engine is None and not evicts:
             return await self.model(model_id)
         if engine is None:
             raise Conflict("engines_busy", "Every engine is busy with a task; try again when one is free.")
         await self._read_headers([row])
-        if row["path"] not in self.loaded_paths() and (
-                why := memory.shortfall(model_id, self.memory(row), memory.available_bytes())):
+        if row["path"] not in self.loaded_paths() and (why := memory.shortfall(
+                model_id, self.memory(row), memory.with_gpus(await self._gpu_room(row["digest"])))):
             raise LmspError("model_load_failed", f"The model could not be loaded: {why}.", status=422)
         started = time.monotonic()
         try:
@@ -258,14 +271,14 @@ class Models:
         return await self.model(model_id)
 
     async def forget_engine_mode(self, model_id: str) -> dict[str, Any]:
-        """Try fast mode again for a model that fell back to safe mode (LMSP §11): forgotten for
-        good, so its next load, after a restart too, runs in fast mode (and falls back again if
-        it still crashes). An idle engine holding it in safe mode lets it go now."""
+        """Try fast mode, and the GPU, again for a model that fell back to safe mode (LMSP §11) or to
+        the CPU (§18): forgotten for good, so its next load, after a restart too, runs so (and falls
+        back again if it still fails). An idle engine holding it otherwise lets it go now."""
         row = await self.store.read(models.get, model_id)
         if row["format"] == "remote":
             raise InvalidRequest(f"{model_id!r} runs on other servers: it has no engine mode here.")
         await self.modes.forget(row["digest"])
-        await self.pool.unload(row["path"], lambda engine: engine.mode != self.modes.mode(row["digest"]))
+        await self.pool.unload(row["path"], lambda engine: engine.ready() is None)
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)
 
@@ -296,3 +309,16 @@ class Models:
             raise Conflict("model_in_use", "A task is running on this model; cancel it first.")
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)
+
+
+def _gpu_layers(options: Any) -> int | None:
+    """`gpu_layers` of a load's options: a count of layers (0: the CPU alone), or null."""
+    if options is None:
+        return None
+    if not isinstance(options, dict) or set(options) - {"gpu_layers"}:
+        raise InvalidRequest("The body may hold only `gpu_layers`.", param="gpu_layers")
+    layers = options.get("gpu_layers")
+    if layers is not None and (type(layers) is not int or not 0 <= layers <= MAX_LAYERS):
+        raise InvalidRequest(f"`gpu_layers` must be a whole number from 0 to {MAX_LAYERS}, or null (as many as fit).",
+                             param="gpu_layers")
+    return layers

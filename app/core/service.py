@@ -58,7 +58,8 @@ class AppService:
         # The engines and what runs on them: the pool of local engines (their modes remembered per
         # model), remote endpoints, the grammar worker, and the one scheduler, whose task kinds
         # (generations, downloads) hand tasks to them.
-        self.modes = EngineModes(self.store, self.bus, lambda: str(self.settings["engine_mode"]))
+        self.modes = EngineModes(self.store, self.bus, lambda: str(self.settings["engine_mode"]),
+                                 lambda: str(self.settings["gpu"]))
         self.pool = EnginePool(self.modes, engine_factory)
         self.upstreams = Upstreams()
         self.grammars = GrammarWorker()

@@ -51,10 +51,10 @@ class Settings(Mapping[str, Any]):
         await self.store.write(config.save, changes)
         self.current = {**self.current, **changes}
         self._apply(changes)
-        # `engine_mode` changes how every local model runs and `parallel` the memory it takes, as
-        # GET /v1/models and the Models tab show.
+        # `engine_mode` and `gpu` change how every local model runs and `parallel` the memory it
+        # takes, as GET /v1/models and the Models tab show.
         self.bus.publish([{"type": "settings.changed", "changed": sorted(changes)}]
-                         + [{"type": "models.changed"}] * bool({"engine_mode", "parallel"} & set(changes)))
+                         + [{"type": "models.changed"}] * bool({"engine_mode", "gpu", "parallel"} & set(changes)))
         return self.view()
 
     def _apply(self, changes: dict[str, Any]) -> None:

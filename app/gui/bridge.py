@@ -20,6 +20,7 @@ class Bridge(QObject):
     pairing_resolved = Signal(str, str)  # pairing id, new status
     models_changed = Signal()
     safe_mode = Signal(object)           # {"models": [ids], "reason"}: the engine fell back (§11)
+    gpu_fallback = Signal(object)        # {"models": [ids], "reason"}: a model left the GPU for the CPU (§18)
     model_hashing = Signal(object)       # {"path", "done", "total"}
     clients_changed = Signal()
     settings_changed = Signal(object)    # list of changed keys
@@ -48,6 +49,8 @@ class Bridge(QObject):
             self.models_changed.emit()
         elif kind == "engine.safe_mode":
             self.safe_mode.emit(event)
+        elif kind == "engine.gpu_fallback":
+            self.gpu_fallback.emit(event)
         elif kind == "models.hashing":
             self.model_hashing.emit(event)
         elif kind == "clients.changed":

@@ -76,6 +76,7 @@ class Desktop(QObject):
         self.bridge.pairing_requested.connect(self._pairing_requested)
         self.bridge.task_event.connect(self._task_event)
         self.bridge.safe_mode.connect(self._safe_mode)
+        self.bridge.gpu_fallback.connect(self._gpu_fallback)
         self._clock = QTimer(self, interval=5000)  # pairing requests expire without an event
         self._clock.timeout.connect(lambda: self.session.forget_expired(time.time()))
         self._clock.start()
@@ -259,6 +260,13 @@ class Desktop(QObject):
                          f"{names} crashed the fast inference engine on this CPU. It now runs in safe mode, "
                          "a little slower; your tasks carry on. Nothing to do; the Models tab says more.",
                          lambda: self.show_dashboard("Models"), QSystemTrayIcon.MessageIcon.Information)
+
+    def _gpu_fallback(self, event: dict[str, Any]) -> None:
+        """Said once per model and llama.cpp release, as safe mode is: the engine remembers it."""
+        names = ", ".join(event.get("models") or []) or "a model"
+        self.tray.notify("Running on the CPU", f"{event.get('reason', '')} ({names}) "
+                         "The Models tab can try the GPU again.",
+                         lambda: self.show_dashboard("Models"), QSystemTrayIcon.MessageIcon.Warning)
 
 
 def _start_problem(exc: Exception) -> str:

@@ -11,7 +11,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QProgressDialog, QPushButton, QTableWidgetItem, QWidget
 from shiboken6 import isValid
 
-from app.display import facts, human_size, is_remote, short_digest
+from app.display import facts, human_size, is_remote, processor_text, short_digest
 from app.errors import LmspError
 from app.gui.async_ui import confirm, show_error, spawn
 from app.gui.download_dialog import show_download_dialog
@@ -49,6 +49,12 @@ def state_text(model: dict[str, Any]) -> str:
     if not down or model["status"] != "available":
         return state
     return f"{state}, {down} of {len(model['endpoints'])} unreachable"
+
+
+def engine_text(model: dict[str, Any]) -> str:
+    """The Engine cell of a local model: its mode, and where it runs once loaded (Fast · 100% GPU)."""
+    mode = ENGINE_MODES.get((model.get("engine") or {}).get("mode", ""), "—")
+    return f"{mode} · {processor_text(model['processor'])}" if model.get("processor") else mode
 
 
 def memory_text(model: dict[str, Any]) -> tuple[str, str]:
@@ -137,9 +143,10 @@ class ModelsTab(QWidget):
             remote = is_remote(model)
             memory, memory_hint = memory_text(model)
             cells = (model["id"], human_size(model.get("size_bytes")), short_digest(model.get("digest")),
-                     state_text(model),
-                     "Remote" if remote else ENGINE_MODES.get(engine.get("mode", ""), "—"), memory)
-            hints = {ENGINE: REMOTE_HINT if remote else engine.get("reason") or ENGINE_HINT, MEMORY: memory_hint}
+                     state_text(model), "Remote" if remote else engine_text(model), memory)
+            hints = {ENGINE: REMOTE_HINT if remote else "\n".join(
+                         x for x in (engine.get("reason") or ENGINE_HINT, engine.get("gpu_reason")) if x),
+                     MEMORY: memory_hint}
             where = ("\n".join(endpoint_line(e) for e in model["endpoints"]) if remote
                      else f"{model.get('path', '')}\n{model.get('digest', '')}")
             for col, text in enumerate(cells):
@@ -167,8 +174,10 @@ class ModelsTab(QWidget):
         self.buttons["load"].setEnabled(status == "available")
         self.buttons["unload"].setEnabled(status == "loaded")
         # Only a fallback the engine remembers can be forgotten: the setting `safe` is the user's own.
-        self.buttons["fast-mode"].setEnabled(local is not None and local["engine"]["mode"] == "safe"
-                                             and self.session.service.settings["engine_mode"] == "auto")
+        gpu_failed = local is not None and bool(local["engine"].get("gpu_reason"))
+        self.buttons["fast-mode"].setText("Try the GPU again" if gpu_failed else "Try fast mode again")
+        self.buttons["fast-mode"].setEnabled(gpu_failed or (local is not None and local["engine"]["mode"] == "safe"
+                                             and self.session.service.settings["engine_mode"] == "auto"))
         for name in ("load", "unload"):
             self.buttons[name].setToolTip(REMOTE_HINT if remote else "")
         self.facts.setText(facts_html(model) if model is not None and not remote else "")

@@ -33,6 +33,7 @@ ON_RESTART = {"fail": "Mark it failed (the app may resubmit)", "retry": "Run it 
               "resume": "Continue where it stopped"}
 ENGINE_MODES = {"auto": "Automatic (fast; safe if it crashes)", "fast": "Fast only",
                 "safe": "Safe (slower, avoids CPU-specific crashes)"}
+GPU_MODES = {"auto": "Automatic (the GPU where there is one; the CPU if it fails)", "off": "Off (the CPU only)"}
 OLLAMA_MODES = {"off": "Off", "token": "On LMSP's port, for apps with a token",
                 "open": "Also on Ollama's port, for apps without a token"}
 # What apps on Ollama's port may do without a token (never admin), in the person's words.
@@ -42,9 +43,17 @@ OLLAMA_SCOPES = {"responses:write": "Generate", "models:read": "See the models",
 RESTART_NEEDED = ("host", "port")
 GROUPS = (("Network", ("host", "port", "allowed_origins")),
           ("Tasks", ("max_concurrent_tasks", "parallel", "default_on_restart", "retention_seconds")),
-          ("Models", ("model_idle_ttl_seconds", "engine_mode")),
+          ("Models", ("model_idle_ttl_seconds", "engine_mode", "gpu")),
           ("Apps that speak Ollama's API", ("ollama_api", "ollama_port", "ollama_scopes")))
 LONGEST_LABEL = "Unfinished task after a restart:"  # the groups' label columns line up at this width
+
+
+def choices(options: dict[str, str]) -> QComboBox:
+    """A drop-down of a setting's values (its items' data), in the person's words."""
+    box = QComboBox()
+    for value, text in options.items():
+        box.addItem(text, value)
+    return box
 
 
 class SettingsTab(QWidget):
@@ -56,9 +65,7 @@ class SettingsTab(QWidget):
         self.host.setMinimumWidth(self.fontMetrics().horizontalAdvance("M" * 22))
         self.port.setFixedWidth(self.fontMetrics().horizontalAdvance("0" * 9))
         self.retention = QSpinBox(minimum=1, maximum=3650, suffix=" days")
-        self.on_restart = QComboBox()
-        for value, text in ON_RESTART.items():
-            self.on_restart.addItem(text, value)
+        self.on_restart = choices(ON_RESTART)
         self.concurrency = QSpinBox(minimum=1, maximum=16)
         self.parallel = QSpinBox(minimum=1, maximum=64)
         self.origins = QPlainTextEdit()
@@ -66,9 +73,8 @@ class SettingsTab(QWidget):
         self.origins.setFixedHeight(64)
         self.idle = QSpinBox(minimum=0, maximum=525600, suffix=" min")
         self.idle.setSpecialValueText("never")  # for 0; PySide6's stubs do not take it as a keyword
-        self.engine_mode = QComboBox()
-        for value, text in ENGINE_MODES.items():
-            self.engine_mode.addItem(text, value)
+        self.engine_mode = choices(ENGINE_MODES)
+        self.gpu = choices(GPU_MODES)
         # param name (as the facade reports it) -> (field, label text, hint)
         self.fields: dict[str, tuple[QWidget, str, str]] = {
             "host": (self.host, "Address", "127.0.0.1 keeps the service on this computer. Takes effect after restart."),
@@ -83,6 +89,8 @@ class SettingsTab(QWidget):
             "model_idle_ttl_seconds": (self.idle, "Unload idle model after", ""),
             "engine_mode": (self.engine_mode, "Inference engine", "Safe mode turns off llama.cpp's weight "
                             "repacking and AMX kernels, which crash on some CPUs. Applies from the next task."),
+            "gpu": (self.gpu, "GPU", "A model's layers go to the graphics card, as many as its free memory holds. "
+                    "Applies from the next task."),
             **self._ollama_fields(),
         }
         self.errors: dict[str, QLabel] = {}
@@ -109,9 +117,7 @@ class SettingsTab(QWidget):
 
     def _ollama_fields(self) -> dict[str, tuple[QWidget, str, str]]:
         """LMSP §15: whether and where Ollama's API answers, and what apps without a token may do."""
-        self.ollama_api = QComboBox()
-        for value, text in OLLAMA_MODES.items():
-            self.ollama_api.addItem(text, value)
+        self.ollama_api = choices(OLLAMA_MODES)
         self.ollama_port = QSpinBox(minimum=1, maximum=65535)
         self.ollama_port.setGroupSeparatorShown(False)
         self.ollama_scopes = QWidget()
@@ -177,6 +183,7 @@ class SettingsTab(QWidget):
         self.origins.setPlainText("\n".join(s["allowed_origins"]))
         self.idle.setValue(round(s["model_idle_ttl_seconds"] / MINUTE))
         self.engine_mode.setCurrentIndex(max(0, self.engine_mode.findData(s["engine_mode"])))
+        self.gpu.setCurrentIndex(max(0, self.gpu.findData(s["gpu"])))
         self.ollama_api.setCurrentIndex(max(0, self.ollama_api.findData(s["ollama_api"])))
         self.ollama_port.setValue(s["ollama_port"])
         for scope, box in self.scope_boxes.items():
@@ -200,7 +207,7 @@ class SettingsTab(QWidget):
                 "parallel": self.parallel.value(),
                 "allowed_origins": [o.strip() for o in self.origins.toPlainText().splitlines() if o.strip()],
                 "model_idle_ttl_seconds": self.idle.value() * MINUTE,
-                "engine_mode": self.engine_mode.currentData(),
+                "engine_mode": self.engine_mode.currentData(), "gpu": self.gpu.currentData(),
                 "ollama_api": self.ollama_api.currentData(), "ollama_port": self.ollama_port.value(),
                 "ollama_scopes": [scope for scope, box in self.scope_boxes.items() if box.isChecked()]}
 

@@ -101,7 +101,9 @@ async def delete_model(request: web.Request) -> web.Response:
 
 
 async def load_model(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[SERVICE].models.load_model(request.match_info["model_id"]))
+    options = await read_json(request) if request.can_read_body else None
+    return web.json_response(await request.app[SERVICE].models.load_model(request.match_info["model_id"],
+                                                                           options=options))
 
 
 async def unload_model(request: web.Request) -> web.Response:

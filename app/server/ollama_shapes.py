@@ -16,6 +16,7 @@ from typing import Any
 from app.core.ollama import MAX_KEEP_ALIVE, ollama_name
 from app.core.requests import MAX_ITEMS, text_of
 from app.core.structured import chat_tool
+from app.display import gpu_share
 from app.errors import InvalidRequest, LmspError
 from app.server import go_template
 
@@ -304,7 +305,9 @@ def running_entry(model: dict[str, Any], header: dict[str, Any] | None, kept: fl
     left = kept if kept is not None else idle_ttl or math.inf
     until = datetime.now(UTC) + timedelta(seconds=left if 0 <= left <= MAX_KEEP_ALIVE else FOREVER)
     size = (model.get("memory") or {}).get("total_bytes") or model.get("size_bytes") or 0
-    return {**model_entry(model, header), "size": size, "size_vram": 0,
+    # Its share on the GPU by layers, as apps divide size_vram by size for `ollama ps`'s 48%/52%
+    # (the GPU's own count, compute buffers included, may be more than the estimate of `size`).
+    return {**model_entry(model, header), "size": size, "size_vram": round(size * gpu_share(model.get("processor"))),
             "expires_at": until.isoformat().replace("+00:00", "Z"), "context_length": model.get("context_length")}
 
 

@@ -32,6 +32,7 @@ DEFAULTS: dict[str, Any] = {
     "model_idle_ttl_seconds": 0,  # 0: never unload for idleness
     "allowed_hosts": [],
     "engine_mode": "auto",  # §11: auto falls back to safe per model when fast mode crashes
+    "gpu": "auto",  # §18: a model's layers on the GPU the build sees, as many as fit; off: the CPU alone
     "max_connections": 256,  # open HTTP connections at once; capped at a quarter of the fd limit
     # Unfinished tasks (generations and downloads) one client, and all clients, may have at once.
     "max_queued_tasks_per_client": 100,
@@ -117,6 +118,7 @@ VALIDATORS: dict[str, Any] = {
     "model_idle_ttl_seconds": _int_in(0, MAX_IDLE_SECONDS),
     "allowed_hosts": _str_list,
     "engine_mode": lambda v: v in ("auto", "fast", "safe"),
+    "gpu": lambda v: v in ("auto", "off"),
     "max_connections": _int_in(8, 65536),
     "max_queued_tasks_per_client": _int_in(1, 100_000),
     "max_queued_tasks": _int_in(1, 1_000_000),

@@ -20,8 +20,9 @@ from typing import Any
 
 from app.core.service import AppService
 from app.engine.net.wire import chat_request
-from app.engine.parent.engine import Engine, Generation, Seat
+from app.engine.parent.engine import Engine, Seat
 from app.engine.request import Request
+from app.engine.runs import Generation
 from tests.bench.bare import SPARE, Bare, bare, threads_app
 from tests.bench.figures import record
 from tests.bench.test_throughput import PROMPT

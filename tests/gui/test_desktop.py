@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from PySide6.QtWidgets import QMessageBox, QSystemTrayIcon
 from app import paths
 from app.core.auth import Client
 from app.core.service import AppService
+from app.engine.parent import gpu
+from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.gui.dashboard import Dashboard
 from app.gui.desktop import Desktop
 from app.gui.pairing_dialog import PairingDialog
@@ -155,8 +158,49 @@ async def test_safe_mode_is_said_once_and_shown_in_the_models_tab(desktop: Deskt
     dashboard = desktop.dashboard
     assert isinstance(dashboard, Dashboard) and dashboard.isVisible()
     table = dashboard.models.table
-    await until(lambda: table.rowCount() and table.item(0, 4).text() == "Safe mode", 10, "engine column")
+    await until(lambda: table.rowCount() and table.item(0, 4).text() == "Safe mode · 100% CPU", 10,
+                "engine column")
     assert "SIGSEGV" in table.item(0, 4).toolTip()
+
+
+@pytest.mark.gpu
+async def test_a_gpu_failure_is_said_once_and_the_models_tab_tries_the_gpu_again(
+        desktop: Desktop, owner: Client, until: Until, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Mesa's lavapipe (tests/test_gpu.py says why it is named): the GPU fails as the model loads,
+    the model runs on the CPU, the tray says so once, and the Models tab tries the GPU again."""
+    messages: list[tuple[str, str, Callable[[], None] | None]] = []
+    desktop.tray.notify = lambda title, text, on_click=None, icon=None: messages.append((title, text, on_click))
+    monkeypatch.setenv("GGML_VK_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(gpu, "devices", functools.cache(gpu.devices.__wrapped__))  # asked again, with lavapipe
+    monkeypatch.setenv("LMSP_ENGINE_FAULT", "gpu:warmup:SIGABRT")
+    service = desktop.session.service
+    for _ in range(2):
+        row = await service.tasks.wait((await make_task(service, owner, tokens=2))["task"]["id"])
+        assert row["status"] == "completed", dict(row)
+    await until(lambda: messages, 20, "notification")
+    await asyncio.sleep(0.3)  # a second notice would have arrived by now
+    [(title, text, on_click)] = messages
+    assert title == "Running on the CPU" and "SIGABRT" in text and "smollm2-135m-instruct" in text, text
+    assert on_click is not None
+    on_click()
+    dashboard = desktop.dashboard
+    assert isinstance(dashboard, Dashboard) and dashboard.isVisible()
+    tab = dashboard.models
+    await until(lambda: tab.table.rowCount() and tab.table.item(0, 4).text() == "Fast · 100% CPU", 10, "engine column")
+    assert "failed on the GPU" in tab.table.item(0, 4).toolTip()
+    tab.table.selectRow(0)
+    button = tab.buttons["fast-mode"]
+    assert button.isEnabled() and button.text() == "Try the GPU again"
+    assert "Processor:</b></td><td>100% CPU. It failed on the GPU while loading" in tab.facts.text()
+
+    monkeypatch.delenv("LMSP_ENGINE_FAULT")  # its driver got fixed, say
+    button.click()
+    await until(lambda: tab.table.item(0, 4).text() == "Fast", 20, "the model let go, the GPU allowed again")
+    await service.models.load_model(DEFAULT_MODEL_ID)
+    await until(lambda: tab.table.item(0, 4).text() == "Fast · 100% GPU", 20, "on the GPU")
+    tab.table.selectRow(0)
+    assert "Processor:</b></td><td>100% GPU (Vulkan0: 31 of 31 layers, " in tab.facts.text()
+    assert not button.isEnabled() and button.text() == "Try fast mode again"
 
 
 async def test_pairing_notifications_are_plain_text_throttled_and_a_click_opens_what_was_announced(

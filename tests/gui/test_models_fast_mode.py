@@ -12,6 +12,7 @@ from PySide6.QtWidgets import QApplication
 from app.engine.registry.models import DEFAULT_MODEL_ID
 from app.gui.models_tab import ModelsTab
 from tests.helpers import started
+from tests.test_engine_modes import IN_FAST_MODE
 
 pytestmark = pytest.mark.gui
 ENGINE = 4
@@ -35,7 +36,7 @@ async def test_try_fast_mode_again_from_the_models_tab(tmp_path: Path, qapp: QAp
         button.click()
         await until(lambda: tab.table.item(row, ENGINE).text() == "Fast", 20, "engine column back to fast")
         assert not button.isEnabled() and tab.table.item(row, ENGINE).toolTip() != ""
-        assert (await service.models.model(DEFAULT_MODEL_ID))["engine"] == {"mode": "fast", "reason": None}
+        assert (await service.models.model(DEFAULT_MODEL_ID))["engine"] == IN_FAST_MODE
 
         # The setting `safe` is the person's own choice: nothing to try again there.
         await service.settings.update({"engine_mode": "safe"})
@@ -46,4 +47,4 @@ async def test_try_fast_mode_again_from_the_models_tab(tmp_path: Path, qapp: QAp
         await service.settings.update({"engine_mode": "auto"})
 
     async with started(data) as again:
-        assert (await again.models.model(DEFAULT_MODEL_ID))["engine"] == {"mode": "fast", "reason": None}
+        assert (await again.models.model(DEFAULT_MODEL_ID))["engine"] == IN_FAST_MODE

@@ -28,8 +28,8 @@ from urllib.parse import urlsplit
 import httpx2
 
 from app.engine.net.wire import Reader, chat_request, read_chat, read_completion, sampling
-from app.engine.parent.engine import EngineError, Generation, Message, Waiting
 from app.engine.request import Request
+from app.engine.runs import EngineError, Generation, Message, Waiting
 from app.logs import redact
 
 log = logging.getLogger(__name__)

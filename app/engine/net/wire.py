@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from app.engine.parent.engine import Generation
 from app.engine.request import Request
+from app.engine.runs import Generation
 
 
 def sampling(request: Request) -> dict[str, Any]:

@@ -24,9 +24,8 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import AsyncIterator
+from typing import Any
 
 from app.engine.parent import cpu, faults, prompt
 from app.engine.parent.modes import FAST, SAFE, EngineModes
@@ -34,10 +33,9 @@ from app.engine.parent.server import Gone, Launch, Server, ServerError, crash, e
 from app.engine.registry import gguf, memory, models
 from app.engine.registry.models import Registered
 from app.engine.request import Request
+from app.engine.runs import CRASHED, EngineError, Generation, Message, Waiting
 
 log = logging.getLogger(__name__)
-Message = dict[str, Any]
-CRASHED = {"code": "engine_crashed", "message": "The inference engine stopped unexpectedly; the task stopped."}
 SAFE_CRASH_BUDGET = 2  # crashes in safe mode that end one load or generation
 STALL_SECONDS = 60.0  # a server with generations that runs no decode step for this long is stuck
 WATCH_SECONDS = 10.0
@@ -55,43 +53,6 @@ class Died(Exception):
     def __init__(self, server: Server) -> None:
         super().__init__(server.name)
         self.server = server
-
-
-class EngineError(Exception):
-    def __init__(self, code: str, message: str, param: str | None = None, final: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param  # the request field at fault, if the request was
-        self.final = final  # the engine already spent the crashes a task may cost: no retry
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One run of a request: the request as stored, its task's limit, and where to pick up from (resume)."""
-    request: Request
-    max_tokens: int | None
-    prefix_ids: list[int] = field(default_factory=list)  # the output so far: the token ids streamed
-    prefix_text: str = ""                # its text
-    prefix_tokens: int = 0               # and how many tokens it counted
-
-
-Waiting = Callable[[str], Awaitable[None]]  # told why a task waits for its engine, before each pause
-
-
-class Runs(Protocol):
-    """What a task needs of an engine, local (a `Seat` on an `Engine`) or remote (app/engine/net/remote.py)."""
-    name: str
-
-    async def open(self, model: Any, gen: Generation, waiting: Waiting) -> bool:
-        """Get ready to run `gen` on the model of this `models` row; True when it had to be loaded."""
-
-    def generate(self, gen: Generation) -> AsyncIterator[Message]:
-        """`chunk` messages (`ids`, `text`, `tokens`), a `reset` when the output starts again from
-        nothing, then one `done`. Raises EngineError."""
-
-    def cancel(self) -> None:
-        """Stop what runs: `generate` ends with a `done` of reason `cancelled`."""
 
 
 class Seat:
@@ -131,6 +92,7 @@ class Engine:
         self.file: Registered | None = None  # the model file loaded
         self.refused: set[Registered] = set()  # files found not to be what was registered
         self.mode: str | None = None          # the mode the loaded model runs in
+        self.gpu_layers: int | None = None    # layers on a GPU the loaded model was started with (None: as many as fit)
         self.cpu_variant: str | None = None   # which libggml-cpu-<variant> llama.cpp picked
         self.template: prompt.Prompter | None = None
         self._server: Server | None = None
@@ -151,7 +113,7 @@ class Engine:
         """The model file loaded, if loading it now would find nothing to do (loaded, in the
         mode it runs in and with the slots asked for, by a live server)."""
         if (self.file is not None and self.alive and self.mode == self.modes.mode(self.file.digest)
-                and self.slots == self.parallel):
+                and self.slots == self.parallel and self.gpu_layers == self.modes.gpu_layers(self.file.digest)):
             return self.file
         return None
 
@@ -168,6 +130,17 @@ class Engine:
     def pid(self) -> int | None:
         return self._server.pid if self._server else None
 
+    def processor(self, info: gguf.GgufInfo | None) -> dict[str, Any] | None:
+        """Where the loaded model runs (LMSP §18), None when none is; its layers counted from its
+        header (`info`) where llama.cpp did not say (a CPU build, or `--device none`)."""
+        if self._server is None:
+            return None
+        found = self._server.placement.as_dict()
+        blocks = info.metadata.get(f"{info.metadata.get('general.architecture')}.block_count") if info else None
+        if found["layers"] is None and isinstance(blocks, int):
+            found["layers"] = blocks + 1  # llama.cpp counts the output layer as one
+        return found
+
     def seat(self) -> Seat:
         return Seat(self)
 
@@ -177,8 +150,9 @@ class Engine:
         generations) its prompt maker; EngineError when the file is not the one registered or does
         not fit, Died when the server ended while loading."""
         parallel = 1 if embedding else self.parallel
+        room = await asyncio.to_thread(self.modes.gpu_room, file.digest)  # the GPUs are asked once a run: it blocks
         try:
-            fd, path, info = await asyncio.to_thread(memory.opened, file, parallel)
+            fd, path, info = await asyncio.to_thread(memory.opened, file, parallel, room)
         except models.FileChanged as exc:
             self.refused.add(file)
             raise EngineError("model_changed", str(exc)) from exc
@@ -187,7 +161,8 @@ class Engine:
         started = time.monotonic()
         pooling = prompt.pooling(info) if embedding else None
         server = Server(self.name, Launch(path, os.path.basename(file.path), file.context_length, parallel,
-                                          self.n_threads, mode == SAFE, pooling, fd))
+                                          self.n_threads, mode == SAFE, pooling, fd,
+                                          self.modes.gpu_layers(file.digest)))
         try:
             server.start()
         except (OSError, ServerError) as exc:
@@ -205,14 +180,19 @@ class Engine:
             await server.stop()
             raise Died(server) from None
         self.cpu_variant = server.backend or self.cpu_variant
-        log.info("%s: loaded %s in %s mode, %d at once, in %.2f s (llama.cpp CPU backend: %s)", self.name,
-                 file.path, mode, parallel, time.monotonic() - started, self.cpu_variant or "native")
+        where = server.placement.as_dict()
+        log.info("%s: loaded %s in %s mode, %d at once, in %.2f s (llama.cpp CPU backend: %s; %d of %s layers on %s)",
+                 self.name, file.path, mode, parallel, time.monotonic() - started, self.cpu_variant or "native",
+                 where["gpu_layers"], where["layers"] or "its", where["device"])
         return server, info, template
 
     async def _survive(self, crashes: list[str], stage: str, file: Registered, server: Server) -> None:
         """After the server died: decide whether to carry on (in safe mode) or fail. `crashes`
         holds the modes it crashed in during this one request."""
         code = await server.exited()
+        if await self._off_gpu(code, stage, file, server):
+            raise EngineError(CRASHED["code"], "The GPU failed while this task ran; the model now runs on the CPU. "
+                              + server.why(code))
         mode = SAFE if server.launch.safe else FAST
         log.error("%s: inference process %s while %s %s in %s mode (CPU: %s; llama.cpp CPU backend: %s)",
                   self.name, ended(code), stage, file.path, mode, cpu.summary(), self.cpu_variant or "native")
@@ -236,6 +216,17 @@ class Engine:
                               "work; the log has the details.", final=True)
         log.warning("%s: crashed in safe mode; trying once more with a fresh process", self.name)
 
+    async def _off_gpu(self, code: int, stage: str, file: Registered, server: Server) -> bool:
+        """Whether a server that ended with `code` failed on the GPU (it had layers there, and it
+        crashed or exited with an error, not killed from outside): that model then runs on the CPU,
+        remembered and said (LMSP §18), and the caller starts it again, or moves its tasks on."""
+        if not server.launch.on_gpu or not (crash(code) or code > 0):
+            return False
+        reason = f"It failed on the GPU while {stage} ({server.why(code)}); it now runs on the CPU."
+        log.error("%s: %s: %s", self.name, file.path, reason)
+        await self.modes.fall_back_to_cpu(file.digest, reason)
+        return True
+
     async def _load(self, file: Registered, crashes: list[str]) -> Message:
         """Load in the mode the model should run in; survive a crash as `_survive` decides."""
         while True:
@@ -247,11 +238,14 @@ class Engine:
                 server, _, template = await self._start(file, mode)
             except Died as died:
                 code = await died.server.exited()
+                if await self._off_gpu(code, "loading", file, died.server):
+                    continue
                 if code >= 0:  # it refused the file (llama.cpp's loader says why), no crash
                     raise EngineError("model_load_failed", died.server.why(code)) from None
                 await self._survive(crashes, "loading and warming up", file, died.server)
                 continue
             self._server, self.template, self.file, self.mode, self.slots = server, template, file, mode, self.parallel
+            self.gpu_layers = server.launch.gpu_layers
             self._last_used = time.monotonic()
             return {"ev": "loaded", "cached": False}
 

@@ -39,7 +39,7 @@ PATTERN = 2  # llama.cpp's COMMON_GRAMMAR_TRIGGER_TYPE_PATTERN: a regex over the
 
 
 def _error(code: str, message: str, param: str | None = None) -> Exception:
-    from app.engine.parent.engine import EngineError  # the engine's error, raised for it
+    from app.engine.runs import EngineError  # the engine's error, raised for it
 
     return EngineError(code, message, param)
 

@@ -40,6 +40,7 @@ import httpx2
 import psutil
 
 from app import paths
+from app.engine.parent import gpu
 
 log = logging.getLogger(__name__)
 STATE = "cmd_child_to_router:state:"
@@ -60,6 +61,9 @@ POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's pooling typ
 PR_SET_PDEATHSIG = 1
 BACKEND = re.compile(r"libggml-cpu-(\w+)\.(?:so|dll|dylib)")  # the CPU variant's library, as loaded
 HTTP_THREADS = 4  # beside one per slot: the prompt's tokenizing, the watchdog, a cancel
+# llama.cpp's trace level: the library's own lines, where it says as it loads where the model went
+# (the GPU's layers and buffers: `placement`); a request then adds some thirty lines, not one a token.
+LOG_VERBOSITY = 4
 TAIL = 20  # lines of its output kept, for the error when it fails to load
 # The level letter llama.cpp's log puts after each line's time ("0.00.021.190 I srv ...").
 LEVELS = {"D": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR}
@@ -80,7 +84,8 @@ class Gone(Exception):
 @dataclass(frozen=True)
 class Launch:
     """What one server is started for: the model (at `path`, opened as `fd` where that is passed on),
-    each slot's context, the slots, the threads, safe mode, and embeddings (with the model's pooling)."""
+    each slot's context, the slots, the threads, safe mode, embeddings (with the model's pooling), and
+    its layers on a GPU (None: as many as the GPU's free memory holds)."""
     path: str
     alias: str
     n_ctx: int
@@ -89,6 +94,11 @@ class Launch:
     safe: bool
     pooling: int | None = None  # None: a generation server; else embeddings, pooled this way (0: by mean)
     fd: int | None = None
+    gpu_layers: int | None = 0
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.gpu_layers != 0
 
 
 # Deaths that point at llama.cpp's own code, not at someone killing the process (SIGKILL from the
@@ -126,9 +136,10 @@ def arguments(binary: str, launch: Launch, socket: str) -> list[str]:
     t = str(launch.threads)
     args = [binary, "--model", launch.path, "--alias", launch.alias, "--host", socket, "--port", "0",
             "--threads", t, "--threads-batch", t, "--poll", "0", "--prio", "0",
-            "--n-gpu-layers", "0", "--fit", "off", "--no-webui", "--metrics", "--slots", "--warmup",
+            *_gpu(launch.gpu_layers), "--no-webui", "--metrics", "--slots", "--warmup",
             "--threads-http", str(launch.parallel + HTTP_THREADS),
-            "--repack" if not launch.safe else "--no-repack", "--log-verbosity", "3", "--log-colors", "off"]
+            "--repack" if not launch.safe else "--no-repack", "--log-verbosity", str(LOG_VERBOSITY),
+            "--log-colors", "off"]
     if launch.pooling is None:
         args += ["--ctx-size", str(launch.n_ctx * launch.parallel), "--parallel", str(launch.parallel),
                  "--no-kv-unified", "--batch-size", "2048", "--ubatch-size", str(UBATCH),
@@ -138,6 +149,15 @@ def arguments(binary: str, launch: Launch, socket: str) -> list[str]:
                  "--parallel", "1", "--batch-size", str(launch.n_ctx), "--ubatch-size", str(launch.n_ctx),
                  "--cache-ram", "0"]
     return args
+
+
+def _gpu(layers: int | None) -> list[str]:
+    """Where the model's layers go (LMSP §18)."""
+    if layers == 0:  # no device at all: llama.cpp would still send a long prompt's matrices to one
+        return ["--device", "none", "--n-gpu-layers", "0", "--fit", "off"]
+    if layers is None:  # llama.cpp fits them to the devices' free memory, leaving room for the desktop
+        return ["--n-gpu-layers", "auto", "--fit", "on", "--fit-target", str(gpu.FIT_MARGIN_MIB)]
+    return ["--n-gpu-layers", str(layers), "--fit", "off"]
 
 
 def environment(key: str) -> dict[str, str]:
@@ -180,6 +200,7 @@ class Server:
         self.proc: subprocess.Popen[bytes] | None = None
         self.tail: deque[str] = deque(maxlen=TAIL)
         self.facts: dict[str, Any] = {}  # what its ready line said of the model (n_ctx, n_ctx_train, ...)
+        self.placement = gpu.Placement()  # where it put the model, as it said while loading
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self.ended: asyncio.Future[int] | None = None  # its exit code, once it ended
         self._client: httpx2.AsyncClient | None = None
@@ -233,6 +254,8 @@ class Server:
                         loop.call_soon_threadsafe(_settle, self._ready, state.get("payload", {}))
             elif line:
                 self.tail.append(line)
+                if not loaded:
+                    self.placement.read(line)
                 level = LEVELS.get(line.split(" ", 2)[1] if " " in line else "", logging.INFO)
                 log.log(logging.DEBUG if loaded and level == logging.INFO else level, "%s: %s", self.name, line)
         code = proc.wait()

@@ -95,6 +95,12 @@ def available_bytes() -> int | None:
         return None
 
 
+def with_gpus(gpu_bytes: int) -> int | None:
+    """`available_bytes`, and `gpu_bytes` more that the GPUs would take of a model (LMSP §18)."""
+    available = available_bytes()
+    return None if available is None else available + gpu_bytes
+
+
 def shortfall(model: str, memory: Memory, available: int | None) -> str | None:
     """Why `model` with `memory` does not fit in `available` bytes, in words; None if it fits, or
     if either side is unknown."""
@@ -114,22 +120,25 @@ def most_parallel(memory: Callable[[int], Memory], available: int, limit: int) -
 
 
 def refusal(name: str, metadata: Mapping[str, Any], weights_bytes: int, context_length: int,
-            parallel: int) -> str | None:
+            parallel: int, gpu_bytes: int = 0) -> str | None:
     """Why the model `name` (its header's `metadata`) must not be loaded with `parallel` sequences
-    of `context_length`: it would not fit in the memory available now (None: it fits, or that is
-    not known). For the engine, just before llama.cpp loads the file."""
-    return shortfall(name, model_memory(weights_bytes, metadata, context_length, parallel), available_bytes())
+    of `context_length`: it would not fit in the memory available now, `gpu_bytes` on its GPUs
+    included (None: it fits, or that is not known). For the engine, just before llama.cpp loads
+    the file."""
+    return shortfall(name, model_memory(weights_bytes, metadata, context_length, parallel), with_gpus(gpu_bytes))
 
 
-def opened(file: Registered, parallel: int) -> tuple[int, str, gguf.GgufInfo]:
+def opened(file: Registered, parallel: int, gpu_bytes: int = 0) -> tuple[int, str, gguf.GgufInfo]:
     """The model file opened (and a path naming that open file), if it is the one registered and
-    fits in memory with `parallel` contexts (refused before llama.cpp takes the memory: what does not
-    fit is an OOM kill), with its header. Raises FileChanged, OSError, GgufError, MemoryError (it
-    does not fit: the message says so). Blocking; the caller closes the descriptor."""
+    fits in memory (its GPUs' `gpu_bytes` included) with `parallel` contexts (refused before
+    llama.cpp takes the memory: what does not fit is an OOM kill), with its header. Raises
+    FileChanged, OSError, GgufError, MemoryError (it does not fit: the message says so). Blocking;
+    the caller closes the descriptor."""
     fd, path = models.open_verified(file)
     try:
         info = gguf.inspect(path)
-        too_big = refusal(os.path.basename(file.path), info.metadata, file.size_bytes, file.context_length, parallel)
+        too_big = refusal(os.path.basename(file.path), info.metadata, file.size_bytes, file.context_length, parallel,
+                          gpu_bytes)
         if too_big is not None:
             raise MemoryError(too_big)
     except BaseException:

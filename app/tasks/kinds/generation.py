@@ -38,8 +38,9 @@ from collections.abc import Coroutine, Iterable
 from typing import Any
 
 from app.engine.net.remote import RemoteEngine
-from app.engine.parent.engine import Engine, EngineError, Generation, Runs
+from app.engine.parent.engine import Engine
 from app.engine.registry.models import Registered
+from app.engine.runs import EngineError, Generation, Runs
 from app.errors import LmspError, StoreError
 from app.tasks import calls, machine, recovery
 from app.tasks.kinds import generation_writes as writes

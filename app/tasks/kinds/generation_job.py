@@ -10,9 +10,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.engine.parent.engine import Engine, Runs
+from app.engine.parent.engine import Engine
 from app.engine.registry.models import Registered
 from app.engine.request import Request
+from app.engine.runs import Runs
 from app.errors import LmspError
 from app.tasks import calls, machine
 from app.tasks.kinds.base import Room
