@@ -80,7 +80,8 @@ class Gone(Exception):
 @dataclass(frozen=True)
 class Launch:
     """What one server is started for: the model (at `path`, opened as `fd` where that is passed on),
-    each slot's context, the slots, the threads, safe mode, and embeddings (with the model's pooling)."""
+    each slot's context, the slots, the threads, safe mode, embeddings (with the model's pooling),
+    and the vision projector that lets a generation server read images."""
     path: str
     alias: str
     n_ctx: int
@@ -89,6 +90,7 @@ class Launch:
     safe: bool
     pooling: int | None = None  # None: a generation server; else embeddings, pooled this way (0: by mean)
     fd: int | None = None
+    projector: str | None = None
 
 
 # Deaths that point at llama.cpp's own code, not at someone killing the process (SIGKILL from the
@@ -137,6 +139,8 @@ def arguments(binary: str, launch: Launch, socket: str) -> list[str]:
         args += ["--embedding", "--pooling", POOLING.get(launch.pooling, "mean"), "--ctx-size", str(launch.n_ctx),
                  "--parallel", "1", "--batch-size", str(launch.n_ctx), "--ubatch-size", str(launch.n_ctx),
                  "--cache-ram", "0"]
+    # A vision projector runs on the CPU, as the model does (--n-gpu-layers 0); without one, none is looked for.
+    args += ["--mmproj", launch.projector, "--no-mmproj-offload"] if launch.projector else ["--no-mmproj"]
     return args
 
 
