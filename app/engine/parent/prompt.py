@@ -5,6 +5,9 @@ The chat template is rendered here, as the check made when a request is accepted
 (app/engine/template.py), with each message's text as a slot; the server tokenizes the pieces, the
 template's own markers as special tokens and the messages' text as plain text. The pieces are
 tokenized at once (the server has a thread per connection), the template's remembered: they recur.
+A conversation with images is sent as llama.cpp's multimodal prompt instead: the same pieces as
+one text, the server's media marker before a message's text for each of its images, and the
+images (its text is then read with special tokens, so one that spells them is refused).
 Embeddings: vectors of the model's pooling (the mean of the token embeddings where the file names
 none), L2-normalised by the server, cut to `dimensions` and normalised again here.
 """

@@ -129,6 +129,7 @@ def examine(path_text: str, progress: Callable[[int, int], None] | None = None,
         raise InvalidRequest("The model path must be absolute.", param="path")
     if not path.is_file():
         raise InvalidRequest(f"No file at {path}.", param="path", code="model_file_not_found")
+    vision = projector(path, projector_path)  # before the hash: a bad one given is refused at once
     # One open for the check and the hash: the bytes validated are the bytes hashed, and the file
     # recorded (device, inode) is the one they came from, whatever the path points at later.
     try:
@@ -144,8 +145,7 @@ def examine(path_text: str, progress: Callable[[int, int], None] | None = None,
     if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
         raise InvalidRequest(f"{path.name} changed while it was being read; try again when it is complete.",
                              param="path", code="invalid_model_file")
-    return ModelFile(str(path), after.st_size, after.st_mtime_ns, digest, info, after.st_dev, after.st_ino,
-                     projector(path, projector_path))
+    return ModelFile(str(path), after.st_size, after.st_mtime_ns, digest, info, after.st_dev, after.st_ino, vision)
 
 
 def open_verified(file: Registered) -> tuple[int, str]:
