@@ -41,7 +41,7 @@ def chunks(text: str) -> list[Any]:
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
         {"id": "b", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "robot", "content": "?"}]}, "messages[2].role", "role"),
-    ({"messages": [*HI, {"role": "user", "content": [{"type": "image_url"}]}]}, "messages[1].content[0]", "text"),
+    ({"messages": [*HI, {"role": "user", "content": [{"type": "input_audio"}]}]}, "messages[1].content[0]", "text"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "`stream: true`"),
     ({**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options", "include_usage"),
 ])

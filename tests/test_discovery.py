@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from app.core.service import AppService
 from app.engine.registry.discovery import discover
+from app.errors import InvalidRequest
 from tests.test_gguf import make_gguf
 
 GGUF = make_gguf({"general.architecture": "llama", "general.name": "Tiny", "llama.context_length": 256})
@@ -80,3 +83,33 @@ async def test_picked_models_are_registered_in_place(service: AppService, tmp_pa
     assert len(list((home / ".ollama/models/blobs").iterdir())) == 3  # nothing copied
     again = {m["name"]: m for m in await service.models.discover_models()}
     assert again["tiny:latest"]["registered"] is True
+
+
+async def test_a_vision_projector_is_found_beside_its_model_or_in_its_manifest(service: AppService,
+                                                                               tmp_path: Path) -> None:
+    """LM Studio keeps `mmproj-*.gguf` beside the model (not a model of its own), Ollama a
+    projector layer in the manifest: either is registered with the model, which then shows it."""
+    files = _machine(tmp_path)
+    projector = make_gguf({"general.architecture": "clip", "clip.has_vision_encoder": True})
+    beside = _write(files["lmstudio"].parent / "mmproj-tiny-f16.gguf", projector)
+    _write(files["lmstudio"].parent / "mmproj-broken.gguf", GGUF)  # a text model so named: passed over
+    layer = _write(tmp_path / f".ollama/models/blobs/sha256-{'77' * 32}", projector)
+    vision = _write(tmp_path / f".ollama/models/blobs/sha256-{'88' * 32}")
+    manifest = {"layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": "sha256:" + "88" * 32},
+                           {"mediaType": "application/vnd.ollama.image.projector", "digest": "sha256:" + "77" * 32}]}
+    _write(tmp_path / ".ollama/models/manifests/registry.ollama.ai/library/tiny-vision/latest",
+           json.dumps(manifest).encode())
+    found = {f.name: f for f in discover(home=tmp_path, env={})}
+    assert not any("mmproj" in name for name in found)
+    assert found["bartowski/Tiny-GGUF/tiny-Q4_K_M.gguf"].projector == str(beside.resolve())
+    assert found["tiny-vision:latest"].projector == str(layer.resolve())
+    assert found["tiny:latest"].projector is None and found["TheOrg/Tiny-GGUF/tiny.Q8_0.gguf"].projector is None
+    model = await service.models.register_model({"path": str(files["lmstudio"]), "id": "tiny-lms"})
+    assert model["projector"] == str(beside)
+    model = await service.models.register_model({"path": str(vision), "id": "tiny-vision",
+                                                 "projector": found["tiny-vision:latest"].projector})
+    assert model["projector"] == str(layer.resolve())
+    with pytest.raises(InvalidRequest) as refused:  # a text model is no projector
+        await service.models.register_model({"path": str(files["ollama"]), "id": "bad",
+                                             "projector": str(files["ollama"])})
+    assert refused.value.param == "projector" and refused.value.code == "invalid_model_file"

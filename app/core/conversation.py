@@ -66,7 +66,7 @@ def history(conn: sqlite3.Connection, client_id: str, previous_id: str) -> list[
     # Its answer without the reasoning before it, as thinking models' templates leave that out.
     answer: ChatMessage = {"role": "assistant", "content": calls.answer_of(stored, output.text(conn, row["task_id"]))}
     messages = [*stored.seen(), answer]
-    if sum(len(m["content"]) for m in messages) > MAX_HISTORY_CHARS:
+    if sum(len(m["content"]) + sum(map(len, m.get("images", []))) for m in messages) > MAX_HISTORY_CHARS:
         raise InvalidRequest(f"The conversation is longer than {MAX_HISTORY_CHARS} characters.", param=PARAM,
                              code="conversation_too_long")
     return messages
@@ -83,7 +83,8 @@ def input_items(response_id: str, request: Request) -> list[dict[str, Any]]:
     """The input of a response in OpenAI's item shape, oldest first: earlier turns included."""
     base = records.message_id(response_id)
     return [{"id": f"{base}_{i}", "type": "message", "role": m["role"], "status": "completed",
-             "content": [{"type": "output_text", "text": m["content"], "annotations": []} if m["role"] == "assistant"
+             "content": [*({"type": "input_image", "image_url": url, "detail": "auto"} for url in m.get("images", [])),
+                         {"type": "output_text", "text": m["content"], "annotations": []} if m["role"] == "assistant"
                          else {"type": "input_text", "text": m["content"]}]}
             for i, m in enumerate(request.seen())]
 

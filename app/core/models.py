@@ -164,9 +164,11 @@ class Models:
             return await self.remotes.register_remote_model(client, body)
         if not isinstance(body, dict) or not isinstance(body.get("path"), str):
             raise InvalidRequest("`path` (an absolute file path) is required.", param="path")
-        if set(body) - {"path", "id"}:
-            unknown = sorted(set(body) - {"path", "id"})[0]
+        if set(body) - {"path", "id", "projector"}:
+            unknown = sorted(set(body) - {"path", "id", "projector"})[0]
             raise InvalidRequest(f"Unknown parameter {unknown!r}.", param=unknown)
+        if body.get("projector") is not None and not isinstance(body["projector"], str):
+            raise InvalidRequest("`projector` must be the absolute path of a vision projector file.", param="projector")
         model_id = body.get("id")
         if model_id is not None and (not isinstance(model_id, str) or not models.ID_PATTERN.match(model_id)):
             # Checked before hashing: an explicit but bad id (even "") is refused, never replaced.
@@ -180,13 +182,14 @@ class Models:
             if progress:
                 loop.call_soon_threadsafe(progress, done, total)
 
-        found = await self.examine(body["path"], report, client)
+        found = await self.examine(body["path"], report, client, body.get("projector"))
         model_id = models.suggest_id(found.path) if model_id is None else model_id
         await self.store.write(models.insert, model_id, found, client.id)
         self.bus.publish([{"type": "models.changed"}])
         return await self.model(model_id)
 
-    async def examine(self, path: str, progress: Any = None, client: Client = OWNER) -> models.ModelFile:
+    async def examine(self, path: str, progress: Any = None, client: Client = OWNER,
+                      projector: str | None = None) -> models.ModelFile:
         """models.examine on a thread of its own small pool, that stops when the caller is cancelled
         (its client left) or the service stops: a file made to look huge must cost neither hours
         nor a slow exit, and files being hashed never take the threads that pairing requests,
@@ -204,7 +207,7 @@ class Models:
         self._examining[cancel] = app
         try:
             return await asyncio.get_running_loop().run_in_executor(self._examiner, models.examine, path, progress,
-                                                                    cancel)
+                                                                    cancel, None, projector)
         except gguf.Cancelled:
             raise LmspError("service_stopping", "The service is stopping.", status=503) from None
         finally:

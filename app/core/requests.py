@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app.core import structured
+from app.core import images, structured
 from app.engine.request import ChatMessage, Request
 from app.errors import InvalidRequest
 from app.store.config import ON_RESTART
@@ -46,18 +46,39 @@ def _is_number(v: Any) -> bool:
 
 
 def text_of(content: Any, param: str) -> str:
-    """A message's content: a string, or text parts (as OpenAI takes them), joined."""
+    """A text-only content (a function's output): a string, or text parts (as OpenAI takes them), joined."""
+    return _content(content, param, False)[0]
+
+
+def _content(content: Any, param: str, images_too: bool) -> tuple[str, list[str]]:
+    """A message's content: a string, or parts: its text parts joined, and its images (where
+    `images_too`) as checked `data:` URLs (app/core/images.py)."""
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                    or not isinstance(part.get("text"), str):
-                raise InvalidRequest("Only text content parts are supported.", param=f"{param}[{i}]")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise InvalidRequest("`content` must be a string or a list of text parts.", param=param)
+        return content, []
+    if not isinstance(content, list):
+        raise InvalidRequest("`content` must be a string or a list of content parts.", param=param)
+    texts, shown = [], []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if images_too and kind in ("input_image", "image_url"):
+            shown.append(_image(part, f"{param}[{i}]"))
+        elif kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            raise InvalidRequest(f"Only text{' and image' if images_too else ''} content parts are supported.",
+                                 param=f"{param}[{i}]")
+    return "".join(texts), shown
+
+
+def _image(part: dict[str, Any], param: str) -> str:
+    """Responses' `input_image` (`image_url`: a URL) or chat's `image_url` part (`image_url.url`)."""
+    url = part.get("image_url")
+    if isinstance(url, dict) and part["type"] == "image_url":
+        return images.from_url(url.get("url"), f"{param}.image_url.url")
+    if url is None and part.get("file_id") is not None:
+        raise InvalidRequest("Files are not kept here: send the image as `image_url`, a data: URL.",
+                             param=f"{param}.file_id", code="unsupported_image_url")
+    return images.from_url(url, f"{param}.image_url")
 
 
 def _messages(value: Any) -> list[ChatMessage]:
@@ -67,8 +88,9 @@ def _messages(value: Any) -> list[ChatMessage]:
         raise InvalidRequest("`input` must be a string or a non-empty list of messages.", param="input")
     if len(value) > MAX_ITEMS:
         raise InvalidRequest(f"`input` has {len(value)} items; at most {MAX_ITEMS} are allowed.", param="input")
-    turns: list[tuple[str, list[str]]] = []  # each turn's role and texts, joined once at the end
+    turns: list[tuple[str, list[str], list[str]]] = []  # each turn's role, texts and images, joined at the end
     calls: dict[str, str] = {}  # call_id -> the function of the first call with it, so far
+    shown = 0
     for i, item in enumerate(value):
         if isinstance(item, dict) and item.get("type") in CALL_ITEMS:
             said = structured.item_message(item, calls, f"input[{i}]")
@@ -78,13 +100,24 @@ def _messages(value: Any) -> list[ChatMessage]:
             if turns and turns[-1][0] == said["role"]:
                 turns[-1][1].append(said["content"])
             else:
-                turns.append((said["role"], [said["content"]]))
+                turns.append((said["role"], [said["content"]], []))
             continue
         if not isinstance(item, dict) or item.get("role") not in ROLES:
             raise InvalidRequest(f"Each message needs a role, one of {sorted(ROLES)}.", param=f"input[{i}].role")
         role = "system" if item["role"] == "developer" else item["role"]
-        turns.append((role, [text_of(item.get("content"), f"input[{i}].content")]))
-    return [{"role": role, "content": "\n\n".join(texts)} for role, texts in turns]
+        text, pictures = _content(item.get("content"), f"input[{i}].content", True)
+        shown += len(pictures)
+        if shown > images.MAX_IMAGES:
+            raise InvalidRequest(f"The input has more than {images.MAX_IMAGES} images.", param=f"input[{i}].content",
+                                 code="too_many_images")
+        turns.append((role, [text], pictures))
+    messages: list[ChatMessage] = []
+    for role, texts, pictures in turns:
+        message: ChatMessage = {"role": role, "content": "\n\n".join(texts)}
+        if pictures:
+            message["images"] = pictures
+        messages.append(message)
+    return messages
 
 
 def parse(body: Any, convert: structured.Convert) -> ResponseRequest:

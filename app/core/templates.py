@@ -12,6 +12,7 @@ import sqlite3
 
 from app.core import conversation
 from app.engine import template
+from app.engine.registry import models
 from app.engine.registry.gguf import GgufInfo
 from app.engine.request import Request
 from app.errors import InvalidRequest, LmspError
@@ -25,6 +26,7 @@ def subject(conn: sqlite3.Connection, client_id: str, model_id: str,
     InvalidRequest for a prompt without a template (`raw`, `suffix`) to a remote model: its
     endpoint takes chats only."""
     row: sqlite3.Row | None = conn.execute("SELECT * FROM models WHERE id = ?", (model_id,)).fetchone()
+    _sees(row, request)
     if row is not None and row["format"] == "remote" and (request.raw or request.suffix is not None):
         name = "raw" if request.raw else "suffix"
         raise InvalidRequest(f"`{name}` needs a local model: a remote endpoint is sent chats.", param=name)
@@ -36,7 +38,22 @@ def subject(conn: sqlite3.Connection, client_id: str, model_id: str,
             request = conversation.continued(request, conversation.history(conn, client_id, previous))
         except LmspError:
             return None
+        _sees(row, request)  # the earlier turns' images too
     return row, request
+
+
+def _sees(row: sqlite3.Row | None, request: Request) -> None:
+    """InvalidRequest when the request shows images to a model that cannot see them: one loaded
+    without a vision projector (`models.projector`), or a remote endpoint (it is sent text)."""
+    if not request.images or row is None:
+        return
+    if row["format"] == "remote":
+        raise InvalidRequest("Images go only to a local model with a vision projector: a remote endpoint is "
+                             "sent text.", param="input", code="unsupported_image")
+    if models.registered(row).projector is None:
+        raise InvalidRequest(f"The model {row['id']!r} has no vision projector, so it cannot be shown images "
+                             "(register it with one: `projector`, or an mmproj-*.gguf beside its file).",
+                             param="input", code="unsupported_image")
 
 
 def check(info: GgufInfo, request: Request) -> str:

@@ -21,6 +21,9 @@ Schema = dict[str, Any]
 class ChatMessage(TypedDict):
     role: str  # system | user | assistant
     content: str
+    # The images the message shows the model, before its text, as checked `data:` URLs
+    # (app/core/images.py); only a model with a vision projector is given any.
+    images: NotRequired[list[str]]
 
 
 class Format(TypedDict):
@@ -127,9 +130,15 @@ class Request:
             if not isinstance(value, _SHAPES[key]):
                 raise ValueError(f"A stored request's {key!r} is not {_SHAPES[key]}.")
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                   and isinstance(m.get("images", []), list) and all(isinstance(i, str) for i in m.get("images", []))
                    for m in stored.get("messages", [])):
-            raise ValueError("A stored request's messages each have a role and a content.")
+            raise ValueError("A stored request's messages each have a role and a content (and image URLs).")
         return cls(**{"messages": [], **stored})  # a row without messages: only ever one made by hand
+
+    @property
+    def images(self) -> int:
+        """How many images the messages show."""
+        return sum(len(m.get("images", ())) for m in self.messages)
 
     def seen(self) -> list[ChatMessage]:
         """Every message but the instructions: the earlier turns, then the input."""
@@ -154,8 +163,13 @@ class Request:
             return self.messages
         messages = self.messages
         if messages and messages[0]["role"] == "system":
-            return [{"role": "system", "content": f"{messages[0]['content']}\n\n{note}"}, *messages[1:]]
+            return [{**messages[0], "content": f"{messages[0]['content']}\n\n{note}"}, *messages[1:]]
         return [{"role": "system", "content": note}, *messages]
+
+
+def payload(image: str) -> str:
+    """The base64 of an image a message keeps (a `data:` URL)."""
+    return image[image.index(",") + 1:]
 
 
 def _described(tool: Tool) -> dict[str, Any]:

@@ -107,7 +107,7 @@ class ChatTemplate:
         thinking = {} if not effort else {"enable_thinking": effort != "none", "reasoning_effort": effort}
         try:
             return self.compiled.render(
-                messages=[{**m, "content": SLOT.format(i)} for i, m in enumerate(messages)],
+                messages=[{"role": m["role"], "content": SLOT.format(i)} for i, m in enumerate(messages)],
                 eos_token=self.eos_token, bos_token=self.bos_token, raise_exception=_raise_exception,
                 add_generation_prompt=True, functions=None, function_call=None, tools=tools, tool_choice=None,
                 strftime_now=_strftime_now, **thinking)

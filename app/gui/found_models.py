@@ -264,7 +264,7 @@ class FoundModelsDialog(QDialog):
 
                 try:
                     await self.session.service.models.register_model(
-                        {"path": model["path"], "id": model["suggested_id"]},
+                        {"path": model["path"], "id": model["suggested_id"], "projector": model.get("projector")},
                                                               progress=report)
                 except LmspError as exc:  # this file only: the next one is still tried
                     self.errors[model["path"]] = exc.message

@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import PurePath
 from typing import Any
 
+from app.core import images
 from app.core.ollama import MAX_KEEP_ALIVE, ollama_name
 from app.core.requests import MAX_ITEMS, text_of
 from app.core.structured import chat_tool
@@ -42,10 +43,18 @@ def _string(value: Any, param: str) -> str:
     return value
 
 
-def _no_images(message: dict[str, Any], param: str | None = None) -> None:
-    if message.get("images"):
-        raise InvalidRequest("Images are not supported: the models here read text.",
-                             param=f"{param}.images" if param else "images")
+def _images(message: dict[str, Any], param: str) -> list[dict[str, Any]]:
+    """A message's (or a generate body's) `images`, base64 each, as Responses' image parts: checked
+    here, so an error names the Ollama field."""
+    shown = message.get("images") or []
+    if not isinstance(shown, list):
+        raise InvalidRequest("`images` must be a list of base64 strings.", param=param)
+    return [{"type": "input_image", "image_url": images.checked(data, f"{param}[{j}]")} for j, data in enumerate(shown)]
+
+
+def _shown(content: str, parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A message's content as Responses reads it: its text, after its images if it has any."""
+    return [*parts, {"type": "input_text", "text": content}] if parts else content
 
 
 class _Unanswered:
@@ -134,15 +143,18 @@ def _input(messages: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(_counted(messages)):
         if not isinstance(message, dict):
             raise InvalidRequest("A message is an object with `role` and `content`.", param=f"messages[{i}]")
-        _no_images(message, f"messages[{i}]")
+        parts = _images(message, f"messages[{i}].images")
         if message.get("role") == "tool":
+            if parts:  # a function's output is text
+                raise InvalidRequest("A tool message cannot show images.", param=f"messages[{i}].images")
             items.append(_answer(message, i, unanswered))
             continue
         content = _string(message.get("content"), f"messages[{i}].content")
         if message.get("role") == "assistant" and message.get("tool_calls"):
-            items += ([{"role": "assistant", "content": content}] if content else []) + _calls(message, i, unanswered)
+            said = [{"role": "assistant", "content": _shown(content, parts)}] if content or parts else []
+            items += said + _calls(message, i, unanswered)
         else:
-            items.append({"role": message.get("role"), "content": content})
+            items.append({"role": message.get("role"), "content": _shown(content, parts)})
     return items
 
 
@@ -202,10 +214,13 @@ def generate_request(body: dict[str, Any], model_id: str) -> dict[str, Any]:
     `suffix` in the model's fill-in-the-middle tokens, a `template` rendered over `system` and
     `prompt` (app/server/go_template.py) and sent as a raw prompt; a prompt otherwise goes through
     the model's own chat template."""
-    _no_images(body)
     prompt, suffix = _string(body.get("prompt"), "prompt"), _string(body.get("suffix"), "suffix")
     raw, template = body.get("raw", False), _string(body.get("template"), "template")
     system = _string(body.get("system"), "system")
+    parts = _images(body, "images")
+    if parts and (raw is not False or suffix or template):
+        raise InvalidRequest("`images` need the model's own chat template: they cannot go with `raw`, `suffix` "
+                             "or `template`.", param="images")
     if template and raw is False:
         if suffix:
             raise InvalidRequest("`suffix` cannot go with `template` here: the template has no `.Suffix`.",
@@ -215,7 +230,7 @@ def generate_request(body: dict[str, Any], model_id: str) -> dict[str, Any]:
         out = _common(body, model_id, prompt)
         out.update({"raw": raw} if raw is not False else {"suffix": suffix})
         return out
-    out = _common(body, model_id, [{"role": "user", "content": prompt}])
+    out = _common(body, model_id, [{"role": "user", "content": _shown(prompt, parts)}])
     if system:
         out["instructions"] = system
     return out
@@ -315,7 +330,8 @@ def show(model: dict[str, Any], header: dict[str, Any] | None, fills_in: bool) -
     """`/api/show`: what Open WebUI, Continue and Copilot read of a model. Its capabilities are
     what works through this API: `tools` for a local model (its template writes them, or the
     system message describes them: app/engine/request.py `Request.prompt`; a remote endpoint is
-    sent none), `insert` (a `suffix`) where the model has fill-in-the-middle tokens."""
+    sent none), `insert` (a `suffix`) where the model has fill-in-the-middle tokens, `vision`
+    (`images`) where it was registered with a vision projector."""
     arch = model.get("architecture") or "llama"
     context = model.get("context_length") or 0
     # Ollama writes the blob's path after FROM; ours would show any page on this computer (this
@@ -327,4 +343,5 @@ def show(model: dict[str, Any], header: dict[str, Any] | None, fills_in: bool) -
             "model_info": {"general.architecture": arch, f"{arch}.context_length": context,
                            "general.parameter_count": (header or {}).get("general.parameter_count")},
             "capabilities": ["completion", *(["tools"] if header is not None else []),
-                             *(["insert"] if fills_in else []), "embedding"]}
+                             *(["insert"] if fills_in else []), *(["vision"] if model.get("projector") else []),
+                             "embedding"]}

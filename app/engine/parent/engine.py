@@ -162,7 +162,7 @@ class Engine:
         pooling = prompt.pooling(info) if embedding else None
         server = Server(self.name, Launch(path, os.path.basename(file.path), file.context_length, parallel,
                                           self.n_threads, mode == SAFE, pooling, fd,
-                                          self.modes.gpu_layers(file.digest)))
+                                          self.modes.gpu_layers(file.digest), None if embedding else file.projector))
         try:
             server.start()
         except (OSError, ServerError) as exc:
@@ -335,15 +335,14 @@ class Engine:
                       text: str, count: int) -> AsyncIterator[Message]:
         """One streamed completion: the prompt, and `text` (`count` tokens) already produced."""
         assert self.template is not None
-        ids, more = await self.template.ids(server, request, text)  # EngineError if it cannot fit
-        room = self.template.n_ctx - len(ids)  # the context left for the output, what was produced included
+        sent, prompt_tokens, more = await self.template.sent(server, request, text)  # EngineError if it cannot fit
+        room = self.template.n_ctx - prompt_tokens  # the context left for the output, what was produced included
         limit = min(max_tokens or room, room)
-        prompt_tokens = len(ids)
         n_predict = min(limit - count, room - len(more))  # the text again may be a token more or less
         if n_predict <= 0:
             yield {"ev": "done", "reason": "length", "input_tokens": prompt_tokens, "output_tokens": count}
             return
-        body = prompt.body(request, ids + more, n_predict, text)
+        body = prompt.body(request, sent, n_predict, text)
         pump: asyncio.Queue[Message | BaseException] = asyncio.Queue()
         reader = asyncio.ensure_future(server.pump("/completion", body, pump))
         faults.fault("prompt", server)
@@ -360,6 +359,8 @@ class Engine:
                                "output_tokens": count}
                         return
                     raise event
+                # The server's count: an image's tokens are known only to it.
+                prompt_tokens = event.get("tokens_evaluated", prompt_tokens + len(more)) - len(more)
                 tokens = event.get("tokens_predicted", produced) - produced
                 produced += tokens
                 count += tokens

@@ -5,6 +5,9 @@ The chat template is rendered here, as the check made when a request is accepted
 (app/engine/template.py), with each message's text as a slot; the server tokenizes the pieces, the
 template's own markers as special tokens and the messages' text as plain text. The pieces are
 tokenized at once (the server has a thread per connection), the template's remembered: they recur.
+A conversation with images is sent as llama.cpp's multimodal prompt instead: the same pieces as
+one text, the server's media marker before a message's text for each of its images, and the
+images (its text is then read with special tokens, so one that spells them is refused).
 Embeddings: vectors of the model's pooling (the mean of the token embeddings where the file names
 none), L2-normalised by the server, cut to `dimensions` and normalised again here.
 """
@@ -22,7 +25,7 @@ import numpy as np
 
 from app.engine.constraints import grammar
 from app.engine.registry import gguf
-from app.engine.request import END, MARK, THOUGHT, ChatMessage, Constraint, Request, opens, thought
+from app.engine.request import END, MARK, THOUGHT, ChatMessage, Constraint, Request, opens, payload, thought
 from app.engine.template import SLOTS, ChatTemplate, Refused
 
 Message = dict[str, Any]
@@ -49,12 +52,15 @@ class Prompter:
     model puts first by itself where there is no template, each slot's context."""
 
     def __init__(self, template: ChatTemplate | None, first: list[int], n_ctx: int, token_bytes: int,
-                 fim: tuple[int, int, int] | None = None) -> None:
+                 fim: tuple[int, int, int] | None = None, marker: str | None = None) -> None:
         self.template = template
         self.first = first
         self.n_ctx = n_ctx
         self.token_bytes = token_bytes  # gguf.GgufInfo.token_bytes: a text's least tokens, from its bytes
         self.fim = fim  # gguf.GgufInfo.fim: the prefix, suffix and middle tokens
+        # Where an image goes in a multimodal prompt: the server's own marker, random to each
+        # start (no text can guess it); None without a vision projector.
+        self.marker = marker
         self._known: dict[str, list[int]] = {}
 
     @classmethod
@@ -65,29 +71,72 @@ class Prompter:
             template = ChatTemplate(info.chat_template or props.get("chat_template", ""),
                                     props.get("bos_token", ""), props.get("eos_token", ""))
         first = await tokenize(server, "", special=True, add=True)
-        return cls(template, first, int(props["default_generation_settings"]["n_ctx"]), info.token_bytes, info.fim)
+        marker = props.get("media_marker") if (props.get("modalities") or {}).get("vision") else None
+        return cls(template, first, int(props["default_generation_settings"]["n_ctx"]), info.token_bytes, info.fim,
+                   marker)
 
     async def ids(self, server: Any, request: Request, text: str) -> tuple[list[int], list[int]]:
         """The prompt's tokens, and those of `text` (the output so far). EngineError when the
         template refuses the conversation or the prompt cannot fit the context."""
         if request.raw or request.suffix is not None:
             return await self._plain(server, request, text)
+        pieces, messages, first = self._layout(request)
+        parts = await self._parts(server, pieces, messages, first, text)
+        return self._whole(first + [t for part in parts[:-1] for t in part]), parts[-1]
+
+    async def sent(self, server: Any, request: Request, text: str) -> tuple[Any, int, list[int]]:
+        """What `/completion` is sent as its prompt (ending with `text`, the output so far), how
+        many of its tokens are counted here, and those of `text`. Token ids, unless the messages
+        show images: then llama.cpp's multimodal prompt, one text with the server's media marker
+        where each image goes (before its message's text) and the images, whose tokens the server
+        counts (its context check refuses a prompt they make too long)."""
+        if not request.images:
+            ids, more = await self.ids(server, request, text)
+            return ids + more, len(ids), more
+        if self.marker is None:  # refused when accepted: app/core/templates.py
+            raise _error("invalid_request", "This model has no vision projector, so it cannot be shown images.",
+                         "input")
+        pieces, messages, first = self._layout(request)
+        parts = await self._parts(server, pieces, messages, first, text)
+        known = self._whole(first + [t for part in parts[:-1] for t in part])
+        await self._plain_only(server, [messages[int(p)]["content"] for p in pieces[1::2]] + [text],
+                               [*parts[1:-1:2], parts[-1]])
+        shown = [image for p in pieces[1::2] for image in messages[int(p)].get("images", [])]
+        prompt = "".join(self.marker * len(messages[int(p)].get("images", [])) + messages[int(p)]["content"]
+                         if k % 2 else p for k, p in enumerate(pieces))
+        if self.first and self.template is not None and self.template.bos_token:
+            prompt = prompt.removeprefix(self.template.bos_token)  # the server puts the model's first tokens
+        return {"prompt_string": prompt + text, "multimodal_data": [payload(i) for i in shown]}, len(known), parts[-1]
+
+    def _layout(self, request: Request) -> tuple[list[str], list[ChatMessage], list[int]]:
+        """The prompt as pieces, template text and message index by turns; the messages; the
+        tokens put before them (the model's own first ones where there is no template)."""
         if self.template is not None:  # it writes the BOS token where it wants one
             try:
                 prompt, messages = self.template.prompt(request)
             except Refused as exc:  # most are refused when accepted: app/core/templates.py
                 raise _error("template_error", str(exc)) from None
-            pieces = SLOTS.split(prompt)  # template, message index, template, ...
-            first: list[int] = []
-        else:
-            messages = request.prompt()
-            pieces = [x for i, m in enumerate(messages) for x in (("\n" if i else "") + f"{m['role']}: ", str(i))]
-            pieces.append("\nassistant: ")
-            first = self.first
+            return SLOTS.split(prompt), messages, []
+        messages = request.prompt()
+        pieces = [x for i, m in enumerate(messages) for x in (("\n" if i else "") + f"{m['role']}: ", str(i))]
+        return [*pieces, "\nassistant: "], messages, self.first
+
+    async def _parts(self, server: Any, pieces: list[str], messages: list[ChatMessage], first: list[int],
+                     text: str) -> list[list[int]]:
+        """The tokens of each piece, then of `text`, if they can fit the context."""
         self._fits(len(first), (messages[int(p)]["content"] if k % 2 else p for k, p in enumerate(pieces)))
-        parts = await asyncio.gather(*(self._piece(server, messages, k, p) for k, p in enumerate(pieces)),
-                                     tokenize(server, text) if text else _none())
-        return self._whole(first + [t for part in parts[:-1] for t in part]), parts[-1]
+        return list(await asyncio.gather(*(self._piece(server, messages, k, p) for k, p in enumerate(pieces)),
+                                         tokenize(server, text) if text else _none()))
+
+    @staticmethod
+    async def _plain_only(server: Any, texts: list[str], plain: list[list[int]]) -> None:
+        """EngineError if a text spells one of the model's control tokens: a multimodal prompt is
+        one text, read with its special tokens, where it would be that token (token ids keep a
+        message's text plain)."""
+        special = await asyncio.gather(*(tokenize(server, t, special=True) if t else _none() for t in texts))
+        if any(a != b for a, b in zip(special, plain)):
+            raise _error("invalid_request", "A conversation with images cannot spell the model's control tokens "
+                         "(such as <|im_end|>) in its text: llama.cpp reads its prompt as one text.", "input")
 
     async def _plain(self, server: Any, request: Request, text: str) -> tuple[list[int], list[int]]:
         """A prompt without a template: a raw one as it is (its special tokens read as such, the
@@ -151,10 +200,10 @@ async def tokenize(server: Any, text: str, special: bool = False, add: bool = Fa
     return [int(t) for t in answer["tokens"]]
 
 
-def body(request: Request, ids: list[int], n_predict: int, text: str) -> dict[str, Any]:
-    """A streamed `/completion` of `ids` (ending with `text`, the output so far), sampled as the
-    request asks."""
-    sent = {"prompt": ids, "n_predict": n_predict, "stream": True, "cache_prompt": True, "samplers": SAMPLERS,
+def body(request: Request, prompt: Any, n_predict: int, text: str) -> dict[str, Any]:
+    """A streamed `/completion` of `prompt` (`Prompter.sent`: ending with `text`, the output so far),
+    sampled as the request asks."""
+    sent = {"prompt": prompt, "n_predict": n_predict, "stream": True, "cache_prompt": True, "samplers": SAMPLERS,
             "temperature": float(request.temperature), "top_p": float(request.top_p),
             "seed": -1 if request.seed is None else request.seed, "stop": request.stop, **NEUTRAL}
     if request.constraint:

@@ -84,8 +84,9 @@ class Gone(Exception):
 @dataclass(frozen=True)
 class Launch:
     """What one server is started for: the model (at `path`, opened as `fd` where that is passed on),
-    each slot's context, the slots, the threads, safe mode, embeddings (with the model's pooling), and
-    its layers on a GPU (None: as many as the GPU's free memory holds)."""
+    each slot's context, the slots, the threads, safe mode, embeddings (with the model's pooling),
+    its layers on a GPU (None: as many as the GPU's free memory holds), and the vision projector
+    that lets a generation server read images."""
     path: str
     alias: str
     n_ctx: int
@@ -95,6 +96,7 @@ class Launch:
     pooling: int | None = None  # None: a generation server; else embeddings, pooled this way (0: by mean)
     fd: int | None = None
     gpu_layers: int | None = 0
+    projector: str | None = None
 
     @property
     def on_gpu(self) -> bool:
@@ -148,6 +150,9 @@ def arguments(binary: str, launch: Launch, socket: str) -> list[str]:
         args += ["--embedding", "--pooling", POOLING.get(launch.pooling, "mean"), "--ctx-size", str(launch.n_ctx),
                  "--parallel", "1", "--batch-size", str(launch.n_ctx), "--ubatch-size", str(launch.n_ctx),
                  "--cache-ram", "0"]
+    # A vision projector goes where the model's layers go; without one, none is looked for.
+    offload = "--mmproj-offload" if launch.on_gpu else "--no-mmproj-offload"
+    args += ["--mmproj", launch.projector, offload] if launch.projector else ["--no-mmproj"]
     return args
 
 

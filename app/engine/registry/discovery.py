@@ -10,7 +10,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.engine.registry import models
+
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
+OLLAMA_PROJECTOR_LAYER = "application/vnd.ollama.image.projector"  # a vision model's projector
 GGUF_MAGIC = b"GGUF"
 
 
@@ -20,6 +23,7 @@ class Found:
     path: str
     size_bytes: int
     source: str    # "lmstudio" | "ollama" | "huggingface"
+    projector: str | None = None  # its vision projector, registered with it (models.projector)
 
 
 def _is_gguf(path: Path) -> bool:
@@ -30,9 +34,14 @@ def _is_gguf(path: Path) -> bool:
         return False
 
 
-def _found(name: str, path: Path, source: str) -> Found:
+def _found(name: str, path: Path, source: str, projector: str | None) -> Found:
     real = path.resolve()
-    return Found(name, str(real), real.stat().st_size, source)
+    return Found(name, str(real), real.stat().st_size, source, projector)
+
+
+def _model(file: Path) -> bool:
+    """A GGUF model file (a vision projector beside one is not a model of its own)."""
+    return file.is_file() and not file.name.lower().startswith(models.PROJECTOR_PREFIX) and _is_gguf(file)
 
 
 def lmstudio(home: Path) -> list[Found]:
@@ -40,8 +49,9 @@ def lmstudio(home: Path) -> list[Found]:
     for root in (home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"):
         if root.is_dir():
             for file in sorted(root.rglob("*.gguf")):
-                if file.is_file() and _is_gguf(file):
-                    out.append(_found(file.relative_to(root).as_posix(), file, "lmstudio"))
+                if _model(file):
+                    name = file.relative_to(root).as_posix()
+                    out.append(_found(name, file, "lmstudio", models.projector(file, None)))
     return out
 
 
@@ -57,19 +67,25 @@ def ollama(roots: list[Path]) -> list[Found]:
                 layers = json.loads(manifest.read_text(encoding="utf-8")).get("layers", [])
             except (OSError, ValueError, AttributeError):
                 continue
-            model_layer = next((layer for layer in layers if isinstance(layer, dict)
-                                and layer.get("mediaType") == OLLAMA_MODEL_LAYER), None)
-            digest = str(model_layer.get("digest", "")) if model_layer else ""
-            blob = root / "blobs" / digest.replace(":", "-")
-            if not digest.startswith("sha256:") or not blob.is_file() or not _is_gguf(blob):
+            blob, projector = (_blob(root, layers, kind) for kind in (OLLAMA_MODEL_LAYER, OLLAMA_PROJECTOR_LAYER))
+            if blob is None:
                 continue
             parts = manifest.relative_to(manifests).parts  # host / namespace / model / tag
             if len(parts) < 3:
                 continue
             namespace, model, tag = parts[-3], parts[-2], parts[-1]
             name = f"{model}:{tag}" if namespace == "library" else f"{namespace}/{model}:{tag}"
-            out.append(_found(name, blob, "ollama"))
+            vision = str(projector.resolve()) if projector and models.is_projector(projector) else None
+            out.append(_found(name, blob, "ollama", vision))
     return out
+
+
+def _blob(root: Path, layers: list[object], kind: str) -> Path | None:
+    """The GGUF blob of a manifest's layer of this media type, if it has one."""
+    layer = next((x for x in layers if isinstance(x, dict) and x.get("mediaType") == kind), None)
+    digest = str(layer.get("digest", "")) if isinstance(layer, dict) else ""
+    blob = root / "blobs" / digest.replace(":", "-")
+    return blob if digest.startswith("sha256:") and blob.is_file() and _is_gguf(blob) else None
 
 
 def huggingface(hub: Path) -> list[Found]:
@@ -79,9 +95,9 @@ def huggingface(hub: Path) -> list[Found]:
     for repo in sorted(hub.glob("models--*")):
         repo_name = repo.name[len("models--"):].replace("--", "/")
         for file in sorted((repo / "snapshots").glob("*/**/*.gguf")):
-            if file.is_file() and _is_gguf(file):
-                relative = file.relative_to(repo / "snapshots").parts[1:]
-                out.append(_found(f"{repo_name}/{'/'.join(relative)}", file, "huggingface"))
+            if _model(file):
+                name = f"{repo_name}/{'/'.join(file.relative_to(repo / 'snapshots').parts[1:])}"
+                out.append(_found(name, file, "huggingface", models.projector(file, None)))
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -137,8 +138,14 @@ def opened(file: Registered, parallel: int, gpu_bytes: int = 0) -> tuple[int, st
     fd, path = models.open_verified(file)
     try:
         info = gguf.inspect(path)
-        too_big = refusal(os.path.basename(file.path), info.metadata, file.size_bytes, file.context_length, parallel,
-                          gpu_bytes)
+        vision = 0  # the projector's weights, loaded beside the model's
+        if file.projector is not None:
+            if not models.is_projector(Path(file.projector)):
+                raise OSError(f"The vision projector {file.projector} registered with this model is gone or no "
+                              "longer one; register the model again to use it.")
+            vision = os.stat(file.projector).st_size
+        too_big = refusal(os.path.basename(file.path), info.metadata, file.size_bytes + vision, file.context_length,
+                          parallel, gpu_bytes)
         if too_big is not None:
             raise MemoryError(too_big)
     except BaseException:

@@ -20,6 +20,7 @@ from app.errors import Conflict, InvalidRequest, LmspError, NotFound
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")  # \Z: "$" would let "id\n" through
 DIGEST_CHECK_BYTES = 256 * 1024 * 1024  # files up to this size are hashed again before each load
+PROJECTOR_PREFIX = "mmproj"  # how a vision projector beside its model is named (`projector`)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class ModelFile:
     info: gguf.GgufInfo
     device: int  # with `inode`: which file the path led to, whatever links led there
     inode: int
+    projector: str | None = None  # the vision projector it is loaded with (`projector`)
 
 
 # The context a model runs with: its trained one, up to this. llama.cpp allocates the KV cache for
@@ -53,6 +55,7 @@ class Registered:
     device: int | None  # None for a model registered before they were recorded
     inode: int | None
     context_length: int = CONTEXT
+    projector: str | None = None  # its vision projector's path: llama-server's `--mmproj`
 
 
 class FileChanged(Exception):
@@ -61,7 +64,36 @@ class FileChanged(Exception):
 
 def registered(row: sqlite3.Row) -> Registered:
     return Registered(row["path"], row["digest"], row["size_bytes"], row["mtime_ns"], row["device"], row["inode"],
-                      context_length(row["context_length"]))
+                      context_length(row["context_length"]), json.loads(row["metadata"] or "{}").get("projector"))
+
+
+def is_projector(path: Path) -> bool:
+    """Whether `path` is a GGUF vision projector llama.cpp loads with `--mmproj` (a `clip` file
+    with a vision encoder). Blocking: it reads the file's header."""
+    try:
+        info = gguf.inspect(path)
+    except gguf.GgufError:
+        return False
+    return info.architecture == "clip" and info.metadata.get("clip.has_vision_encoder") is True
+
+
+def projector(model: Path, given: str | None) -> str | None:
+    """The vision projector a model is registered with: `given` (an absolute path; InvalidRequest
+    if it is not one), else a file beside the model named `mmproj*.gguf` (LM Studio's layout, and
+    llama.cpp's own router's), the first by name that is one; None for a model that reads text."""
+    if given is not None:
+        path = Path(given)
+        if not path.is_absolute() or not is_projector(path):
+            raise InvalidRequest(f"{given} is not a vision projector (a GGUF file of llama.cpp's `clip` kind, as "
+                                 "an `mmproj-*.gguf` is), given by its absolute path.", param="projector",
+                                 code="invalid_model_file")
+        return str(path)
+    try:
+        beside = sorted(p for p in model.parent.iterdir() if p.name.lower().startswith(PROJECTOR_PREFIX)
+                        and p.name.lower().endswith(".gguf") and p.is_file())
+    except OSError:
+        return None
+    return next((str(p) for p in beside if is_projector(p)), None)
 
 
 def sha256_file(path: Path, progress: Callable[[int, int], None] | None = None,
@@ -87,15 +119,17 @@ def _sha256(fh: BinaryIO, progress: Callable[[int, int], None] | None = None,
 
 
 def examine(path_text: str, progress: Callable[[int, int], None] | None = None,
-            cancel: threading.Event | None = None, digest: str | None = None) -> ModelFile:
+            cancel: threading.Event | None = None, digest: str | None = None,
+            projector_path: str | None = None) -> ModelFile:
     """Validate and hash a model file (unless its `digest` is already known, as a verified
-    download's is). Blocking: run it off the event loop. Raises gguf.Cancelled soon after
-    `cancel` is set."""
+    download's is), and find its vision projector (`projector`). Blocking: run it off the event
+    loop. Raises gguf.Cancelled soon after `cancel` is set."""
     path = Path(path_text)
     if not path.is_absolute():
         raise InvalidRequest("The model path must be absolute.", param="path")
     if not path.is_file():
         raise InvalidRequest(f"No file at {path}.", param="path", code="model_file_not_found")
+    vision = projector(path, projector_path)  # before the hash: a bad one given is refused at once
     # One open for the check and the hash: the bytes validated are the bytes hashed, and the file
     # recorded (device, inode) is the one they came from, whatever the path points at later.
     try:
@@ -111,7 +145,7 @@ def examine(path_text: str, progress: Callable[[int, int], None] | None = None,
     if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
         raise InvalidRequest(f"{path.name} changed while it was being read; try again when it is complete.",
                              param="path", code="invalid_model_file")
-    return ModelFile(str(path), after.st_size, after.st_mtime_ns, digest, info, after.st_dev, after.st_ino)
+    return ModelFile(str(path), after.st_size, after.st_mtime_ns, digest, info, after.st_dev, after.st_ino, vision)
 
 
 def open_verified(file: Registered) -> tuple[int, str]:
@@ -157,7 +191,8 @@ def insert(conn: sqlite3.Connection, model_id: str, found: ModelFile, created_by
             raise Conflict("model_exists", f"A model with id {model_id!r} is already registered.")
         conn.execute("DELETE FROM models WHERE id = ?", (model_id,))
     meta = {"architecture": found.info.architecture, "name": found.info.name,
-            "has_chat_template": found.info.has_chat_template}
+            "has_chat_template": found.info.has_chat_template, **({"projector": found.projector} if found.projector
+                                                                  else {})}
     conn.execute("INSERT INTO models(id, path, size_bytes, mtime_ns, digest, context_length, metadata, created_at, "
                  "device, inode, created_by) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                  (model_id, found.path, found.size_bytes, found.mtime_ns, found.digest,
