@@ -44,11 +44,11 @@ TEMPLATES = Path(__file__).parent / "templates"
 LLAMA = (TEMPLATES / "meta-llama-Llama-3.2-3B-Instruct.jinja").read_text()
 NEMO = (TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()
 SMALL = (TEMPLATES / "Mistral-Small-3.2-24B-Instruct-2506.jinja").read_text()
-# Each form's call to get_weather for Paris, as the model writes it.
-WRITTEN = {"llama3": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
-           "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
-           "mistral-args": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'}
-
+# Each form's call to get_weather, as the model writes it, %s its arguments.
+FORMS = {"llama3": '<|python_tag|>{"name": "get_weather", "parameters": %s}',
+         "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": %s}]',
+         "mistral-args": "[TOOL_CALLS]get_weather[ARGS]%s"}
+WRITTEN = {name: form % json.dumps({"city": "Paris"}) for name, form in FORMS.items()}
 
 CITIES = ("Rome", "London", "Berlin")
 # Answered in text under each template, the model's first token far from a call's (Mistral-Nemo's
@@ -108,6 +108,8 @@ def test_each_template_is_given_the_functions_and_shown_earlier_calls_in_its_own
                  "mistral": '[TOOL_CALLS]«[{"name": "get_weather", "arguments": {"city": "Rome"}}]»',
                  "mistral-args": '[TOOL_CALLS]get_weather[ARGS]«{"city": "Rome"}»'}[name]
         assert shown in prompt_text and "<tool_call>" not in prompt_text, prompt_text
+        # ... tokenized apart from the turn's opening before them, as the model writes them.
+        assert name == "llama3" or BREAK + "[TOOL_CALLS]" in template.prompt(request)[0]
         # Not offered (`tool_choice: none`): no functions, the earlier call still in the form.
         plain = written(template, replace(request, offer=None, tool_form=""))
         assert "Get the current weather" not in plain and shown in plain
@@ -115,11 +117,13 @@ def test_each_template_is_given_the_functions_and_shown_earlier_calls_in_its_own
 
 def test_each_form_reads_its_calls_and_a_resumed_answer_sends_what_an_uninterrupted_one_does() -> None:
     """The events are a function of the output text alone, in each form: cut anywhere, the events
-    before the cut and after it are the uninterrupted ones; a text answer is held back only while
-    it may still open as a call."""
-    for name, call in WRITTEN.items():
+    before the cut and after it are the uninterrupted ones, and the arguments stream as they are
+    (held back only where a bracket may close the call); a text answer is held back only while it
+    may still open as a call."""
+    nested = {"city": "Paris", "days": [1, {"n": [2]}]}
+    for name, form_text in FORMS.items():
         request = Request(responses_messages(PARIS), tools=TOOLS, offer=offer(), tool_form=name)
-        for output in (call, "It is sunny."):
+        for output in (form_text % json.dumps({"city": "Paris"}), form_text % json.dumps(nested), "It is sunny."):
             whole = calls.stream(request, "resp_x", "")
             expected = whole.feed(output) + whole.done("completed")
             for cut in range(len(output)):
@@ -127,16 +131,20 @@ def test_each_form_reads_its_calls_and_a_resumed_answer_sends_what_an_uninterrup
                 resumed = calls.stream(request, "resp_x", output[:cut])
                 assert _merged(before + resumed.feed(output[cut:]) + resumed.done("completed")) == _merged(expected)
             items, text = calls.output(request, "resp_x", output, "completed", True)
-            if output == call:
-                assert [(i["type"], i["name"], json.loads(i["arguments"])) for i in items] == \
-                    [("function_call", "get_weather", {"city": "Paris"})] and text == "", (name, items)
-            else:
+            if output.startswith("It"):
                 assert [i["type"] for i in items] == ["message"] and text == output
-        # Only what may still open a call is held back.
+                continue
+            [item] = items
+            assert (item["type"], item["name"], text) == ("function_call", "get_weather", ""), (name, items)
+            assert json.loads(item["arguments"]) in ({"city": "Paris"}, nested), (name, item)
+            streamed = "".join(data["delta"] for kind, data in expected if kind.endswith("arguments.delta"))
+            assert streamed == item["arguments"], (name, streamed)
         form = call_forms.BY_NAME[name]
+        call = WRITTEN[name]
         assert form.opens("It") is False and form.opens(call[:3]) is None and form.opens(call) is True
-    assert call_forms.LLAMA3.opens('{"city": 1}') is False and call_forms.LLAMA3.opens("<|python_tag|>print(1)") \
-        is False
+    llama = call_forms.LLAMA3
+    assert llama.opens("{") is None and llama.opens('{"city": 1}') is False
+    assert llama.opens("<|python_tag|>brave_search.call(query='x')") is False  # Llama 3.1's built-in tools: text
 
 
 async def test_each_form_s_grammar_binds_a_call_on_llama_cpp(loaded: Any) -> None:

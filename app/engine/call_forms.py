@@ -82,7 +82,7 @@ class Form:
     def grammar(self, offer: Constraint) -> str:
         """The grammar of a call the model is offered, from what opens it (the trigger's group) to
         its end, with nothing after it (llama.cpp allows only the end of the answer then)."""
-        rules = re.sub(r"^root ::=", "call-object ::=", grammar.gbnf(offer), count=1, flags=re.MULTILINE)
+        rules = _call_rules(offer)
         if self.key != "arguments":
             rules = ARGUMENT_KEY.sub(rf'\1"\\"{self.key}\\""', rules)
         return f"root ::= {self.before} call-object {self.after}\n{rules}"
@@ -106,7 +106,7 @@ class _Bare(Form):
         return (match[1], match.end()) if match else None
 
     def grammar(self, offer: Constraint) -> str:
-        rules = re.sub(r"^root ::=", "call-object ::=", grammar.gbnf(offer), count=1, flags=re.MULTILINE)
+        rules = _call_rules(offer)
         schema: dict[str, Any] = offer.get("schema", {})
         names = [c["properties"]["name"]["const"] for c in schema.get("anyOf", [schema])]
         # Each function's arguments, as the converter names their rule; names are letters,
@@ -116,7 +116,13 @@ class _Bare(Form):
         return f'root ::= {self.before} ({" | ".join(each)})\n{rules}'
 
     def said(self, name: str, arguments: str) -> tuple[str, str]:
-        return f"[TOOL_CALLS]{name}[ARGS]", arguments  # the name is safe as the template's text
+        return f"{self.lead}{name}[ARGS]", arguments  # the name is safe as the template's text
+
+
+def _call_rules(offer: Constraint) -> str:
+    """The offer's grammar (one call object: app/core/structured.py `call_schema`), its root
+    renamed `call-object` for a form's root to hold."""
+    return re.sub(r"^root ::=", "call-object ::=", grammar.gbnf(offer), count=1, flags=re.MULTILINE)
 
 
 WS = "[ \\t\\n]*"  # whitespace in a grammar
@@ -134,7 +140,7 @@ LLAMA3 = Form(
 MISTRAL_ARGS = _Bare(
     "mistral-args", signs=("[TOOL_CALLS]", "[ARGS]"), opening=(("[TOOL_CALLS]", False),),
     head=re.compile(r"\s*\[TOOL_CALLS\]\s*([A-Za-z0-9_-]+)\[ARGS\]\s*"), trigger=r"\[TOOL_CALLS\]",
-    before='"[TOOL_CALLS]"', closers="", preserved=("[TOOL_CALLS]", "[ARGS]"))
+    before='"[TOOL_CALLS]"', closers="", preserved=("[TOOL_CALLS]", "[ARGS]"), lead="[TOOL_CALLS]")
 MISTRAL = Form(
     "mistral", signs=("[TOOL_CALLS]",), opening=(("[TOOL_CALLS]", False),),
     head=re.compile(rf'\s*\[TOOL_CALLS\]\s*\[\s*\{{\s*{NAMED}"arguments"\s*:\s*'), trigger=r"\[TOOL_CALLS\]",
