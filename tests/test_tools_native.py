@@ -195,6 +195,11 @@ def test_a_model_calls_in_its_own_form_through_every_api(sdk: openai.OpenAI, hea
     assert json.loads(call.arguments) == {"city": "Paris"} and called.output_text == ""
     plain = sdk.responses.create(model=model, input=responses_input(PARIS), temperature=0, max_output_tokens=20)
     assert called.usage.input_tokens > plain.usage.input_tokens + 50  # the functions, in the template's words
+    # A forced call is bound to one from its first token, whatever the template's form.
+    forced = sdk.responses.create(model=model, input=responses_input(THANKS), tools=TOOLS, tool_choice="required",
+                                  temperature=0)
+    [made_call] = forced.output
+    assert made_call.type == "function_call" and set(json.loads(made_call.arguments)) == {"city"}, forced.output
     answered = sdk.responses.create(model=model, input=responses_input(THANKS), tools=TOOLS, temperature=0,
                                     max_output_tokens=40)
     [message] = answered.output
