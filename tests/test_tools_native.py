@@ -141,6 +141,9 @@ def test_each_form_reads_its_calls_and_a_resumed_answer_sends_what_an_uninterrup
             assert streamed == item["arguments"], (name, streamed)
         form = call_forms.BY_NAME[name]
         call = WRITTEN[name]
+        # A conversation carries the call on as a function_call item is kept, which the template
+        # shows in its own form again.
+        assert call_forms.recalled(calls.answer_of(request, call)) == ("get_weather", '{"city": "Paris"}')
         assert form.opens("It") is False and form.opens(call[:3]) is None and form.opens(call) is True
     llama = call_forms.LLAMA3
     assert llama.opens("{") is None and llama.opens('{"city": 1}') is False
@@ -204,6 +207,11 @@ def test_a_model_calls_in_its_own_form_through_every_api(sdk: openai.OpenAI, hea
                                     max_output_tokens=40)
     [message] = answered.output
     assert message.type == "message" and "get_weather" not in answered.output_text, answered.output
+    # Continued after its result, the conversation shows the model its call in its own form.
+    more = sdk.responses.create(model=model, previous_response_id=called.id, tools=TOOLS, temperature=0,
+                                max_output_tokens=20, input=[{"type": "function_call_output",
+                                                              "call_id": call.call_id, "output": RESULT}])
+    assert more.error is None and more.usage.input_tokens > called.usage.input_tokens
     seen = list(sdk.responses.create(model=model, input=responses_input(PARIS), tools=TOOLS, temperature=0,
                                      stream=True))
     types = [e.type for e in seen]

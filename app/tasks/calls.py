@@ -57,9 +57,15 @@ def output(request: Request, response_id: str, text: str, status: str, done: boo
 
 
 def answer_of(request: Request, text: str) -> str:
-    """The model's answer in its output text, without its reasoning (what a conversation carries on)."""
+    """The model's answer in its output text, without its reasoning (what a conversation carries
+    on). A call offered in another form is carried on in Hermes', as a `function_call` input
+    item is (app/core/structured.py `item_message`): the template shows it in its own form, its
+    marks as the template's text (app/engine/template.py `ChatTemplate.prompt`)."""
     read = thought(request, text)
-    return text if read is None or read[1] is None else read[1]
+    answer = text if read is None or read[1] is None else read[1]
+    form = call_forms.of(request)
+    found = form.named(answer) if request.offer is not None and form is not HERMES else None
+    return answer if found is None else HERMES.said(found[0], form.arguments(answer, found[1]))[1]
 
 
 def item(response_id: str, text: str, status: str, form: Form = HERMES) -> dict[str, Any] | None:
