@@ -22,6 +22,7 @@ import pytest
 
 from app import paths
 from app.core import requests, structured
+from app.engine import call_forms
 from app.engine.constraints import grammar
 from app.engine.parent import prompt
 from app.engine.registry import gguf
@@ -168,9 +169,9 @@ def test_a_template_that_writes_functions_is_given_them(sdk: openai.OpenAI, head
                                                          tmp_path: Path) -> None:
     with open(paths.default_model_file(), "rb") as f:
         own = gguf.read(f).chat_template
-    assert own is not None and not ChatTemplate(own).calls  # SmolLM2's: the system message describes them
+    assert own is not None and ChatTemplate(own).form is None  # SmolLM2's: the system message describes them
     hermes = ChatTemplate(HERMES)
-    assert hermes.calls
+    assert hermes.form is call_forms.HERMES
     request = Request([{"role": "user", "content": PARIS}], tools=TOOLS, offer={"type": "json_object"})
     prompt, messages = hermes.prompt(request)
     written = SLOTS.sub(lambda m: messages[int(m[1])]["content"], prompt)

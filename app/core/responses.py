@@ -62,8 +62,9 @@ class Responses:
         completions): the key is bound to what was sent."""
         req = await self.off_loop(requests.parse, body, functools.partial(self.grammars.convert, app=client.id))
         model_id = req.model or models.DEFAULT_MODEL_ID
-        reasoning = await self._check_template(client.id, model_id, req.request)
-        req = replace(req, request=replace(req.request, reasoning=reasoning))
+        read = await self._check_template(client.id, model_id, req.request)
+        if read is not None:
+            req = replace(req, request=replace(req.request, reasoning=read.reasoning, tool_form=read.tool_form))
         on_restart = req.on_restart or (self.settings["default_on_restart"] if req.background else "fail")
         key = None
         if idempotency_key is not None:
@@ -79,14 +80,16 @@ class Responses:
         assert response is not None
         return Created(202 if req.background else 200, response, False)
 
-    async def _check_template(self, client_id: str, model_id: str, request: Request) -> str:
+    async def _check_template(self, client_id: str, model_id: str, request: Request) -> Request | None:
         """Refuse a conversation the model's chat template refuses, before it is stored and
-        whatever engine would run it (app/core/templates.py); else how its answer holds the
-        model's reasoning."""
+        whatever engine would run it (app/core/templates.py); else the request (with its earlier
+        turns) as the template reads it: how the answer holds the model's reasoning, the form of
+        its calls. None where there is no template to read (a remote model)."""
         found = await self.store.read(templates.subject, client_id, model_id, request)
         if found is not None and (info := await self.examined(found[0])) is not None:
-            return str(await self.off_loop(templates.check, info, found[1]))
-        return ""
+            read: Request = await self.off_loop(templates.check, info, found[1])
+            return read
+        return None
 
     async def _insert(self, offer: Offer | None, *args: Any) -> tuple[idempotency.Stored | None, dict[str, Any] | None]:
         """Commit a new response with its task, publish its events, then start what the claim in the

@@ -6,20 +6,20 @@ the output is constrained, the `constraint` the engine sends llama.cpp as a gram
 call (`tool_choice` `required` or a named function) is generated as one JSON object
 `{"name": ..., "arguments": {...}}` (see app/tasks/calls.py), so a single grammar covers the
 choice of function and its arguments. Functions offered (`tool_choice` auto) are the model's to
-call or not: the same object between Hermes' marks binds the answer only once it opens with one
-(the `offer`).
+call or not: the same object, in the form the model's template writes calls
+(app/engine/call_forms.py), binds the answer only once it opens as a call (the `offer`).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from app.engine.call_forms import HERMES
 from app.engine.constraints.grammar import Converted, too_large
-from app.engine.request import END, MARK, TEXT, ChatMessage, Constraint, Format, Schema, Tool, ToolChoice
+from app.engine.request import TEXT, ChatMessage, Constraint, Format, Schema, Tool, ToolChoice
 from app.errors import InvalidRequest, LmspError
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -175,7 +175,8 @@ def parse(body: dict[str, Any], convert: Convert) -> Structured:
 
 def item_message(item: dict[str, Any], calls: dict[str, str], param: str) -> ChatMessage:
     """A `function_call` or `function_call_output` input item as a chat message. A call reads
-    as the model writes one it was offered (app/engine/request.py MARK); its result as a user turn naming the function
+    as a model writes one in Hermes' form (app/engine/call_forms.py: a template of another form is
+    shown it in its own, `ChatTemplate.prompt`); its result as a user turn naming the function
     (every chat template knows user turns; not all know a `tool` role). `calls`: the calls
     before this item (call_id -> name); a call is added to it."""
     if item["type"] == "function_call":
@@ -184,8 +185,7 @@ def item_message(item: dict[str, Any], calls: dict[str, str], param: str) -> Cha
             raise InvalidRequest("A function_call item needs `call_id`, `name` and `arguments` (a JSON string).",
                                  param=param)
         calls.setdefault(call_id, name)
-        call = f'{{"name": {json.dumps(name)}, "arguments": {arguments}}}'
-        return {"role": "assistant", "content": f"{MARK}\n{call}\n{END}"}
+        return {"role": "assistant", "content": HERMES.said(name, arguments)[1]}
     call_id, output = item.get("call_id"), item.get("output")
     if not isinstance(call_id, str) or not isinstance(output, str):
         raise InvalidRequest("A function_call_output item needs `call_id` and `output` (a string).", param=param)

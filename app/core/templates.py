@@ -9,6 +9,7 @@ gguf.MAX_TEMPLATE_BYTES, a request stored before this check) fails in the engine
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import replace
 
 from app.core import conversation
 from app.engine import template
@@ -56,20 +57,24 @@ def _sees(row: sqlite3.Row | None, request: Request) -> None:
                              param="input", code="unsupported_image")
 
 
-def check(info: GgufInfo, request: Request) -> str:
+def check(info: GgufInfo, request: Request) -> Request:
     """InvalidRequest `template_error` if the model's template refuses the request's prompt, and
-    for a `suffix` where the model has no fill-in-the-middle tokens; else how the answer holds
-    the model's reasoning (`Request.reasoning`: not apart where its output is bound to JSON).
-    Costs time linear in the conversation: run it off the event loop."""
+    for a `suffix` where the model has no fill-in-the-middle tokens; else the request as its
+    template reads it: the form the model calls an offered function in (`Request.tool_form`,
+    where the template writes functions), how the answer holds its reasoning
+    (`Request.reasoning`: not apart where its output is bound to JSON). Costs time linear in
+    the conversation: run it off the event loop."""
     if request.suffix is not None and info.fim is None:
         raise InvalidRequest("This model has no fill-in-the-middle tokens, so it cannot fill in text before "
                              "a `suffix`: use a model trained for it (a code model such as Qwen2.5-Coder).",
                              param="suffix", code="unsupported_suffix")
     if request.raw or request.suffix is not None or info.chat_template is None:
-        return ""
+        return request
     chat = template.compiled(info.chat_template)
+    if request.offer is not None and chat.form is not None:
+        request = replace(request, tool_form=chat.form.name)
     try:
         prompt, _ = chat.prompt(request)
     except template.Refused as exc:
         raise InvalidRequest(str(exc), param="input", code="template_error") from exc
-    return "" if request.constraint is not None else chat.reasoning(prompt)
+    return request if request.constraint is not None else replace(request, reasoning=chat.reasoning(prompt))

@@ -63,21 +63,13 @@ TEXT: Format = {"type": "text"}
 # Left out of the stored JSON at their defaults: earlier versions wrote them only when set, so
 # every row, old or new, has one shape.
 OMITTED_WHEN_UNSET = ("constraint", "call", "previous_response_id", "history", "raw", "suffix", "offer", "effort",
-                      "reasoning")
-# How a model calls a function it was offered (`tool_choice` auto): Hermes' form, which Qwen's and
-# Hermes' own templates teach their models, and the one described to every other model.
+                      "reasoning", "tool_form")
+# How a model calls a function it was offered (`tool_choice` auto) in Hermes' form, which Qwen's and
+# Hermes' own templates teach their models, and the one described to a model whose template writes
+# no functions (the others: app/engine/call_forms.py).
 MARK, END = "<tool_call>", "</tool_call>"
 # Where a thinking model's reasoning starts and ends (Qwen3's, DeepSeek-R1's, SmolLM3's templates).
 THINK, THOUGHT = "<think>", "</think>"
-
-
-def opens(text: str) -> bool | None:
-    """Whether an answer to an offer is a call (it opens with MARK), not one (it cannot), or None
-    while it may still be either."""
-    start = text.lstrip()
-    if start.startswith(MARK):
-        return True
-    return None if MARK.startswith(start) else False
 
 
 @dataclass(frozen=True)
@@ -102,8 +94,12 @@ class Request:
     # model's own FIM tokens frame them, without a template.
     suffix: str | None = None
     # Functions the model may call or not (`tool_choice` auto): the grammar of one call, which
-    # binds the answer once it opens with MARK (app/core/structured.py).
+    # binds the answer once it opens as a call (app/core/structured.py).
     offer: Constraint | None = None
+    # The form the model's template writes calls in, from it when the request was accepted
+    # (app/engine/call_forms.py `Form.name`): "" Hermes', which a model told of the functions in
+    # its system message uses too.
+    tool_form: str = ""
     # How much the model is to reason, where its template lets it choose: "" as it does by
     # default, "none" not at all, "low" / "medium" / "high" (`reasoning.effort`, Ollama's `think`).
     effort: str = ""
@@ -148,7 +144,7 @@ class Request:
         """The messages the model is given. The functions it may call are described in the system
         message: for a forced call (the grammar decides the shape; this tells the model what the
         functions are for), and for an offer unless the template writes them itself (`native`:
-        `ChatTemplate.calls`)."""
+        `ChatTemplate.form`)."""
         if self.call:
             choice = self.tool_choice
             named = choice["name"] if isinstance(choice, dict) else None
@@ -207,4 +203,5 @@ _SHAPES: dict[str, type | tuple[type, ...]] = {
     "seed": (int, type(None)), "stop": list, "format": dict, "tools": list, "tool_choice": (str, dict),
     "constraint": (dict, type(None)), "call": bool, "previous_response_id": (str, type(None)), "history": int,
     "raw": bool, "suffix": (str, type(None)), "offer": (dict, type(None)), "effort": str, "reasoning": str,
+    "tool_form": str,
 }

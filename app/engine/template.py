@@ -20,12 +20,18 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from app.engine.request import MARK, THINK, THOUGHT, ChatMessage, Request, Tool, chat_tools
+from app.engine import call_forms
+from app.engine.call_forms import Form
+from app.engine.request import THINK, THOUGHT, ChatMessage, Request, Tool, chat_tools
 
 # Stands in for each message's text while the template renders (the engine tokenizes the text
 # itself as plain text); NUL never comes from a template.
 SLOT = "\x00{}\x00"
 SLOTS = re.compile("\x00([0-9]+)\x00")
+# Where the template's text is tokenized apart: before an earlier call's marks (`leads`), so they
+# are the tokens the model writes them in, from the start of its answer, not merged with the
+# turn's opening before them (where the marks are not special tokens of the vocabulary).
+BREAK = "\x01"
 # A function the template is asked to write, to see whether it writes functions at all.
 PROBE: Tool = {"type": "function", "name": "lmsp_probe_function", "description": None,
                "parameters": {"type": "object", "properties": {}}, "strict": False}
@@ -73,22 +79,37 @@ class ChatTemplate:
             self.broken = f"This model's chat template cannot be read: {exc}"
 
     @functools.cached_property
-    def calls(self) -> bool:
-        """Whether the template writes the functions a request offers itself and teaches the model
-        to call them in Hermes' form (MARK), as Qwen's and Hermes' templates do. Other models are
-        told of them in the system message (`Request.prompt`)."""
-        if MARK not in self.text:
-            return False
+    def form(self) -> Form | None:
+        """The form in which the template writes the functions a request offers itself and teaches
+        the model to call them (app/engine/call_forms.py: Qwen's and Hermes' templates, Llama
+        3.1-3.3's, Mistral's); None where it writes none: the system message describes them
+        (`Request.prompt`)."""
+        form = call_forms.family(self.text)
+        if form is None:
+            return None
         try:
-            return PROBE["name"] in self.render([{"role": "user", "content": ""}], chat_tools([PROBE]))
+            return form if PROBE["name"] in self.render([{"role": "user", "content": ""}], chat_tools([PROBE])) \
+                else None
         except Refused:
-            return False
+            return None
 
     def prompt(self, request: Request) -> tuple[str, list[ChatMessage]]:
-        """The prompt of `request`, and the messages whose texts are its SLOTs."""
-        native = request.offer is not None and self.calls
+        """The prompt of `request`, and the messages whose texts are its SLOTs. The functions
+        offered are the template's to write in its own form, the one the request was accepted
+        for (`Request.tool_form`); earlier calls are shown in that form too."""
+        form = self.form
+        native = request.offer is not None and form is not None and form.name == request.tool_form
         messages = request.prompt(native)
-        return self.render(messages, chat_tools(request.tools) if native else None, request.effort), messages
+        leads: dict[int, str] = {}
+        if form is not None and form is not call_forms.HERMES:  # earlier calls are kept in Hermes' form
+            messages = list(messages)
+            for i, message in enumerate(messages):
+                found = call_forms.recalled(message["content"]) if message["role"] == "assistant" else None
+                if found is not None:
+                    leads[i], text = form.said(*found)
+                    messages[i] = {"role": "assistant", "content": text}
+        tools = chat_tools(request.tools) if native else None
+        return self.render(messages, tools, request.effort, leads), messages
 
     def reasoning(self, prompt: str) -> str:
         """How an answer to `prompt` holds the model's reasoning (`Request.reasoning`): a template
@@ -98,16 +119,20 @@ class ChatTemplate:
             return ""
         return "open" if prompt.rstrip().endswith(THINK) else "marked"
 
-    def render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None, effort: str = "") -> str:
-        """The prompt, each message's text as its SLOT. Refused if the template refuses it.
-        `effort` (`Request.effort`) reaches the variables thinking templates read: Qwen3's
+    def render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None, effort: str = "",
+               leads: dict[int, str] | None = None) -> str:
+        """The prompt, each message's text as its SLOT, after its `leads` (template text: the
+        marks of an earlier call). Refused if the template refuses it. `effort`
+        (`Request.effort`) reaches the variables thinking templates read: Qwen3's
         `enable_thinking`, GPT-OSS's `reasoning_effort`."""
+        leads = leads or {}
         if self.compiled is None:
             raise Refused(self.broken)
         thinking = {} if not effort else {"enable_thinking": effort != "none", "reasoning_effort": effort}
         try:
             return self.compiled.render(
-                messages=[{"role": m["role"], "content": SLOT.format(i)} for i, m in enumerate(messages)],
+                messages=[{"role": m["role"], "content": (BREAK + leads[i] if i in leads else "") + SLOT.format(i)}
+                          for i, m in enumerate(messages)],
                 eos_token=self.eos_token, bos_token=self.bos_token, raise_exception=_raise_exception,
                 add_generation_prompt=True, functions=None, function_call=None, tools=tools, tool_choice=None,
                 strftime_now=_strftime_now, **thinking)

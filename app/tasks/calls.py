@@ -1,45 +1,27 @@
 """A response's one output item and its stream events, each a function of the output text alone,
 so a resumed task (whose earlier events are stored) knows where its stream stands: a message
 (`TextStream`), a forced function call (`CallStream`), or, where functions are offered
-(`tool_choice` auto), whichever the answer turns out to be (`Offered`): a call if it opens with
-MARK (how the model is asked for either: app/engine/request.py `Request.prompt`).
+(`tool_choice` auto), whichever the answer turns out to be (`Offered`): a call if it opens as one
+in the form the request was accepted for (app/engine/call_forms.py: Hermes' `<tool_call>`,
+Llama 3's, Mistral's `[TOOL_CALLS]`).
 
-A call is one JSON object `{"name": "<function>", "arguments": {...}}`, name first (the grammar
-of app/core/structured.py `call_schema` makes it so), between MARK and END when it was offered.
-Everything after the head (up to the name's closing quote and `"arguments":`) is the arguments,
-but for the object's own closing brace and END: so the arguments can stream as they are decoded,
-holding back only a trailing `}` that may turn out to be that brace, or the start of END.
+A forced call is one JSON object `{"name": "<function>", "arguments": {...}}`, name first (the
+grammar of app/core/structured.py `call_schema` makes it so); an offered one is the form's.
+Everything after the head (up to the function's name and the arguments' key) is the arguments,
+but for what closes the call (`Form.arguments`): so the arguments can stream as they are decoded,
+holding back only a trailing `}` that may turn out to be the object's brace, or the start of a
+closing mark.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any
 
-from app.engine.request import END, MARK, THOUGHT, Request, opens, thought
+from app.engine import call_forms
+from app.engine.call_forms import HERMES, Form, held
+from app.engine.request import THOUGHT, Request, thought
 
-HEAD = re.compile(rf'\s*(?:{re.escape(MARK)}\s*)?\{{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 Event = tuple[str, dict[str, Any]]
-
-
-def head(text: str) -> tuple[str, int] | None:
-    """The function's name and where its arguments start, once the model has written them."""
-    match = HEAD.match(text)
-    return (json.loads(match[1]), match.end()) if match else None
-
-
-def _held(text: str, tag: str) -> int:
-    """How many characters at the end of `text` may be the start of `tag`."""
-    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
-
-
-def arguments(text: str, start: int) -> str:
-    """The arguments as far as they can be told apart from the closing brace and END."""
-    rest = text[start:]
-    end = rest.find(END)
-    rest = (rest[:end] if end >= 0 else rest[:len(rest) - _held(rest, END)]).rstrip()
-    return rest[:-1].rstrip() if rest.endswith("}") else rest
 
 
 def message_id(response_id: str) -> str:
@@ -64,8 +46,9 @@ def output(request: Request, response_id: str, text: str, status: str, done: boo
                                     status if answer is None else "completed"))
     if answer is None:
         return items, ""
-    if request.call or (request.offer is not None and opens(answer) is True):
-        call = item(response_id, answer, status)
+    form = call_forms.of(request)
+    if request.call or (request.offer is not None and form.opens(answer) is True):
+        call = item(response_id, answer, status, form)
         return items + ([call] if call else []), ""
     if answer or done:
         items.append({"type": "message", "id": message_id(response_id), "role": "assistant", "status": status,
@@ -74,19 +57,26 @@ def output(request: Request, response_id: str, text: str, status: str, done: boo
 
 
 def answer_of(request: Request, text: str) -> str:
-    """The model's answer in its output text, without its reasoning (what a conversation carries on)."""
+    """The model's answer in its output text, without its reasoning (what a conversation carries
+    on). A call offered in another form is carried on in Hermes', as a `function_call` input
+    item is (app/core/structured.py `item_message`): the template shows it in its own form, its
+    marks as the template's text (app/engine/template.py `ChatTemplate.prompt`)."""
     read = thought(request, text)
-    return text if read is None or read[1] is None else read[1]
+    answer = text if read is None or read[1] is None else read[1]
+    form = call_forms.of(request)
+    found = form.named(answer) if request.offer is not None and form is not HERMES else None
+    return answer if found is None else HERMES.said(found[0], form.arguments(answer, found[1]))[1]
 
 
-def item(response_id: str, text: str, status: str) -> dict[str, Any] | None:
-    """The `function_call` output item, or None while the name is not written yet."""
-    found = head(text)
+def item(response_id: str, text: str, status: str, form: Form = HERMES) -> dict[str, Any] | None:
+    """The `function_call` output item of a call written in `form`, or None while the name is not
+    written yet."""
+    found = form.named(text)
     if found is None:
         return None
     ident, call_id = item_ids(response_id)
     return {"type": "function_call", "id": ident, "call_id": call_id, "name": found[0],
-            "arguments": arguments(text, found[1]), "status": status}
+            "arguments": form.arguments(text, found[1]), "status": status}
 
 
 def message_opened(item_id: str, index: int = 0) -> list[Event]:
@@ -121,25 +111,25 @@ class TextStream:
 
 
 class CallStream:
-    """Turns a call's output text, as it grows, into the events OpenAI streams for one call."""
+    """Turns a call's output text (in `form`), as it grows, into the events OpenAI streams for one call."""
 
-    def __init__(self, response_id: str, text: str = "", index: int = 0) -> None:
-        self.response_id, self.text, self.index = response_id, text, index
-        found = head(text)
-        self.sent = None if found is None else len(arguments(text, found[1]))  # argument chars streamed
+    def __init__(self, response_id: str, text: str = "", index: int = 0, form: Form = HERMES) -> None:
+        self.response_id, self.text, self.index, self.form = response_id, text, index, form
+        found = form.named(text)
+        self.sent = None if found is None else len(form.arguments(text, found[1]))  # argument chars streamed
 
     def feed(self, text: str) -> list[Event]:
         self.text += text
-        found = head(self.text)
+        found = self.form.named(self.text)
         if found is None:
             return []
         ident = item_ids(self.response_id)[0]
         events: list[Event] = []
         if self.sent is None:
-            added = item(self.response_id, self.text[:found[1]], "in_progress")
+            added = item(self.response_id, self.text[:found[1]], "in_progress", self.form)
             events.append(("response.output_item.added", {"output_index": self.index, "item": added}))
             self.sent = 0
-        args = arguments(self.text, found[1])
+        args = self.form.arguments(self.text, found[1])
         if len(args) > self.sent:
             events.append(("response.function_call_arguments.delta",
                            {"item_id": ident, "output_index": self.index, "delta": args[self.sent:]}))
@@ -147,7 +137,7 @@ class CallStream:
         return events
 
     def done(self, status: str) -> list[Event]:
-        final = item(self.response_id, self.text, status)
+        final = item(self.response_id, self.text, status, self.form)
         if final is None:
             return []
         return [("response.function_call_arguments.done", {"item_id": final["id"], "output_index": self.index,
@@ -155,23 +145,23 @@ class CallStream:
                 ("response.output_item.done", {"output_index": self.index, "item": final})]
 
     def again(self) -> CallStream:
-        return CallStream(self.response_id, "", self.index)
+        return CallStream(self.response_id, "", self.index, self.form)
 
 
 class Offered:
-    """The answer where functions are offered: nothing is sent while it may still open with MARK,
-    then a call's events, or the message's (its item opened first)."""
+    """The answer where functions are offered: nothing is sent while it may still open as a call
+    (in `form`), then a call's events, or the message's (its item opened first)."""
 
-    def __init__(self, response_id: str, text: str = "", index: int = 0) -> None:
+    def __init__(self, response_id: str, text: str = "", index: int = 0, form: Form = HERMES) -> None:
         """`text`: the output so far, its events sent (or, while it may be either, held back)."""
-        self.response_id, self.index = response_id, index
+        self.response_id, self.index, self.form = response_id, index, form
         self.held = ""  # the text while it may be either
         self.inner: TextStream | CallStream | None = None
-        opened = opens(text)
+        opened = form.opens(text)
         if opened is None:
             self.held = text
         else:
-            self.inner = CallStream(response_id, text, index) if opened else \
+            self.inner = CallStream(response_id, text, index, form) if opened else \
                 TextStream(message_id(response_id), text, index)
 
     @property
@@ -182,15 +172,15 @@ class Offered:
         """The events of the text held and `text`, once the answer is known to be a call or not
         (at the `last`: text)."""
         self.held += text
-        opened = opens(self.held)
+        opened = self.form.opens(self.held)
         if opened is None and not last:
             return []
-        held, self.held = self.held, ""
+        kept, self.held = self.held, ""
         if opened:
-            self.inner = CallStream(self.response_id, "", self.index)
-            return self.inner.feed(held)
+            self.inner = CallStream(self.response_id, "", self.index, self.form)
+            return self.inner.feed(kept)
         self.inner = TextStream(message_id(self.response_id), "", self.index)
-        return [*message_opened(self.inner.item_id, self.index), *self.inner.feed(held)]
+        return [*message_opened(self.inner.item_id, self.index), *self.inner.feed(kept)]
 
     def feed(self, text: str) -> list[Event]:
         return self._decide(text) if self.inner is None else self.inner.feed(text)
@@ -201,7 +191,7 @@ class Offered:
         return [*opening, *self.inner.done(status)]
 
     def again(self) -> Offered:
-        return Offered(self.response_id, "", self.index)
+        return Offered(self.response_id, "", self.index, self.form)
 
 
 def reasoning_id(response_id: str) -> str:
@@ -218,7 +208,7 @@ def reasoning_item(response_id: str, text: str | None, status: str) -> dict[str,
 def _shown(reasoning: str, whole: bool) -> str:
     """The reasoning as it is shown: without the whitespace around it, nor the start of THOUGHT
     while it may be that (`whole`: it ended)."""
-    return reasoning.strip() if whole else reasoning[:len(reasoning) - _held(reasoning, THOUGHT)].strip()
+    return reasoning.strip() if whole else reasoning[:len(reasoning) - held(reasoning, THOUGHT)].strip()
 
 
 class Reasoned:
@@ -299,7 +289,7 @@ def answer_stream(request: Request, response_id: str, index: int) -> tuple[TextS
     """The answer's stream at output `index`, and the events that open it (a message's item, where
     it cannot be a call)."""
     if request.offer is not None:
-        return Offered(response_id, "", index), []
+        return Offered(response_id, "", index, call_forms.of(request)), []
     ident = message_id(response_id)
     return TextStream(ident, "", index), message_opened(ident, index)
 
@@ -311,6 +301,6 @@ def stream(request: Request, response_id: str, text: str) -> Stream:
     if request.reasoning:
         return Reasoned(request, response_id, text)
     if request.offer is not None:
-        return Offered(response_id, text)
+        return Offered(response_id, text, 0, call_forms.of(request))
     return TextStream(message_id(response_id), text)
 

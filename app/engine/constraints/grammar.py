@@ -23,7 +23,7 @@ from typing import Any
 
 from app import paths
 from app.engine.constraints.gbnf import dead_end
-from app.engine.request import END, MARK, Constraint
+from app.engine.request import Constraint
 
 JSON_OBJECT = {"type": "json_object"}
 # Keywords that never change which documents are valid.
@@ -76,13 +76,6 @@ def gbnf(constraint: Constraint) -> str:
     text = module.json_schema_to_gbnf(json.dumps(constraint["schema"]))
     return "\n".join(line.replace(CHAR_RULE, JSON_CHAR, 1) if line.startswith(CHAR_RULE) else line
                      for line in text.split("\n"))
-
-
-def wrapped(constraint: Constraint) -> str:
-    """The grammar of a call the model is offered: MARK, the call's JSON object, END, with
-    whitespace between them, and nothing after (llama.cpp allows only the end of the answer then)."""
-    rules = re.sub(r"^root ::=", "call-object ::=", gbnf(constraint), count=1, flags=re.MULTILINE)
-    return f'root ::= [ \\t\\n]* "{MARK}" [ \\t\\n]* call-object [ \\t\\n]* "{END}"\n{rules}'
 
 
 def convert_all(schemas: list[Any]) -> list[Converted]:

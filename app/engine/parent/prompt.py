@@ -17,16 +17,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import re
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
+from app.engine import call_forms
 from app.engine.constraints import grammar
 from app.engine.registry import gguf
-from app.engine.request import END, MARK, THOUGHT, ChatMessage, Constraint, Request, opens, payload, thought
-from app.engine.template import SLOTS, ChatTemplate, Refused
+from app.engine.request import ChatMessage, Constraint, Request, payload, thought
+from app.engine.template import BREAK, SLOTS, ChatTemplate, Refused
 
 Message = dict[str, Any]
 KNOWN = 256  # template pieces remembered as tokens
@@ -103,7 +103,7 @@ class Prompter:
                                [*parts[1:-1:2], parts[-1]])
         shown = [image for p in pieces[1::2] for image in messages[int(p)].get("images", [])]
         prompt = "".join(self.marker * len(messages[int(p)].get("images", [])) + messages[int(p)]["content"]
-                         if k % 2 else p for k, p in enumerate(pieces))
+                         if k % 2 else p.replace(BREAK, "") for k, p in enumerate(pieces))  # one text: no breaks
         if self.first and self.template is not None and self.template.bos_token:
             prompt = prompt.removeprefix(self.template.bos_token)  # the server puts the model's first tokens
         return {"prompt_string": prompt + text, "multimodal_data": [payload(i) for i in shown]}, len(known), parts[-1]
@@ -181,7 +181,8 @@ class Prompter:
         if piece not in self._known:
             if len(self._known) >= KNOWN:
                 self._known.clear()
-            self._known[piece] = await tokenize(server, piece, special=True) if piece else []
+            self._known[piece] = [t for part in piece.split(BREAK) if part
+                                  for t in await tokenize(server, part, special=True)]
         return self._known[piece]
 
 
@@ -219,25 +220,23 @@ def body(request: Request, prompt: Any, n_predict: int, text: str) -> dict[str, 
 
 
 def _offered(request: Request, offer: Constraint, text: str) -> dict[str, Any]:
-    """The grammar of a call the model is offered: it binds the answer once it opens with MARK
-    (a lazy grammar, triggered there, after the model's reasoning if it reasons), at once if the
-    answer so far opened a call (which it first reads, as a structured answer's), and not at all
-    once the answer is text."""
+    """The grammar of a call the model is offered, in its template's form (app/engine/call_forms.py):
+    it binds the answer once it opens as a call (a lazy grammar, triggered there, after the
+    model's reasoning if it reasons), at once if the answer so far opened a call (which it first
+    reads, as a structured answer's), and not at all once the answer is text."""
     read = thought(request, text)
     answer = None if read is None else read[1]
-    opened = None if answer is None else opens(answer)
+    form = call_forms.of(request)
+    opened = None if answer is None else form.opens(answer)
     if opened is False:
         return {}
-    call = grammar.wrapped(offer)
+    call = form.grammar(offer)
     if opened:
         return {"grammar": call, "grammar_type": "tool_calls", "generation_prompt": answer}
-    # The answer starts the output, or follows the reasoning's end: each found by a search that
-    # stays linear (llama.cpp runs it over the whole output so far at every token, in std::regex).
-    mark = re.escape(MARK)
-    starts = [rf"^\s*({mark})", *([rf"{re.escape(THOUGHT)}\s*({mark})"] if request.reasoning else [])]
-    # The marks are single tokens in some vocabularies (Qwen's): preserved, they are streamed as text.
-    return {"grammar": call, "grammar_lazy": True, "preserved_tokens": [MARK, END],
-            "grammar_triggers": [{"type": PATTERN, "value": start} for start in starts]}
+    # The marks are single tokens in some vocabularies (Qwen's, Llama's, Mistral's): preserved,
+    # they are streamed as text.
+    return {"grammar": call, "grammar_lazy": True, "preserved_tokens": list(form.preserved),
+            "grammar_triggers": [{"type": PATTERN, "value": start} for start in form.triggers(bool(request.reasoning))]}
 
 
 def pooling(info: gguf.GgufInfo) -> int:
