@@ -62,6 +62,8 @@ async def test_the_server_is_reached_through_a_private_socket_and_a_key_on_no_co
             assert resp.status == 200
 
 
+# `alone`: another app's start, in a test beside it, would sweep the killed app's socket folder first.
+@pytest.mark.alone
 def test_no_server_outlives_the_app_when_the_app_is_killed(headless: Headless) -> None:
     headless.start()
     headless.complete(SAY_HI)

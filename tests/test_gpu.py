@@ -26,7 +26,9 @@ from tests.conftest import LLAMA_SERVER, Headless, Processes, Upstream
 from tests.helpers import COUNT, pair_sync, wait_until
 from tests.test_terminal import output as printed_by
 
-pytestmark = [pytest.mark.llama, pytest.mark.gpu, pytest.mark.linux]
+# `alone`: lavapipe decodes 2 tokens/s on an idle machine; beside three other test workers a load and
+# a prompt took minutes.
+pytestmark = [pytest.mark.llama, pytest.mark.gpu, pytest.mark.linux, pytest.mark.alone]
 LAVAPIPE = {"GGML_VK_VISIBLE_DEVICES": "0"}
 SLOW = 300.0
 LOAD = f"/v1/models/{DEFAULT_MODEL_ID}/load"
@@ -108,7 +110,9 @@ def test_a_model_on_the_gpu_streams_and_says_where_it_runs_everywhere(app: Headl
         deltas = [e.delta for e in client.responses.create(model=DEFAULT_MODEL_ID, input=CAPITAL, temperature=0,
                                                            max_output_tokens=7, stream=True)
                   if e.type == "response.output_text.delta"]
-    assert len(deltas) >= 5 and "".join(deltas).startswith("The capital of France is Paris"), deltas
+        whole = client.responses.create(model=DEFAULT_MODEL_ID, input=CAPITAL, temperature=0, max_output_tokens=7)
+    # Streamed token by token, the same greedy answer as whole ("The capital of France is Paris" here).
+    assert len(deltas) >= 5 and "".join(deltas) == whole.output_text, (deltas, whole.output_text)
     [line] = printed_by(app.data_dir, "ps").splitlines()[1:]
     assert "100% GPU" in line, line
     assert app.request("PATCH", "/v1/settings", {"ollama_api": "token"})[0] == 200
@@ -204,10 +208,11 @@ def test_a_gpu_lost_mid_task_moves_its_tasks_by_their_on_restart_and_the_model_t
     resuming = app.post("/v1/responses", {"model": DEFAULT_MODEL_ID, "input": COUNT, "background": True,
                                           "max_output_tokens": 6, "temperature": 0, "on_restart": "resume"})[1]
     failed, resumed = ended(app, failing["task"]["id"]), ended(app, resuming["task"]["id"])
-    assert failed["status"] == "failed" and "GPU" in failed["error"]["message"], failed
+    assert failed["status"] == "failed" and failed["error"]["code"] == "engine_crashed", failed
     assert resumed["status"] == "completed", resumed
     found = model(app)
     assert found["processor"]["device"] == "CPU" and "SIGABRT" in found["engine"]["gpu_reason"], found
+    assert app.log.read_text().count("failed on the GPU") == 1  # said once, though two tasks saw it
 
 
 def test_a_load_may_ask_for_some_layers_on_the_gpu(app: Headless) -> None:

@@ -15,7 +15,6 @@ answered; now Paris is asked.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from tests.conftest import Headless
 from tests.helpers import pair_sync
 from tests.test_templates import with_template
 from tests.test_thinking import _merged
-from tests.test_tools_offered import CHAT_TOOLS, PARIS, RESULT, TOOLS, responses_messages
+from tests.test_tools_offered import CHAT_TOOLS, PARIS, RESULT, TOOLS, responses_messages, sdk  # noqa: F401
 
 pytestmark = pytest.mark.llama
 TEMPLATES = Path(__file__).parent / "templates"
@@ -175,17 +174,8 @@ async def test_each_form_s_grammar_binds_a_call_on_llama_cpp(loaded: Any) -> Non
             assert made["name"] == "get_weather" and set(json.loads(made["arguments"])) == {"city"}, (name, answer)
 
 
-@pytest.fixture
-def sdk(headless: Headless) -> Iterator[openai.OpenAI]:
-    headless.start()
-    _, token = pair_sync(headless.url, headless.token, ["responses:write", "responses:read", "models:read"], "agent")
-    client = openai.OpenAI(base_url=f"{headless.url}/v1", api_key=token, max_retries=0, timeout=180)
-    yield client
-    client.close()
-
-
 @pytest.mark.parametrize("model,template", [("llama3", LLAMA), ("mistral", NEMO), ("mistral-args", SMALL)])
-def test_a_model_calls_in_its_own_form_through_every_api(sdk: openai.OpenAI, headless: Headless, tmp_path: Path,
+def test_a_model_calls_in_its_own_form_through_every_api(sdk: openai.OpenAI, headless: Headless, tmp_path: Path,  # noqa: F811 (a fixture)
                                                          model: str, template: str) -> None:
     copy = tmp_path / f"{model}.gguf"
     with_template(paths.default_model_file(), copy, template)

@@ -222,9 +222,10 @@ class Engine:
         remembered and said (LMSP §18), and the caller starts it again, or moves its tasks on."""
         if not server.launch.on_gpu or not (crash(code) or code > 0):
             return False
-        reason = f"It failed on the GPU while {stage} ({server.why(code)}); it now runs on the CPU."
-        log.error("%s: %s: %s", self.name, file.path, reason)
-        await self.modes.fall_back_to_cpu(file.digest, reason)
+        if self.modes.gpu_layers(file.digest) != 0:  # not yet said by another generation of that server
+            reason = f"It failed on the GPU while {stage} ({server.why(code)}); it now runs on the CPU."
+            log.error("%s: %s: %s", self.name, file.path, reason)
+            await self.modes.fall_back_to_cpu(file.digest, reason)
         return True
 
     async def _load(self, file: Registered, crashes: list[str]) -> Message:
