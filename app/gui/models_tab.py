@@ -11,7 +11,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QProgressDialog, QPushButton, QTableWidgetItem, QWidget
 from shiboken6 import isValid
 
-from app.display import facts, human_size, is_remote, processor_text, short_digest
+from app.display import facts, human_size, is_remote, processor_facts, processor_text, short_digest
 from app.errors import LmspError
 from app.gui.async_ui import confirm, show_error, spawn
 from app.gui.download_dialog import show_download_dialog
@@ -92,7 +92,7 @@ class ModelsTab(QWidget):
         super().__init__(parent)
         self.session = session
         self.progress: QProgressDialog | None = None
-        self.table = list_table(COLUMNS, stretch=0, widths={1: 90, 2: 120, 3: 180, ENGINE: 90, MEMORY: 90})
+        self.table = list_table(COLUMNS, stretch=0, widths={1: 90, 2: 120, 3: 150, ENGINE: 190, MEMORY: 90})
         self.table.itemSelectionChanged.connect(self._update_buttons)
         self.table.itemDoubleClicked.connect(lambda _item: self.edit_remote())
         self.remote_dialog: RemoteModelDialog | None = None  # the one add/edit window open, if any
@@ -144,8 +144,9 @@ class ModelsTab(QWidget):
             memory, memory_hint = memory_text(model)
             cells = (model["id"], human_size(model.get("size_bytes")), short_digest(model.get("digest")),
                      state_text(model), "Remote" if remote else engine_text(model), memory)
-            hints = {ENGINE: REMOTE_HINT if remote else "\n".join(
-                         x for x in (engine.get("reason") or ENGINE_HINT, engine.get("gpu_reason")) if x),
+            runs = [f"Processor: {processor_facts(model)}"] if model.get("processor") or engine.get("gpu_reason") \
+                else []
+            hints = {ENGINE: REMOTE_HINT if remote else "\n".join([engine.get("reason") or ENGINE_HINT, *runs]),
                      MEMORY: memory_hint}
             where = ("\n".join(endpoint_line(e) for e in model["endpoints"]) if remote
                      else f"{model.get('path', '')}\n{model.get('digest', '')}")
