@@ -47,6 +47,8 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser],
     run.add_argument("--verbose", action="store_true", help="timings after each answer")
     run.add_argument("--background", action="store_true", help="start the task, print its id and return")
     run.add_argument("--max-tokens", type=int, metavar="N", help="an answer's length at most, in tokens")
+    run.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (0: the likeliest token, "
+                     "the same answer each time)")
     add("ps", "the loaded models", listings.ps, listing=True)
     add("ls", "the models LMSP Tray knows", listings.models, aliases=("models", "list"), listing=True)
     add("show", "what a model is: family, size, quantization, context, memory", show.show,

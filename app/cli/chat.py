@@ -29,7 +29,8 @@ def run(client: Client, args: argparse.Namespace) -> int:
     prompt = " ".join(args.prompt)
     if not prompt and not sys.stdin.isatty():  # `echo "..." | lmsp-tray run MODEL`
         prompt = sys.stdin.read()
-    base = {"model": args.model, **({"max_output_tokens": args.max_tokens} if args.max_tokens else {})}
+    base = {"model": args.model, **({"max_output_tokens": args.max_tokens} if args.max_tokens else {}),
+            **({"temperature": args.temperature} if args.temperature is not None else {})}
     if args.background:
         if not prompt.strip():
             raise CliError("--background needs a prompt.", code=2)
