@@ -47,7 +47,7 @@ class Screen:
         self.trayer = procs.popen(["trayer", "--edge", "top", "--align", "right", "--widthtype", "pixel",
                                         "--width", "160", "--height", "24"], env=self.env,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(lambda: '"panel"' in self.tree(), 20, 0.1, "trayer's panel")
+        wait_until(lambda: '"panel"' in self.tree(), 60, 0.1, "trayer's panel")  # slow beside 3 workers
 
     def run(self, *args: str) -> str:
         return subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=30).stdout
